@@ -1,0 +1,208 @@
+"""Rundesk settings, read from the environment.
+
+Every value comes from an environment variable through a small helper that
+fails loudly (ImproperlyConfigured) on a value it cannot read. With no
+DATABASE_URL the project starts an embedded PostgreSQL under var/; with no
+CELERY_BROKER_URL Celery uses kombu's filesystem transport under var/.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("RUNDESK_VAR_DIR", BASE_DIR / "var"))
+
+
+def env_str(name: str, default: str | None = None) -> str:
+    value = os.environ.get(name, default)
+    if value is None:
+        raise ImproperlyConfigured(f"{name} must be set")
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    lowered = raw.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ImproperlyConfigured(f"{name} must be a boolean (1/0, true/false), got {raw!r}")
+
+
+def env_float(name: str, default: float, *, minimum: float = 0.0) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
+    if value < minimum:
+        raise ImproperlyConfigured(f"{name} must be at least {minimum}, got {raw!r}")
+    return value
+
+
+def env_choice(name: str, default: str, choices: set[str]) -> str:
+    value = os.environ.get(name) or default
+    if value not in choices:
+        raise ImproperlyConfigured(f"{name} must be one of {sorted(choices)}, got {value!r}")
+    return value
+
+
+def process_role() -> str:
+    """Names this process in pg_stat_activity (application_name) so a lock
+    graph can say who is who: rundesk:executor, rundesk:web, rundesk:worker."""
+    if role := os.environ.get("RUNDESK_ROLE"):
+        return role
+    program = Path(sys.argv[0]).name if sys.argv else ""
+    if program == "celery":
+        return "worker"
+    if program == "manage.py" and len(sys.argv) > 1:
+        return {"runserver": "web"}.get(sys.argv[1], sys.argv[1])
+    if "pytest" in program:
+        return "test"
+    return "web"
+
+
+def embedded_database_url() -> str:
+    """Starts (or joins) the embedded PostgreSQL under var/postgres.
+
+    pgserver keeps one server per data folder and stops it when the last
+    process that asked for it exits, so `make demo`'s processes share one.
+    """
+    import pgserver
+
+    server = pgserver.get_server(VAR_DIR / "postgres", cleanup_mode="stop")
+    return server.get_uri()
+
+
+DEBUG = env_bool("DEBUG", False)
+SECRET_KEY = env_str("SECRET_KEY", "insecure-development-key-for-debug-only" if DEBUG else None)
+ALLOWED_HOSTS = [
+    h.strip() for h in env_str("ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h.strip()
+]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django.contrib.postgres",
+    "django_htmx",
+    "template_partials",
+    "runs",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.auth.middleware.LoginRequiredMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "dashboard.urls"
+WSGI_APPLICATION = "dashboard.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    }
+]
+
+DATABASE_URL = os.environ.get("DATABASE_URL") or embedded_database_url()
+DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
+if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
+    raise ImproperlyConfigured("DATABASE_URL must point at PostgreSQL: Rundesk relies on its locks")
+DATABASES["default"].setdefault("OPTIONS", {})["application_name"] = f"rundesk:{process_role()}"
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "runs-list"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "static"
+
+SESSION_COOKIE_HTTPONLY = True
+CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", not DEBUG)
+X_FRAME_OPTIONS = "DENY"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {"runs": {"handlers": ["console"], "level": env_str("RUNDESK_LOG_LEVEL", "INFO")}},
+}
+
+# Celery: Redis or RabbitMQ in production, kombu's filesystem transport otherwise.
+CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or "filesystem://"
+CELERY_BROKER_FOLDER = VAR_DIR / "celery-broker"
+if CELERY_BROKER_URL == "filesystem://":
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(CELERY_BROKER_FOLDER),
+        "data_folder_out": str(CELERY_BROKER_FOLDER),
+        "processed_folder": str(VAR_DIR / "celery-processed"),
+        "store_processed": False,
+    }
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_IGNORE_RESULT = True
+
+# The research agent.
+RUNDESK_CORPUS_DIR = Path(env_str("RUNDESK_CORPUS_DIR", str(BASE_DIR / "runs" / "sample_corpus")))
+RUNDESK_OUTBOX_DIR = Path(env_str("RUNDESK_OUTBOX_DIR", str(VAR_DIR / "outbox")))
+RUNDESK_DELIVERY_URL = os.environ.get("RUNDESK_DELIVERY_URL", "")
+RUNDESK_DELIVERY_TIMEOUT = env_float("RUNDESK_DELIVERY_TIMEOUT", 10.0, minimum=0.1)
+# Every real tool execution is appended here (one JSON line), outside any
+# database transaction: drills and tests count executions from it.
+RUNDESK_TOOL_JOURNAL = os.environ.get("RUNDESK_TOOL_JOURNAL", "")
+
+RUNDESK_MODEL_PROVIDER = env_choice("RUNDESK_MODEL_PROVIDER", "offline", {"offline", "openai"})
+RUNDESK_MODEL_URL = os.environ.get("RUNDESK_MODEL_URL", "")
+RUNDESK_MODEL = os.environ.get("RUNDESK_MODEL", "")
+RUNDESK_MODEL_API_KEY = os.environ.get("RUNDESK_MODEL_API_KEY", "")
+RUNDESK_MODEL_TIMEOUT = env_float("RUNDESK_MODEL_TIMEOUT", 60.0, minimum=0.1)
+if RUNDESK_MODEL_PROVIDER == "openai" and not (RUNDESK_MODEL_URL and RUNDESK_MODEL):
+    raise ImproperlyConfigured("RUNDESK_MODEL_PROVIDER=openai needs RUNDESK_MODEL_URL and RUNDESK_MODEL")
+
+# Leases: an owner renews every LEASE_SECONDS / 3; a run whose lease expired
+# is taken by another executor with a higher epoch.
+RUNDESK_LEASE_SECONDS = env_float("RUNDESK_LEASE_SECONDS", 15.0, minimum=1.0)
+RUNDESK_POLL_SECONDS = env_float("RUNDESK_POLL_SECONDS", 1.0, minimum=0.05)

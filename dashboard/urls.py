@@ -1,0 +1,15 @@
+from __future__ import annotations
+
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from dashboard import views
+
+urlpatterns = [
+    path("", views.runs_list, name="runs-list"),
+    path("runs/<int:run_id>/", views.run_detail, name="run-detail"),
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("admin/", admin.site.urls),
+]

@@ -1,0 +1,161 @@
+"""One step of a run: boundary, dispatch, receipt -- or no dispatch at all.
+
+`Dispatcher.step()` is where "resume without replay" is decided, for every
+action of every agent:
+
+- an action with a receipt is never dispatched again: its receipt is the result;
+- an action with a boundary but no receipt is dispatched again only if it is
+  a `read`, under its original identity;
+- an `effect` action in that state may have happened: it is marked `unknown`
+  and the run waits for an operator;
+- a new action is dispatched only after its boundary is durable.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from runs.faults import FaultPlan
+from runs.leases import Lease, LeaseLost
+from runs.models import Action, ActionState, EffectClass, EventKind, Run, action_identity, digest
+from runs.timeline import timeline
+from runs.tools import TOOLS, OutcomeUnknown, ToolFailed, ToolRefused
+
+
+class Stopping(Exception):
+    """The executor is shutting down: give the run back, dispatch nothing."""
+
+
+class NeedsOperator(Exception):
+    """The runtime cannot settle this itself: the run waits for a person."""
+
+
+class ActionFailed(Exception):
+    """An action is known not to have completed, and the run cannot go on."""
+
+
+class Dispatcher:
+    def __init__(self, lease: Lease, *, stop: threading.Event, lease_lost: threading.Event):
+        self.lease = lease
+        self.stop = stop
+        self.lease_lost = lease_lost
+        self.run = Run.objects.get(pk=lease.run_id)
+        self.faults = FaultPlan.parse(self.run.faults)
+        self.known: dict[str, Action] = {
+            a.step_key: a for a in Action.objects.filter(run=self.run).select_related("receipt")
+        }
+        # Steps taken in this run's sequence, whether dispatched now or settled
+        # by a receipt: a resumed run counts exactly as the first owner did.
+        self.steps = 0
+
+    def completed(self, step_key: str) -> bool:
+        action = self.known.get(step_key)
+        return action is not None and action.state == ActionState.COMPLETED
+
+    def step(self, step_key: str, tool_name: str, input: dict[str, Any]) -> dict[str, Any]:
+        tool = TOOLS[tool_name]
+        self.steps += 1
+        action = self.known.get(step_key)
+        if action is None:
+            action = self._new_boundary(step_key, tool_name, tool.effect_class, input)
+        else:
+            result = self._settled_result(action, input)
+            if result is not None:
+                return result
+            self._redispatch(action)
+        return self._execute(action, input)
+
+    def _check_can_dispatch(self) -> None:
+        if self.stop.is_set():
+            raise Stopping()
+        if self.lease_lost.is_set():
+            raise LeaseLost(f"run {self.lease.run_id}: heartbeat found the lease gone")
+
+    def _new_boundary(
+        self, step_key: str, tool_name: str, effect_class: str, input: dict[str, Any]
+    ) -> Action:
+        self._check_can_dispatch()
+        action_id = self.lease.record_boundary(
+            step_key=step_key, kind=tool_name, effect_class=effect_class, input=input
+        )
+        if action_id is None:
+            raise NeedsOperator(f"identity {step_key} already exists but was not loaded")
+        action = Action(
+            pk=action_id, run=self.run, step_key=step_key, kind=tool_name,
+            effect_class=effect_class, input=input, input_digest=digest(input),
+            state=ActionState.DISPATCHED, epoch=self.lease.epoch,
+        )
+        self.known[step_key] = action
+        timeline.record(
+            self.run.pk, EventKind.ACTION_DISPATCHED, f"{tool_name} {step_key}",
+            action_id=action_id, epoch=self.lease.epoch,
+        )
+        return action
+
+    def _settled_result(self, action: Action, input: dict[str, Any]) -> dict[str, Any] | None:
+        """The result of an action that must not be dispatched again, or None
+        when it may be dispatched again (a `read` without receipt)."""
+        if action.input_digest != digest(input):
+            raise NeedsOperator(
+                f"identity {action.step_key} was used for other work (input digest differs)"
+            )
+        receipt = getattr(action, "receipt", None)
+        if receipt is not None:
+            if not receipt.verifies(action):
+                raise NeedsOperator(f"the receipt of {action.step_key} does not verify")
+            timeline.record(
+                self.run.pk, EventKind.ACTION_REUSED,
+                f"{action.step_key}: receipt found, not dispatched again", action_id=action.pk,
+            )
+            return receipt.result
+        if action.state == ActionState.COMPLETED:
+            raise NeedsOperator(f"{action.step_key} is completed but its receipt is missing")
+        if action.state == ActionState.UNKNOWN:
+            raise NeedsOperator(f"the outcome of {action.step_key} is unknown")
+        if action.effect_class == EffectClass.EFFECT:
+            reason = (
+                f"{action.step_key} was dispatched under epoch {action.epoch} and has no "
+                "receipt: the effect may have happened; only its receiver knows"
+            )
+            self._mark(action, ActionState.UNKNOWN, reason, EventKind.ACTION_UNKNOWN)
+            raise NeedsOperator(reason)
+        return None
+
+    def _redispatch(self, action: Action) -> None:
+        self._check_can_dispatch()
+        self.lease.redispatch_boundary(action.pk)
+        action.refresh_from_db()
+        timeline.record(
+            self.run.pk, EventKind.ACTION_REDISPATCHED,
+            f"{action.step_key}: a read with no receipt, dispatched again (attempt "
+            f"{action.attempts})", action_id=action.pk, epoch=self.lease.epoch,
+        )
+
+    def _execute(self, action: Action, input: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(self.faults.tool_delay(self.steps))
+        identity = action_identity(self.run.pk, action.step_key)
+        try:
+            result = TOOLS[action.kind].run(input, identity)
+        except ToolRefused as refusal:
+            result = {"refused": str(refusal)}
+        except OutcomeUnknown as error:
+            self._mark(action, ActionState.UNKNOWN, str(error), EventKind.ACTION_UNKNOWN)
+            raise NeedsOperator(f"the outcome of {action.step_key} is unknown: {error}") from error
+        except ToolFailed as error:
+            self._mark(action, ActionState.FAILED, str(error), EventKind.ACTION_FAILED)
+            raise ActionFailed(f"{action.step_key} failed: {error}") from error
+        self.lease.record_receipt(action.pk, result)
+        action.state = ActionState.COMPLETED
+        timeline.record(
+            self.run.pk, EventKind.ACTION_COMPLETED,
+            f"{action.step_key}" + (f" refused: {result['refused']}" if "refused" in result else ""),
+            action_id=action.pk, result_digest=digest(result),
+        )
+        return result
+
+    def _mark(self, action: Action, state: ActionState, reason: str, kind: EventKind) -> None:
+        self.lease.record_action_outcome(action.pk, state, reason)
+        action.state = state
+        timeline.record(self.run.pk, kind, reason, action_id=action.pk)

@@ -1,0 +1,173 @@
+"""The executor: claims runs, keeps their leases alive, runs the agent.
+
+`execute(run_id)` runs one run if it can be claimed (the management
+command's `--run` and the Celery task).  `Executor.serve()` is the
+long-running loop of `manage.py executor`: N worker threads, each claiming
+the oldest claimable run with SKIP LOCKED.  Shutdown (SIGTERM) stops at the
+next step boundary and gives the run back to the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from django.conf import settings
+from django.db import DatabaseError, connection
+
+from runs.agent import ResearchAgent
+from runs.dispatch import ActionFailed, Dispatcher, NeedsOperator, Stopping
+from runs.leases import Lease, LeaseLost, new_owner_name
+from runs.models import EventKind, RunStatus
+from runs.timeline import timeline
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def heartbeat(lease: Lease) -> Iterator[threading.Event]:
+    """Renews the lease every third of its time to live, on its own
+    connection.  The yielded event is set when the lease is found gone."""
+    lost, done = threading.Event(), threading.Event()
+
+    def beat() -> None:
+        try:
+            while not done.wait(settings.RUNDESK_LEASE_SECONDS / 3):
+                try:
+                    if not lease.renew():
+                        lost.set()
+                        return
+                except DatabaseError as error:
+                    # The next protected write decides: if the lease expires
+                    # meanwhile, it changes 0 rows and the run stops.
+                    logger.warning("run %s: heartbeat failed: %s", lease.run_id, error)
+                    connection.close()
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=beat, name=f"heartbeat-{lease.run_id}", daemon=True)
+    thread.start()
+    try:
+        yield lost
+    finally:
+        done.set()
+        thread.join()
+
+
+def drive(lease: Lease, stop: threading.Event) -> str:
+    """Runs the agent under `lease` until the run completes, fails, waits for
+    an operator, is cancelled, loses its lease, or the executor stops."""
+    run_id = lease.run_id
+    timeline.record(run_id, EventKind.LEASE_ACQUIRED, f"{lease.owner}", epoch=lease.epoch)
+    try:
+        with heartbeat(lease) as lost:
+            dispatcher = Dispatcher(lease, stop=stop, lease_lost=lost)
+            if dispatcher.known:
+                timeline.record(
+                    run_id, EventKind.RESUMED,
+                    f"resumed by epoch {lease.epoch} from {len(dispatcher.known)} actions",
+                )
+            ResearchAgent(dispatcher).execute()
+            return RunStatus.COMPLETED
+    except Stopping:
+        lease.release()
+        timeline.record(run_id, EventKind.LEASE_RELEASED, "executor stopping: run requeued")
+        return "released"
+    except NeedsOperator as reason:
+        lease.finish(RunStatus.NEEDS_OPERATOR, str(reason))
+        timeline.record(run_id, EventKind.NEEDS_OPERATOR, str(reason))
+        return RunStatus.NEEDS_OPERATOR
+    except ActionFailed as reason:
+        lease.finish(RunStatus.FAILED, str(reason))
+        timeline.record(run_id, EventKind.RUN_FAILED, str(reason))
+        return RunStatus.FAILED
+    except LeaseLost as refused:
+        return _after_refused_write(lease, refused)
+    except DatabaseError:
+        # The database is unreachable or failed mid-write: what was written is
+        # unknown here.  The lease expires and the next owner resumes from
+        # the receipts, which are the facts.
+        raise
+    except Exception as error:
+        logger.exception("run %s: internal error", run_id)
+        lease.finish(RunStatus.FAILED, f"internal error: {error!r}")
+        timeline.record(run_id, EventKind.RUN_FAILED, f"internal error: {error!r}")
+        return RunStatus.FAILED
+    finally:
+        timeline.flush()
+
+
+def _after_refused_write(lease: Lease, refused: LeaseLost) -> str:
+    """A protected write changed 0 rows.  If the run was cancelled and we
+    still own it, it ends as cancelled; otherwise another owner has it, and
+    this one stops without another write."""
+    timeline.record(lease.run_id, EventKind.WRITE_FENCED, str(refused), epoch=lease.epoch)
+    if lease.cancel_requested():
+        try:
+            lease.finish(RunStatus.CANCELLED, "cancel requested")
+        except LeaseLost:
+            pass
+        else:
+            timeline.record(lease.run_id, EventKind.RUN_CANCELLED, "cancelled: nothing new dispatched")
+            return RunStatus.CANCELLED
+    timeline.record(lease.run_id, EventKind.LEASE_LOST, f"epoch {lease.epoch} stops here")
+    return "lease_lost"
+
+
+def execute(run_id: int, *, stop: threading.Event | None = None) -> str:
+    """Runs one run if it can be claimed; otherwise says why not.  Safe to
+    call twice for the same run (a redelivered Celery task)."""
+    lease = Lease.claim(run_id, new_owner_name())
+    if lease is None:
+        return "not_claimable"
+    return drive(lease, stop or threading.Event())
+
+
+class Executor:
+    def __init__(self, *, concurrency: int = 1, poll_seconds: float | None = None) -> None:
+        self.concurrency = concurrency
+        self.poll_seconds = poll_seconds or settings.RUNDESK_POLL_SECONDS
+        self.stop = threading.Event()
+        self.results: list[tuple[int, str]] = []
+
+    def serve(self, *, once: bool = False) -> list[tuple[int, str]]:
+        """Claims and runs runs until stopped (or, with once, until the queue
+        is empty).  Returns what happened to each run it took."""
+        workers = [
+            threading.Thread(target=self._work, args=(once,), name=f"executor-{i}")
+            for i in range(self.concurrency)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        return self.results
+
+    def _work(self, once: bool) -> None:
+        owner = new_owner_name()
+        try:
+            while not self.stop.is_set():
+                try:
+                    lease = Lease.claim_next(owner)
+                except DatabaseError as error:
+                    logger.warning("executor: cannot claim: %s", error)
+                    connection.close()
+                    self.stop.wait(self.poll_seconds)
+                    continue
+                if lease is None:
+                    if once:
+                        return
+                    self.stop.wait(self.poll_seconds)
+                    continue
+                try:
+                    outcome = drive(lease, self.stop)
+                except DatabaseError as error:
+                    logger.warning("run %s: database error, left to its lease: %s", lease.run_id, error)
+                    connection.close()
+                    continue
+                logger.info("run %s: %s", lease.run_id, outcome)
+                self.results.append((lease.run_id, outcome))
+        finally:
+            connection.close()

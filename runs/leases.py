@@ -1,0 +1,271 @@
+"""Execution ownership of a run, and the protected writes it fences.
+
+A lease is (run, owner, epoch).  Each claim raises the epoch.  Every
+protected write below checks the lease in the same SQL statement, with the
+run row read FOR SHARE: a concurrent claim (an UPDATE of that row) either
+commits first, and the re-checked condition no longer matches, or waits
+until the write has committed.  So a stale owner's write changes 0 rows,
+and its caller stops: it dispatches nothing more.
+
+Each write is a single autocommit statement: one round trip, no open
+transaction around slow work.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import F
+from django.db.models.functions import Coalesce, Now
+from psycopg.types.json import Jsonb
+
+from runs.models import ActionState, Phase, Run, RunStatus, digest
+
+# The run row, locked FOR SHARE, as long as the caller still owns it.  Cancel
+# is checked separately (CANCEL_FREE) because a receipt is written even after
+# a cancel request: the action did complete, and that fact must not be lost.
+_OWNED = """
+    SELECT 1 FROM runs_run
+    WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
+      AND status = 'running' AND lease_expires_at > clock_timestamp()
+      {cancel}
+    FOR SHARE
+"""
+_CANCEL_FREE = "AND cancel_requested_at IS NULL"
+OWNED = _OWNED.format(cancel="")
+OWNED_NOT_CANCELLED = _OWNED.format(cancel=_CANCEL_FREE)
+
+
+class LeaseLost(Exception):
+    """A protected write changed 0 rows: this owner no longer holds the run
+    (or it was cancelled).  The caller must dispatch nothing more."""
+
+
+def new_owner_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def lease_ttl() -> dt.timedelta:
+    return dt.timedelta(seconds=settings.RUNDESK_LEASE_SECONDS)
+
+
+@dataclass(frozen=True)
+class Lease:
+    run_id: int
+    owner: str
+    epoch: int
+
+    # -- taking and keeping ownership -------------------------------------
+
+    @classmethod
+    def claim_next(cls, owner: str) -> Lease | None:
+        """Claims the oldest claimable run, skipping runs other executors are
+        claiming at this moment."""
+        with transaction.atomic():
+            run = (
+                Run.objects.claimable()
+                .select_for_update(skip_locked=True)
+                .order_by("created_at", "id")
+                .only("id")
+                .first()
+            )
+            return cls._grant(run.pk, owner) if run else None
+
+    @classmethod
+    def claim(cls, run_id: int, owner: str) -> Lease | None:
+        """Claims one run if it is claimable: queued, or its owner's lease
+        expired.  A run another owner holds, or a finished run, gives None."""
+        with transaction.atomic():
+            run = (
+                Run.objects.claimable()
+                .select_for_update(skip_locked=True)
+                .filter(pk=run_id)
+                .only("id")
+                .first()
+            )
+            return cls._grant(run.pk, owner) if run else None
+
+    @classmethod
+    def _grant(cls, run_id: int, owner: str) -> Lease:
+        Run.objects.filter(pk=run_id).update(
+            status=RunStatus.RUNNING,
+            lease_owner=owner,
+            lease_epoch=F("lease_epoch") + 1,
+            lease_expires_at=Now() + lease_ttl(),
+            started_at=Coalesce(F("started_at"), Now()),
+        )
+        epoch = Run.objects.filter(pk=run_id).values_list("lease_epoch", flat=True).get()
+        return cls(run_id=run_id, owner=owner, epoch=epoch)
+
+    def renew(self) -> bool:
+        """Heartbeat.  False means the lease is gone: stop."""
+        return self._execute(
+            """UPDATE runs_run SET lease_expires_at = clock_timestamp() + %(ttl)s
+               WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
+                 AND status = 'running'""",
+            ttl=lease_ttl(),
+        )
+
+    def release(self) -> bool:
+        """Gives the run back to the queue (clean shutdown): another executor
+        resumes it from its receipts at once, without waiting for expiry."""
+        return self._execute(
+            """UPDATE runs_run SET status = 'queued', lease_owner = '', lease_expires_at = NULL
+               WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
+                 AND status = 'running'"""
+        )
+
+    def cancel_requested(self) -> bool:
+        return Run.objects.filter(pk=self.run_id, cancel_requested_at__isnull=False).exists()
+
+    # -- protected writes --------------------------------------------------
+
+    def record_boundary(
+        self, *, step_key: str, kind: str, effect_class: str, input: dict[str, Any]
+    ) -> int | None:
+        """The durable write before a dispatch.  Returns the action id, or
+        None when the identity already exists (the caller looks at it)."""
+        row = self._fetch(
+            f"""INSERT INTO runs_action (run_id, step_key, kind, effect_class, input,
+                    input_digest, state, epoch, attempts, error, created_at, dispatched_at)
+                SELECT %(run)s, %(step_key)s, %(kind)s, %(effect_class)s, %(input)s,
+                    %(input_digest)s, 'dispatched', %(epoch)s, 1, '', now(), now()
+                FROM ({OWNED_NOT_CANCELLED}) AS owned
+                ON CONFLICT (run_id, step_key) DO NOTHING
+                RETURNING id""",
+            step_key=step_key,
+            kind=kind,
+            effect_class=effect_class,
+            input=Jsonb(input),
+            input_digest=digest(input),
+        )
+        if row is None and not self._execute(OWNED_NOT_CANCELLED):
+            raise LeaseLost(f"boundary of {step_key} refused")
+        return row[0] if row else None
+
+    def redispatch_boundary(self, action_id: int) -> None:
+        """Re-arms the boundary of a `read` action that has no receipt, under
+        its original identity, for this epoch.  Effects are never re-armed."""
+        self._require(
+            f"""UPDATE runs_action SET epoch = %(epoch)s, attempts = attempts + 1,
+                    state = 'dispatched', dispatched_at = now(), error = ''
+                WHERE id = %(action)s AND run_id = %(run)s AND effect_class = 'read'
+                  AND state IN ('dispatched', 'failed') AND epoch < %(epoch)s
+                  AND EXISTS ({OWNED_NOT_CANCELLED})""",
+            f"re-dispatch of action {action_id}",
+            action=action_id,
+        )
+
+    def record_receipt(self, action_id: int, result: dict[str, Any]) -> None:
+        """The fact that the action completed, with the action's state, in one
+        statement.  The receipt copies the action's identity from its row."""
+        self._require(
+            f"""WITH completed AS (
+                    UPDATE runs_action SET state = 'completed', finished_at = now()
+                    WHERE id = %(action)s AND run_id = %(run)s AND epoch = %(epoch)s
+                      AND state = 'dispatched' AND EXISTS ({OWNED})
+                    RETURNING id, run_id, step_key)
+                INSERT INTO runs_receipt (action_id, run_id, step_key, result, result_digest,
+                    epoch, created_at)
+                SELECT id, run_id, step_key, %(result)s, %(result_digest)s, %(epoch)s, now()
+                FROM completed""",
+            f"receipt of action {action_id}",
+            action=action_id,
+            result=Jsonb(result),
+            result_digest=digest(result),
+        )
+
+    def record_action_outcome(self, action_id: int, state: ActionState, error: str) -> None:
+        """A dispatched action that did not complete: `failed` (known not to
+        have happened) or `unknown` (only evidence can settle it)."""
+        self._require(
+            f"""UPDATE runs_action SET state = %(state)s, error = %(error)s, finished_at = now()
+                WHERE id = %(action)s AND run_id = %(run)s AND state = 'dispatched'
+                  AND EXISTS ({OWNED})""",
+            f"outcome of action {action_id}",
+            action=action_id,
+            state=state.value,
+            error=error,
+        )
+
+    def publish_revision(self, number: int, content: str, *, is_final: bool) -> bool:
+        """Commits an answer revision readers can read back.  Returns False if
+        this revision was already published (a resumed run), with the same
+        content; a different content under the same number is an error."""
+        row = self._fetch(
+            f"""INSERT INTO runs_answerrevision (run_id, number, content, content_digest,
+                    is_final, epoch, committed_at)
+                SELECT %(run)s, %(number)s, %(content)s, %(content_digest)s, %(is_final)s,
+                    %(epoch)s, now()
+                FROM ({OWNED_NOT_CANCELLED}) AS owned
+                ON CONFLICT (run_id, number) DO NOTHING
+                RETURNING id""",
+            number=number,
+            content=content,
+            content_digest=digest(content),
+            is_final=is_final,
+        )
+        if row:
+            return True
+        existing = self._fetch(
+            "SELECT content_digest FROM runs_answerrevision WHERE run_id = %(run)s"
+            " AND number = %(number)s",
+            number=number,
+        )
+        if existing is None or not self._execute(OWNED_NOT_CANCELLED):
+            raise LeaseLost(f"publication of revision {number} refused")
+        if existing[0] != digest(content):
+            raise ValueError(f"revision {number} of run {self.run_id} exists with other content")
+        return False
+
+    def enter_phase(self, phase: Phase, reason: str) -> None:
+        self._require(
+            """UPDATE runs_run SET phase = %(phase)s, phase_reason = %(reason)s
+               WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
+                 AND status = 'running'""",
+            f"phase change to {phase}",
+            phase=phase.value,
+            reason=reason,
+        )
+
+    def finish(self, status: RunStatus, reason: str = "") -> None:
+        """Ends this ownership with the run's new status: completed, failed,
+        cancelled, or needs_operator (the run waits for a person)."""
+        self._require(
+            """UPDATE runs_run SET status = %(status)s, status_reason = %(reason)s,
+                   phase = CASE WHEN %(status)s = 'completed' THEN 'done' ELSE phase END,
+                   finished_at = CASE WHEN %(status)s IN ('completed', 'failed', 'cancelled')
+                                 THEN now() END,
+                   lease_owner = '', lease_expires_at = NULL
+               WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
+                 AND status = 'running'""",
+            f"finish as {status}",
+            status=status.value,
+            reason=reason,
+        )
+
+    # -- plumbing ----------------------------------------------------------
+
+    def _params(self, extra: dict[str, Any]) -> dict[str, Any]:
+        return {"run": self.run_id, "owner": self.owner, "epoch": self.epoch, **extra}
+
+    def _execute(self, sql: str, **extra: Any) -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, self._params(extra))
+            return cursor.rowcount > 0
+
+    def _fetch(self, sql: str, **extra: Any) -> tuple[Any, ...] | None:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, self._params(extra))
+            return cursor.fetchone()
+
+    def _require(self, sql: str, what: str, **extra: Any) -> None:
+        if not self._execute(sql, **extra):
+            raise LeaseLost(f"{what} refused: run {self.run_id} epoch {self.epoch} not held")

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import json
+import signal
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+
+from runs.executor import Executor, execute
+from runs.models import Run
+
+
+class Command(BaseCommand):
+    help = "Executes research runs: claims queued runs (and runs whose owner died) under a lease."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--run", type=int, help="execute this run, then exit")
+        parser.add_argument("--once", action="store_true", help="drain the queue, then exit")
+        parser.add_argument("--concurrency", type=int, default=1, help="runs at once")
+        parser.add_argument("--json", action="store_true", help="print the outcome of each run")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["concurrency"] < 1:
+            raise CommandError("--concurrency must be at least 1")
+        executor = Executor(concurrency=options["concurrency"])
+        stop = executor.stop
+
+        def on_signal(signum: int, frame: Any) -> None:
+            self.stderr.write(f"executor: {signal.Signals(signum).name}, stopping after this step")
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+        if options["run"] is not None:
+            if not Run.objects.filter(pk=options["run"]).exists():
+                raise CommandError(f"no run {options['run']}")
+            results = [(options["run"], execute(options["run"], stop=stop))]
+        else:
+            results = executor.serve(once=options["once"])
+        for run_id, outcome in results:
+            if options["json"]:
+                self.stdout.write(json.dumps({"run_id": run_id, "outcome": outcome}))
+            else:
+                self.stdout.write(f"run {run_id}: {outcome}")

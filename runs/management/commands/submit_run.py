@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db import transaction
+from django.utils import timezone
+
+from runs.models import Run
+from runs.tasks import execute_run
+
+
+class Command(BaseCommand):
+    help = "Queues a research run and prints its id."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--question", required=True)
+        parser.add_argument(
+            "--doc", action="append", required=True, dest="docs",
+            help="a document path relative to RUNDESK_CORPUS_DIR (repeat for several)",
+        )
+        parser.add_argument("--faults", default="", help="fault plan, as JSON (runs/faults.py)")
+        parser.add_argument("--budget", type=int, help="action budget")
+        parser.add_argument("--deadline-seconds", type=float, help="deadline from now")
+        parser.add_argument(
+            "--celery", action="store_true",
+            help="also hand the run to a Celery worker (an executor may take it first)",
+        )
+        parser.add_argument("--json", action="store_true")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            faults = json.loads(options["faults"]) if options["faults"] else []
+        except json.JSONDecodeError as error:
+            raise CommandError(f"--faults is not valid JSON: {error}") from None
+        deadline = None
+        if options["deadline_seconds"] is not None:
+            deadline = timezone.now() + dt.timedelta(seconds=options["deadline_seconds"])
+        with transaction.atomic():
+            try:
+                run = Run.objects.submit(
+                    question=options["question"],
+                    documents=options["docs"],
+                    faults=faults,
+                    action_budget=options["budget"],
+                    deadline=deadline,
+                )
+            except ValueError as error:
+                raise CommandError(str(error)) from None
+            if options["celery"]:
+                execute_run.delay_on_commit(run.pk)
+        if options["json"]:
+            self.stdout.write(json.dumps({"run_id": run.pk}))
+        else:
+            self.stdout.write(f"run {run.pk} queued")

@@ -1,0 +1,313 @@
+"""Runs, actions, receipts, answer revisions and the run timeline.
+
+The rules a run lives by (DESIGN.md) are enforced here by the database
+itself where it can: identities are unique, receipts and answer revisions
+cannot be changed once written (a trigger, see migration 0002), a running
+run always has an owner.  Writes that must check the lease live in
+runs/leases.py, because they check it in the same SQL statement.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from typing import Any
+
+from django.contrib.postgres.fields import ArrayField
+from django.db import models
+from django.db.models import Q
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from runs.faults import FaultPlan
+
+
+def digest(value: Any) -> str:
+    """SHA-256 of a JSON value in canonical form (sorted keys, no spaces)."""
+    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def action_identity(run_id: int, step_key: str) -> str:
+    """An action's identity outside the database, e.g. as an Idempotency-Key."""
+    return f"rundesk:run-{run_id}:{step_key}"
+
+
+class RunStatus(models.TextChoices):
+    QUEUED = "queued"
+    RUNNING = "running"
+    NEEDS_OPERATOR = "needs_operator"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL_STATUSES = [RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED]
+
+
+class Phase(models.TextChoices):
+    RESEARCH = "research"
+    FINALIZING = "finalizing"  # only answers: no new tool reads
+    DONE = "done"
+
+
+class RunQuerySet(models.QuerySet["Run"]):
+    def claimable(self) -> RunQuerySet:
+        """Queued runs, and running runs whose owner stopped renewing its lease."""
+        return self.filter(
+            Q(status=RunStatus.QUEUED)
+            | Q(status=RunStatus.RUNNING, lease_expires_at__lt=Now()),
+            cancel_requested_at__isnull=True,
+        )
+
+    def active(self) -> RunQuerySet:
+        return self.exclude(status__in=TERMINAL_STATUSES)
+
+    def submit(
+        self,
+        *,
+        question: str,
+        documents: list[str],
+        faults: Any = None,
+        action_budget: int | None = None,
+        deadline: dt.datetime | None = None,
+    ) -> Run:
+        """Queues a run.  Bad input raises ValueError with what is wrong."""
+        if not question.strip():
+            raise ValueError("the question is empty")
+        if not documents:
+            raise ValueError("name at least one document")
+        FaultPlan.parse(faults)
+        if action_budget is not None and action_budget < 1:
+            raise ValueError("the action budget must be at least 1")
+        fields: dict[str, Any] = {"faults": faults or [], "deadline": deadline}
+        if action_budget is not None:
+            fields["action_budget"] = action_budget
+        run = self.create(question=question.strip(), documents=documents, **fields)
+        RunEvent.objects.create(
+            run=run,
+            kind=EventKind.SUBMITTED,
+            message=f"{len(documents)} documents",
+            created_at=timezone.now(),
+        )
+        return run
+
+
+class Run(models.Model):
+    question = models.TextField()
+    documents = ArrayField(models.CharField(max_length=500), default=list)
+    status = models.CharField(max_length=20, choices=RunStatus, default=RunStatus.QUEUED)
+    status_reason = models.TextField(blank=True)
+    phase = models.CharField(max_length=20, choices=Phase, default=Phase.RESEARCH)
+    phase_reason = models.TextField(blank=True)
+    action_budget = models.PositiveIntegerField(default=40)
+    deadline = models.DateTimeField(null=True, blank=True)
+    # The fault plan (runs/faults.py): faults injected at named points of the
+    # real code path, for drills, demos and tests.
+    faults = models.JSONField(default=list, blank=True)
+
+    lease_owner = models.CharField(max_length=200, blank=True)
+    lease_epoch = models.BigIntegerField(default=0)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+
+    created_at = models.DateTimeField(db_default=Now())
+    updated_at = models.DateTimeField(auto_now=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects = RunQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        permissions = [("operate_run", "Can operate runs: cancel, resume, decide outcomes")]
+        constraints = [
+            models.CheckConstraint(condition=Q(lease_epoch__gte=0), name="run_epoch_not_negative"),
+            models.CheckConstraint(condition=Q(action_budget__gte=1), name="run_budget_positive"),
+            models.CheckConstraint(
+                condition=~Q(status=RunStatus.RUNNING)
+                | (~Q(lease_owner="") & Q(lease_expires_at__isnull=False)),
+                name="run_running_has_owner",
+            ),
+            models.CheckConstraint(
+                condition=Q(status__in=TERMINAL_STATUSES, finished_at__isnull=False)
+                | (~Q(status__in=TERMINAL_STATUSES) & Q(finished_at__isnull=True)),
+                name="run_finished_iff_terminal",
+            ),
+            models.CheckConstraint(
+                condition=~Q(status=RunStatus.COMPLETED) | Q(phase=Phase.DONE),
+                name="run_completed_is_done",
+            ),
+        ]
+        indexes = [
+            # Serves claimable(): the executor's claim of the oldest queued run.
+            models.Index(
+                fields=["created_at"], name="run_queued_idx", condition=Q(status=RunStatus.QUEUED)
+            ),
+            # Serves claimable(): runs whose lease expired (owner died).
+            models.Index(
+                fields=["lease_expires_at"],
+                name="run_running_lease_idx",
+                condition=Q(status=RunStatus.RUNNING),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.pk}: {self.question[:60]}"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+class EffectClass(models.TextChoices):
+    READ = "read"  # repeatable, no outside effect
+    EFFECT = "effect"  # irreversible outside effect
+
+
+class ActionState(models.TextChoices):
+    DISPATCHED = "dispatched"  # boundary written, no receipt yet
+    COMPLETED = "completed"  # receipt written
+    FAILED = "failed"  # known not to have completed
+    UNKNOWN = "unknown"  # may or may not have happened: only evidence settles it
+
+
+class Action(models.Model):
+    """One tool dispatch or model call.  Its identity (run, step_key) is fixed
+    before dispatch by the boundary row and never reused for other work."""
+
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="actions")
+    step_key = models.CharField(max_length=200)
+    kind = models.CharField(max_length=40)
+    effect_class = models.CharField(max_length=10, choices=EffectClass)
+    input = models.JSONField()
+    input_digest = models.CharField(max_length=64)
+    state = models.CharField(max_length=20, choices=ActionState, default=ActionState.DISPATCHED)
+    epoch = models.BigIntegerField(help_text="Lease epoch of the latest dispatch")
+    attempts = models.PositiveIntegerField(default=1)
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+    dispatched_at = models.DateTimeField(db_default=Now())
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "step_key"], name="action_identity_unique"),
+            models.CheckConstraint(condition=Q(attempts__gte=1), name="action_attempts_positive"),
+            # An effect is dispatched at most once under its identity: a second
+            # dispatch is an operator's decision, never the runtime's.
+            models.CheckConstraint(
+                condition=Q(effect_class=EffectClass.READ) | Q(attempts=1),
+                name="action_effect_dispatched_once",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.identity
+
+    @property
+    def identity(self) -> str:
+        return action_identity(self.run_id, self.step_key)
+
+
+class Receipt(models.Model):
+    """The immutable record that an action completed, under its original
+    identity.  UPDATE and DELETE are refused by a trigger."""
+
+    action = models.OneToOneField(
+        Action, on_delete=models.PROTECT, primary_key=True, related_name="receipt"
+    )
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="receipts")
+    step_key = models.CharField(max_length=200)
+    result = models.JSONField()
+    result_digest = models.CharField(max_length=64)
+    epoch = models.BigIntegerField()
+    created_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        ordering = ["run", "created_at"]
+
+    def __str__(self) -> str:
+        return f"receipt of run {self.run_id} {self.step_key}"
+
+    def verifies(self, action: Action) -> bool:
+        """True when this receipt is the one of `action`, under its original
+        identity, and its result still matches the digest written with it."""
+        return (
+            self.action_id == action.pk
+            and self.run_id == action.run_id
+            and self.step_key == action.step_key
+            and self.result_digest == digest(self.result)
+        )
+
+
+class AnswerRevision(models.Model):
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="revisions")
+    number = models.PositiveIntegerField()
+    content = models.TextField()
+    content_digest = models.CharField(max_length=64)
+    is_final = models.BooleanField(default=False)
+    epoch = models.BigIntegerField()
+    committed_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        ordering = ["run", "number"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "number"], name="revision_number_unique"),
+            models.UniqueConstraint(
+                fields=["run"], condition=Q(is_final=True), name="revision_one_final_per_run"
+            ),
+            models.CheckConstraint(condition=Q(number__gte=1), name="revision_number_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} revision {self.number}"
+
+
+class EventKind(models.TextChoices):
+    SUBMITTED = "submitted"
+    LEASE_ACQUIRED = "lease_acquired"
+    LEASE_RELEASED = "lease_released"
+    LEASE_LOST = "lease_lost"
+    RESUMED = "resumed"
+    ACTION_DISPATCHED = "action_dispatched"
+    ACTION_REDISPATCHED = "action_redispatched"
+    ACTION_REUSED = "action_reused"  # a receipt existed: not dispatched again
+    ACTION_COMPLETED = "action_completed"
+    ACTION_FAILED = "action_failed"
+    ACTION_UNKNOWN = "action_unknown"
+    WRITE_FENCED = "write_fenced"  # a protected write changed 0 rows
+    REVISION_PUBLISHED = "revision_published"
+    PHASE_CHANGED = "phase_changed"
+    NEEDS_OPERATOR = "needs_operator"
+    CANCEL_REQUESTED = "cancel_requested"
+    RUN_COMPLETED = "run_completed"
+    RUN_FAILED = "run_failed"
+    RUN_CANCELLED = "run_cancelled"
+    EVENTS_LOST = "events_lost"  # an honest gap in this timeline
+
+
+class RunEvent(models.Model):
+    """Append-only timeline.  Written off the main path (runs/timeline.py):
+    a failure to write an event never fails a protected write."""
+
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="events")
+    action = models.ForeignKey(
+        Action, on_delete=models.PROTECT, related_name="events", null=True, blank=True
+    )
+    kind = models.CharField(max_length=40, choices=EventKind)
+    message = models.TextField(blank=True)
+    data = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["run", "created_at", "id"]
+        indexes = [
+            # Serves a run's timeline, in order, from a cursor.
+            models.Index(fields=["run", "created_at", "id"], name="event_timeline_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} {self.kind}"

@@ -1,0 +1,201 @@
+"""Model providers: the offline extractive one and an OpenAI-compatible one.
+
+The agent sends chat messages; a provider returns text.  The offline
+provider is deterministic: it reads the <document> blocks of the prompt and
+writes what a careful analyst would extract from fact sheets (figures, fees,
+holdings, risks), and, for a comparison, puts them side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from django.conf import settings
+
+SUMMARIZE_INSTRUCTIONS = (
+    "You are a research assistant. Summarise the fact sheet in the document: key figures, "
+    "fees, top holdings and risks, as markdown with the sections '## Key figures', '## Fees' "
+    "(bullets 'Name: value'), '## Top holdings' (numbered) and '## Risks' (bullets). "
+    "Only state what the document says."
+)
+COMPARE_INSTRUCTIONS = (
+    "You are a research assistant. Compare the fund summaries in the documents and answer the "
+    "question with a markdown report: a side-by-side table of figures, fees, top holdings and "
+    "risks, then short observations. Only state what the documents say."
+)
+
+_DOCUMENT = re.compile(r'<document name="([^"]*)">\n(.*?)\n</document>', re.S)
+
+
+class ProviderError(Exception):
+    pass
+
+
+class Provider(Protocol):
+    name: str
+
+    def complete(self, messages: list[dict[str, str]]) -> str: ...
+
+
+def document_block(name: str, text: str) -> str:
+    return f'<document name="{name}">\n{text}\n</document>'
+
+
+@dataclass
+class FactSheet:
+    title: str
+    figures: dict[str, str] = field(default_factory=dict)
+    fees: dict[str, str] = field(default_factory=dict)
+    holdings: list[str] = field(default_factory=list)
+    risks: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return self.figures.get("Ticker") or self.title
+
+    @classmethod
+    def parse(cls, text: str) -> FactSheet:
+        sheet = cls(title="")
+        section = ""
+        for raw in text.splitlines():
+            line = raw.strip()
+            if line.startswith("# ") and not sheet.title:
+                sheet.title = line[2:].strip()
+            elif line.startswith("## "):
+                section = line[3:].strip().lower()
+            elif section in ("key figures", "fees") and line.startswith("- ") and ":" in line:
+                key, _, value = line[2:].partition(":")
+                target = sheet.figures if section == "key figures" else sheet.fees
+                target[key.strip()] = value.strip()
+            elif section == "top holdings" and re.match(r"\d+\.\s", line):
+                sheet.holdings.append(line.split(".", 1)[1].strip())
+            elif section == "risks" and line.startswith("- "):
+                sheet.risks.append(line[2:].strip())
+        return sheet
+
+    def to_markdown(self, *, holdings: int = 3, risks: int = 3) -> str:
+        lines = [f"# {self.title}", "", "## Key figures"]
+        lines += [f"- {k}: {v}" for k, v in self.figures.items()]
+        lines += ["", "## Fees"] + [f"- {k}: {v}" for k, v in self.fees.items()]
+        lines += ["", "## Top holdings"]
+        lines += [f"{i}. {h}" for i, h in enumerate(self.holdings[:holdings], 1)]
+        lines += ["", "## Risks"] + [f"- {r}" for r in self.risks[:risks]]
+        return "\n".join(lines)
+
+
+def figure(value: str) -> float | None:
+    """'$2.84 billion' -> 2.84e9, '0.29%' -> 0.29, '2,914' -> 2914."""
+    match = re.search(r"-?[\d,]*\.?\d+", value)
+    if not match:
+        return None
+    number = float(match.group().replace(",", ""))
+    scale = {"billion": 1e9, "million": 1e6}
+    return number * next((f for word, f in scale.items() if word in value.lower()), 1)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def compare_report(question: str, sheets: list[FactSheet]) -> str:
+    labels = [s.label for s in sheets]
+    lines = [f"# {question}", "", f"Funds compared: {', '.join(labels)}.", ""]
+    lines += ["## Side by side", ""]
+    lines += ["| | " + " | ".join(map(_cell, labels)) + " |"]
+    lines += ["|---" * (len(sheets) + 1) + "|"]
+    rows: list[str] = []
+    for sheet in sheets:
+        for key in [*sheet.figures, *sheet.fees]:
+            if key not in rows and key != "Ticker":
+                rows.append(key)
+    for key in rows:
+        values = [s.figures.get(key) or s.fees.get(key) or "—" for s in sheets]
+        lines.append(f"| {_cell(key)} | " + " | ".join(map(_cell, values)) + " |")
+    lines.append(
+        "| Top holdings | " + " | ".join(_cell("; ".join(s.holdings[:3])) for s in sheets) + " |"
+    )
+    lines.append("| Risks | " + " | ".join(_cell("; ".join(r.rstrip(".") for r in s.risks[:3])) for s in sheets) + " |")
+    lines += ["", "## Observations", ""]
+    for key, low_word, high_word in [
+        ("Expense ratio", "Lowest", "highest"),
+        ("Net assets", "Smallest", "largest"),
+        ("1-year return", "Weakest", "strongest"),
+        ("Distribution yield", "Lowest", "highest"),
+    ]:
+        known = [
+            (v, s) for s in sheets if (v := figure(s.figures.get(key) or s.fees.get(key) or ""))
+        ]
+        if len(known) >= 2:
+            low, high = min(known, key=lambda p: p[0]), max(known, key=lambda p: p[0])
+            lines.append(
+                f"- {key}: {low_word} {low[1].label} "
+                f"({low[1].figures.get(key) or low[1].fees.get(key)}), {high_word} "
+                f"{high[1].label} ({high[1].figures.get(key) or high[1].fees.get(key)})."
+            )
+    return "\n".join(lines) + "\n"
+
+
+class OfflineProvider:
+    """Deterministic and extractive: it only repeats what the documents say."""
+
+    name = "offline"
+
+    def complete(self, messages: list[dict[str, str]]) -> str:
+        system = next((m["content"] for m in messages if m["role"] == "system"), "")
+        prompt = "\n".join(m["content"] for m in messages if m["role"] == "user")
+        sheets = [FactSheet.parse(text) for _, text in _DOCUMENT.findall(prompt)]
+        if not sheets:
+            raise ProviderError("the prompt holds no <document> block")
+        if system == COMPARE_INSTRUCTIONS:
+            question = prompt.split("\n", 1)[0].removeprefix("Question: ").strip()
+            return compare_report(question or "Comparison", sheets)
+        return "\n\n".join(sheet.to_markdown() for sheet in sheets)
+
+
+class OpenAICompatibleProvider:
+    """POST {RUNDESK_MODEL_URL}/chat/completions, with a timeout."""
+
+    name = "openai"
+
+    def __init__(self, url: str, model: str, api_key: str, timeout: float) -> None:
+        self.url = url.rstrip("/") + "/chat/completions"
+        self.model = model
+        self.api_key = api_key
+        self.timeout = timeout
+
+    def complete(self, messages: list[dict[str, str]]) -> str:
+        body = json.dumps({"model": self.model, "messages": messages, "temperature": 0})
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.url, body.encode(), headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310
+                payload = json.load(response)
+        except urllib.error.HTTPError as error:
+            raise ProviderError(f"model API answered HTTP {error.code}") from error
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+            raise ProviderError(f"model API unreachable or too slow: {error}") from error
+        except json.JSONDecodeError as error:
+            raise ProviderError("model API answered with something other than JSON") from error
+        try:
+            return str(payload["choices"][0]["message"]["content"])
+        except (KeyError, IndexError, TypeError):
+            raise ProviderError("model API answer has no choices[0].message.content") from None
+
+
+def get_provider() -> Provider:
+    if settings.RUNDESK_MODEL_PROVIDER == "openai":
+        return OpenAICompatibleProvider(
+            settings.RUNDESK_MODEL_URL,
+            settings.RUNDESK_MODEL,
+            settings.RUNDESK_MODEL_API_KEY,
+            settings.RUNDESK_MODEL_TIMEOUT,
+        )
+    return OfflineProvider()
+

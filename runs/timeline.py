@@ -1,0 +1,148 @@
+"""The run timeline: RunEvents written off the main path.
+
+Events are observations.  Recording one never blocks the caller and never
+fails a protected write: it goes into a bounded in-process queue that a
+background thread drains into the database on its own connection.  Events
+that cannot be written (queue full, database error) are counted and, once
+the database answers again, the run's timeline gets an `events_lost` event
+saying how many are missing and why: an honest gap, never a silent one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import DatabaseError, connection
+from django.utils import timezone
+
+from runs.models import EventKind, RunEvent
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    event: RunEvent
+    written: threading.Event | None = field(default=None)
+
+
+class Timeline:
+    def __init__(self, capacity: int = 10_000, batch: int = 500) -> None:
+        self._queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=capacity)
+        self._batch = batch
+        self._lost: Counter[tuple[int, str]] = Counter()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def record(
+        self,
+        run_id: int,
+        kind: EventKind,
+        message: str = "",
+        *,
+        action_id: int | None = None,
+        **data: Any,
+    ) -> None:
+        """Queues one event.  Never blocks, never raises."""
+        event = RunEvent(
+            run_id=run_id,
+            action_id=action_id,
+            kind=kind,
+            message=message,
+            data=data,
+            created_at=timezone.now(),
+        )
+        self._put(_Pending(event))
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Waits until everything recorded so far is written (or lost)."""
+        marker = _Pending(RunEvent(), threading.Event())
+        if not self._put(marker):
+            return False
+        assert marker.written is not None
+        return marker.written.wait(timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Writes what is queued, then closes the thread and its connection."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None and thread.is_alive():
+            self._queue.put(None)
+            thread.join(timeout)
+
+    def _put(self, pending: _Pending) -> bool:
+        self._ensure_thread()
+        try:
+            self._queue.put_nowait(pending)
+            return True
+        except queue.Full:
+            if pending.written is None:
+                with self._lock:
+                    self._lost[(pending.event.run_id, "queue_full")] += 1
+            return False
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._drain, name="timeline", daemon=True)
+                self._thread.start()
+
+    def _drain(self) -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SET application_name = 'rundesk:timeline'")
+        except DatabaseError as error:
+            logger.warning("timeline: cannot name its connection: %s", error)
+        stopping = False
+        while not stopping:
+            batch: list[_Pending] = []
+            item = self._queue.get()
+            while item is not None:
+                batch.append(item)
+                if len(batch) >= self._batch:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            stopping = item is None
+            if batch:
+                self._write(batch)
+        connection.close()
+
+    def _write(self, batch: list[_Pending]) -> None:
+        events = [p.event for p in batch if p.written is None]
+        with self._lock:
+            gaps = [
+                RunEvent(
+                    run_id=run_id,
+                    kind=EventKind.EVENTS_LOST,
+                    message=f"{count} timeline events were not recorded ({reason})",
+                    data={"count": count, "reason": reason},
+                    created_at=timezone.now(),
+                )
+                for (run_id, reason), count in self._lost.items()
+            ]
+            self._lost.clear()
+        try:
+            RunEvent.objects.bulk_create(gaps + events)
+        except DatabaseError as error:
+            logger.warning("timeline: %d events not recorded: %s", len(events), error)
+            connection.close()  # a fresh connection next time
+            with self._lock:
+                for gap in gaps:
+                    self._lost[(gap.run_id, gap.data["reason"])] += gap.data["count"]
+                for event in events:
+                    self._lost[(event.run_id, "db_error")] += 1
+        finally:
+            for pending in batch:
+                if pending.written is not None:
+                    pending.written.set()
+
+
+timeline = Timeline()

@@ -1,0 +1,178 @@
+"""The research agent's tools.
+
+A tool runs outside any database transaction.  It returns a JSON result, or
+raises ToolRefused (a definite answer with no effect: recorded in the
+receipt), ToolFailed (known not to have happened) or OutcomeUnknown (it may
+have happened; only evidence can tell).  Every real execution is appended
+to the tool journal when RUNDESK_TOOL_JOURNAL is set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from django.conf import settings
+
+from runs.models import EffectClass
+from runs.providers import ProviderError, get_provider
+
+MAX_DOCUMENT_BYTES = 1_000_000
+
+
+class ToolRefused(Exception):
+    """The tool gave a definite answer and did nothing (e.g. a path outside
+    the corpus).  It is a result: the receipt records it."""
+
+
+class ToolFailed(Exception):
+    """The tool did not do its work, and is known not to have done it."""
+
+
+class OutcomeUnknown(Exception):
+    """The tool may or may not have done its work (e.g. a request was sent
+    and its answer was lost)."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    effect_class: EffectClass
+    run: Callable[[dict[str, Any], str], dict[str, Any]]
+
+
+def journal(tool: str, identity: str, **detail: Any) -> None:
+    """Appends one line per real execution.  O_APPEND keeps lines from
+    concurrent processes whole."""
+    path = settings.RUNDESK_TOOL_JOURNAL
+    if not path:
+        return
+    line = json.dumps({"tool": tool, "identity": identity, "pid": os.getpid(), **detail})
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def resolve_in_corpus(relative: str, corpus: Path) -> Path:
+    """The file `relative` names inside the corpus folder, or ToolRefused.
+    Refuses absolute paths, `..`, symlinks that leave the folder, missing
+    files and folders."""
+    if not relative or "\x00" in relative:
+        raise ToolRefused("empty or invalid document path")
+    pure = PurePosixPath(relative)
+    if pure.is_absolute() or Path(relative).is_absolute():
+        raise ToolRefused(f"{relative!r}: absolute paths are refused; name a file of the corpus")
+    if ".." in pure.parts:
+        raise ToolRefused(f"{relative!r}: '..' is refused; name a file inside the corpus")
+    root = corpus.resolve()
+    try:
+        target = (root / pure).resolve(strict=True)
+    except FileNotFoundError:
+        raise ToolRefused(f"{relative!r}: no such document in the corpus") from None
+    if not target.is_relative_to(root):
+        raise ToolRefused(f"{relative!r}: resolves outside the corpus folder (symlink)")
+    if not target.is_file():
+        raise ToolRefused(f"{relative!r}: not a regular file")
+    return target
+
+
+def read_document(input: dict[str, Any], identity: str) -> dict[str, Any]:
+    path = resolve_in_corpus(str(input.get("path", "")), settings.RUNDESK_CORPUS_DIR)
+    with path.open("rb") as handle:
+        data = handle.read(MAX_DOCUMENT_BYTES + 1)
+    if len(data) > MAX_DOCUMENT_BYTES:
+        raise ToolRefused(f"{input['path']!r}: larger than {MAX_DOCUMENT_BYTES} bytes")
+    journal("read_document", identity, path=input["path"])
+    return {
+        "path": input["path"],
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "text": data.decode("utf-8", errors="replace"),
+    }
+
+
+def deliver_report(input: dict[str, Any], identity: str) -> dict[str, Any]:
+    """POSTs the report with Idempotency-Key = the action identity, or, with
+    no RUNDESK_DELIVERY_URL, writes it to the outbox once per identity."""
+    body = input["content"].encode()
+    sha = hashlib.sha256(body).hexdigest()
+    if settings.RUNDESK_DELIVERY_URL:
+        status = _post(settings.RUNDESK_DELIVERY_URL, body, identity)
+        journal("deliver_report", identity, to="url", status=status)
+        return {"delivered_to": settings.RUNDESK_DELIVERY_URL, "status": status, "sha256": sha}
+    outbox = Path(settings.RUNDESK_OUTBOX_DIR)
+    outbox.mkdir(parents=True, exist_ok=True)
+    target = outbox / (identity.replace(":", "_").replace("/", "_") + ".md")
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        if hashlib.sha256(target.read_bytes()).hexdigest() != sha:
+            raise ToolFailed(f"{target} holds another report under this identity") from None
+        return {"delivered_to": str(target), "sha256": sha, "already_delivered": True}
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(body)
+        handle.flush()
+        os.fsync(handle.fileno())
+    journal("deliver_report", identity, to="outbox")
+    return {"delivered_to": str(target), "sha256": sha}
+
+
+def _post(url: str, body: bytes, identity: str) -> int:
+    request = urllib.request.Request(
+        url,
+        data=body,
+        method="POST",
+        headers={"Content-Type": "text/markdown; charset=utf-8", "Idempotency-Key": identity},
+    )
+    try:
+        with urllib.request.urlopen(  # noqa: S310 (the operator configures the URL)
+            request, timeout=settings.RUNDESK_DELIVERY_TIMEOUT
+        ) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        if 400 <= error.code < 500 and error.code not in (408, 409, 429):
+            raise ToolFailed(f"receiver refused the report: HTTP {error.code}") from error
+        raise OutcomeUnknown(f"receiver answered HTTP {error.code}: delivery unknown") from error
+    except urllib.error.URLError as error:
+        if isinstance(error.reason, ConnectionRefusedError):
+            raise ToolFailed(f"receiver unreachable: {error.reason}") from error
+        raise OutcomeUnknown(f"delivery answer lost: {error.reason}") from error
+    except (TimeoutError, ConnectionError) as error:
+        raise OutcomeUnknown(f"delivery answer lost: {error}") from error
+
+
+def model_call(input: dict[str, Any], identity: str) -> dict[str, Any]:
+    """A read-class action: repeatable, no outside effect."""
+    provider = get_provider()
+    try:
+        text = provider.complete(input["messages"])
+    except ProviderError as error:
+        raise ToolFailed(str(error)) from error
+    journal("model_call", identity, provider=provider.name)
+    return {"provider": provider.name, "text": text}
+
+
+def noop(input: dict[str, Any], identity: str) -> dict[str, Any]:
+    """A read that does nothing: `bench` measures the executor's own cost."""
+    journal("noop", identity)
+    return {"ok": True}
+
+
+TOOLS: dict[str, Tool] = {
+    tool.name: tool
+    for tool in [
+        Tool("read_document", EffectClass.READ, read_document),
+        Tool("model_call", EffectClass.READ, model_call),
+        Tool("deliver_report", EffectClass.EFFECT, deliver_report),
+        Tool("noop", EffectClass.READ, noop),
+    ]
+}
