@@ -1,0 +1,161 @@
+"""Ownership and fencing: one owner at a time, a stale owner writes nothing."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from runs.executor import drive
+from runs.leases import Lease, LeaseLost
+from runs.models import Action, ActionState, AnswerRevision, Receipt, Run, RunStatus
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md"]
+
+
+def expire(run: Run) -> None:
+    Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now() - dt.timedelta(seconds=1))
+
+
+def in_thread(target, *args):
+    """Runs target on its own thread (its own database connection)."""
+    out: list = []
+
+    def work():
+        try:
+            out.append(target(*args))
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    return thread, out
+
+
+def wait_for(predicate, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def test_two_executors_race_for_one_run_and_exactly_one_owns_it():
+    run = Run.objects.submit(question="q", documents=DOCS)
+    barrier = threading.Barrier(8)
+
+    def claim(i: int) -> Lease | None:
+        barrier.wait()
+        return Lease.claim(run.pk, f"executor-{i}")
+
+    threads = [in_thread(claim, i) for i in range(8)]
+    for thread, _ in threads:
+        thread.join()
+    leases = [out[0] for _, out in threads if out and out[0] is not None]
+    assert len(leases) == 1
+    run.refresh_from_db()
+    assert (run.lease_owner, run.lease_epoch, run.status) == (leases[0].owner, 1, "running")
+
+
+def test_concurrent_claim_next_takes_each_run_once():
+    runs = {Run.objects.submit(question=f"q{i}", documents=DOCS).pk for i in range(6)}
+    barrier = threading.Barrier(6)
+
+    def claim(i: int) -> int | None:
+        barrier.wait()
+        lease = Lease.claim_next(f"executor-{i}")
+        return lease.run_id if lease else None
+
+    threads = [in_thread(claim, i) for i in range(6)]
+    for thread, _ in threads:
+        thread.join()
+    claimed = [out[0] for _, out in threads]
+    assert sorted(claimed) == sorted(runs)
+
+
+def test_stale_epoch_write_changes_nothing():
+    run = Run.objects.submit(question="q", documents=DOCS)
+    stale = Lease.claim(run.pk, "old-owner")
+    expire(run)
+    current = Lease.claim(run.pk, "new-owner")
+    assert current is not None and current.epoch == 2
+    action_id = current.record_boundary(
+        step_key="read:0", kind="read_document", effect_class="read", input={"path": DOCS[0]}
+    )
+
+    with pytest.raises(LeaseLost):
+        stale.record_boundary(
+            step_key="read:1", kind="read_document", effect_class="read", input={"path": DOCS[1]}
+        )
+    with pytest.raises(LeaseLost):
+        stale.record_receipt(action_id, {"text": "stale"})
+    with pytest.raises(LeaseLost):
+        stale.record_action_outcome(action_id, ActionState.FAILED, "stale")
+    with pytest.raises(LeaseLost):
+        stale.publish_revision(1, "stale answer", is_final=True)
+    with pytest.raises(LeaseLost):
+        stale.finish(RunStatus.COMPLETED)
+    assert stale.renew() is False
+    assert stale.release() is False
+
+    assert list(Action.objects.filter(run=run).values_list("step_key", "state", "epoch")) == [
+        ("read:0", "dispatched", 2)
+    ]
+    assert not Receipt.objects.exists() and not AnswerRevision.objects.exists()
+    run.refresh_from_db()
+    assert (run.status, run.lease_epoch, run.lease_owner) == ("running", 2, current.owner)
+
+
+def test_stale_owner_dispatches_nothing_more_and_the_new_owner_completes(journal):
+    # The second action (summarize:0) is slow: the lease is taken meanwhile.
+    run = Run.objects.submit(
+        question="q", documents=DOCS, faults=[{"point": "tool_delay", "action": 2, "ms": 1500}]
+    )
+    stale = Lease.claim(run.pk, "old-owner")
+    thread, out = in_thread(drive, stale, threading.Event())
+    wait_for(lambda: Receipt.objects.filter(run=run, step_key="read:0").exists())
+    expire(run)
+    Run.objects.filter(pk=run.pk).update(faults=[])
+    new = Lease.claim(run.pk, "new-owner")
+    assert new is not None and new.epoch == 2
+    thread.join()
+    assert out == ["lease_lost"]
+    # The stale owner's summary ran but its receipt was refused, and it
+    # dispatched nothing after that.
+    assert not Receipt.objects.filter(run=run, step_key="summarize:0").exists()
+    assert not Action.objects.filter(run=run, step_key="read:1").exists()
+
+    assert drive(new, threading.Event()) == RunStatus.COMPLETED
+    counts = journal.counts()
+    assert counts[f"rundesk:run-{run.pk}:read:0"] == 1  # its receipt was reused
+    assert counts[f"rundesk:run-{run.pk}:summarize:0"] == 2  # a read: dispatched again
+    assert counts[f"rundesk:run-{run.pk}:read:1"] == 1
+    summary = Action.objects.get(run=run, step_key="summarize:0")
+    assert (summary.epoch, summary.attempts, summary.state) == (2, 2, "completed")
+
+
+def test_cancel_request_stops_new_dispatches_and_keeps_completed_facts(journal):
+    run = Run.objects.submit(
+        question="q", documents=DOCS, faults=[{"point": "tool_delay", "action": 2, "ms": 800}]
+    )
+    lease = Lease.claim(run.pk, "owner")
+    thread, out = in_thread(drive, lease, threading.Event())
+    wait_for(lambda: Receipt.objects.filter(run=run, step_key="read:0").exists())
+    Run.objects.filter(pk=run.pk).update(cancel_requested_at=timezone.now())
+    thread.join()
+    assert out == [RunStatus.CANCELLED]
+    run.refresh_from_db()
+    assert run.status == RunStatus.CANCELLED and run.finished_at is not None
+    # The summary that was running completed: its receipt is a fact and stays.
+    assert list(Receipt.objects.filter(run=run).values_list("step_key", flat=True)) == [
+        "read:0", "summarize:0",
+    ]
+    # Nothing new: no draft publication, no further read.
+    assert not AnswerRevision.objects.filter(run=run).exists()
+    assert not Action.objects.filter(run=run, step_key="read:1").exists()
+    assert set(journal.counts()) == {f"rundesk:run-{run.pk}:read:0", f"rundesk:run-{run.pk}:summarize:0"}

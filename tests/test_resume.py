@@ -1,0 +1,103 @@
+"""Resume without replay, with real executor processes killed mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from runs.models import Action, AnswerRevision, EventKind, Receipt, Run, RunStatus
+from tests.conftest import manage
+from tests.receivers import LocalServer, status
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md", "meridian-world-equity.md"]
+
+
+def wait_for(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def finish(proc) -> str:
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    return out
+
+
+def test_sigkill_mid_run_then_another_executor_completes_without_replay(process_env, journal):
+    run = Run.objects.submit(
+        question="Compare", documents=DOCS, faults=[{"point": "tool_delay", "ms": 300}]
+    )
+    first = manage("executor", "--run", str(run.pk), env=process_env)
+    wait_for(lambda: Receipt.objects.filter(run=run).count() >= 3)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    done_before_kill = set(Receipt.objects.filter(run=run).values_list("step_key", flat=True))
+    assert 3 <= len(done_before_kill) < 8
+
+    wait_for(lambda: Run.objects.claimable().filter(pk=run.pk).exists())
+    second = manage("executor", "--once", "--json", env=process_env)
+    assert json.loads(finish(second)) == {"run_id": run.pk, "outcome": "completed"}
+
+    run.refresh_from_db()
+    assert (run.status, run.lease_epoch) == (RunStatus.COMPLETED, 2)
+    counts = journal.counts()
+    for step_key in done_before_kill:
+        assert counts[f"rundesk:run-{run.pk}:{step_key}"] == 1, step_key
+    assert sorted(journal.counts("read_document").values())[-1] <= 2
+    assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
+    assert Receipt.objects.filter(run=run).count() == 8
+    assert run.events.filter(kind=EventKind.RESUMED).exists()
+    assert run.events.filter(kind=EventKind.ACTION_REUSED).count() == len(done_before_kill)
+
+
+def test_effect_with_boundary_and_no_receipt_is_marked_unknown_never_sent_again(
+    process_env, journal
+):
+    with LocalServer(status(200)) as receiver:
+        env = {**process_env, "RUNDESK_DELIVERY_URL": receiver.url}
+        # Action 4 is the delivery: its boundary is written, then the tool waits.
+        run = Run.objects.submit(
+            question="q", documents=DOCS[:1],
+            faults=[{"point": "tool_delay", "action": 4, "ms": 60_000}],
+        )
+        first = manage("executor", "--run", str(run.pk), env=env)
+        wait_for(lambda: Action.objects.filter(run=run, step_key="deliver").exists())
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+
+        wait_for(lambda: Run.objects.claimable().filter(pk=run.pk).exists())
+        second = manage("executor", "--once", "--json", env=env)
+        assert json.loads(finish(second))["outcome"] == RunStatus.NEEDS_OPERATOR
+
+        run.refresh_from_db()
+        deliver = Action.objects.get(run=run, step_key="deliver")
+        assert deliver.state == "unknown" and deliver.attempts == 1
+        assert "may have happened" in run.status_reason
+        assert receiver.requests == []  # never delivered blindly
+        # The published answer is still readable.
+        assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
+        assert run.events.filter(kind=EventKind.NEEDS_OPERATOR).exists()
+
+
+def test_sigterm_gives_the_run_back_and_another_executor_finishes_it(process_env, journal):
+    run = Run.objects.submit(
+        question="q", documents=DOCS, faults=[{"point": "tool_delay", "ms": 300}]
+    )
+    first = manage("executor", "--concurrency", "1", env=process_env)
+    wait_for(lambda: Receipt.objects.filter(run=run).count() >= 2)
+    first.send_signal(signal.SIGTERM)
+    finish(first)
+    run.refresh_from_db()
+    assert run.status == RunStatus.QUEUED and run.lease_owner == ""
+
+    second = manage("executor", "--once", "--json", env=process_env)
+    assert json.loads(finish(second))["outcome"] == RunStatus.COMPLETED
+    assert max(journal.counts("read_document").values()) == 1

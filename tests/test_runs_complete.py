@@ -1,0 +1,93 @@
+"""A run goes from queued to completed: receipts, revisions, delivery."""
+
+from __future__ import annotations
+
+import pytest
+
+from runs.executor import Executor, execute
+from runs.models import Action, AnswerRevision, EventKind, Phase, Receipt, Run, RunStatus
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md", "meridian-world-equity.md"]
+
+
+def test_run_goes_from_queued_to_completed_with_receipts_and_revisions(journal, _outbox):
+    run = Run.objects.submit(question="Which fund is cheapest?", documents=DOCS)
+    assert run.status == RunStatus.QUEUED
+
+    assert execute(run.pk) == RunStatus.COMPLETED
+
+    run.refresh_from_db()
+    assert (run.status, run.phase, run.lease_owner) == (RunStatus.COMPLETED, Phase.DONE, "")
+    assert run.finished_at is not None
+    keys = list(run.actions.values_list("step_key", flat=True))
+    assert keys == [
+        "read:0", "summarize:0", "read:1", "summarize:1", "read:2", "summarize:2",
+        "compose", "deliver",
+    ]
+    assert not Action.objects.filter(run=run).exclude(state="completed").exists()
+    assert Receipt.objects.filter(run=run).count() == len(keys)
+    for action in run.actions.select_related("receipt"):
+        assert action.receipt.verifies(action)
+    revisions = list(AnswerRevision.objects.filter(run=run))
+    assert [(r.number, r.is_final) for r in revisions] == [(1, False), (2, True)]
+    assert revisions[0].content.startswith("**Draft** — 1 of 3")
+    assert revisions[1].committed_at >= revisions[0].committed_at
+    # Each document was read once, for real.
+    assert sorted(journal.counts("read_document").values()) == [1, 1, 1]
+    # The report was delivered once, to the outbox, under the action identity.
+    delivered = list(_outbox.iterdir())
+    assert [p.name for p in delivered] == [f"rundesk_run-{run.pk}_deliver.md"]
+    assert delivered[0].read_text() == revisions[1].content
+    kinds = list(run.events.values_list("kind", flat=True))
+    assert kinds[0] == EventKind.SUBMITTED and kinds[-1] == EventKind.RUN_COMPLETED
+    assert kinds.count(EventKind.ACTION_DISPATCHED) == len(keys)
+
+
+def test_final_report_puts_the_funds_side_by_side():
+    run = Run.objects.submit(question="Compare fees and risks", documents=DOCS)
+    execute(run.pk)
+    final = AnswerRevision.objects.get(run=run, is_final=True).content
+    assert "| | NWCE | CSTB | MWEI |" in final
+    assert "| Expense ratio | 0.45% | 0.07% | 0.09% |" in final
+    assert "- Expense ratio: Lowest CSTB (0.07%), highest NWCE (0.45%)." in final
+    assert "Solvane Power — 7.2%" in final
+    assert "Policy: returns depend on subsidies" in final
+
+
+def test_refused_document_is_reported_and_the_run_still_completes(journal):
+    run = Run.objects.submit(question="Compare", documents=["../../etc/passwd", DOCS[0]])
+    assert execute(run.pk) == RunStatus.COMPLETED
+    receipt = Receipt.objects.get(run=run, step_key="read:0")
+    assert "'..' is refused" in receipt.result["refused"]
+    final = AnswerRevision.objects.get(run=run, is_final=True).content
+    assert "../../etc/passwd" in final and "NWCE" in final
+    assert set(journal.counts("read_document")) == {f"rundesk:run-{run.pk}:read:1"}
+
+
+def test_exhausted_budget_moves_to_finalizing_and_still_answers(journal):
+    run = Run.objects.submit(question="Compare", documents=DOCS, action_budget=6)
+    assert execute(run.pk) == RunStatus.COMPLETED
+    run.refresh_from_db()
+    assert run.phase == Phase.DONE
+    assert "budget of 6 exhausted" in run.events.get(kind=EventKind.PHASE_CHANGED).message
+    # Two documents fit in the budget (2 actions each), plus compose and deliver.
+    assert run.actions.count() == 6
+    assert len(journal.counts("read_document")) == 2
+    final = AnswerRevision.objects.get(run=run, is_final=True).content
+    assert "meridian-world-equity.md: not read (action budget of 6 exhausted)" in final
+
+
+def test_executor_once_drains_the_queue_with_concurrency():
+    runs = [Run.objects.submit(question=f"q{i}", documents=DOCS[:1]) for i in range(4)]
+    results = Executor(concurrency=2, poll_seconds=0.05).serve(once=True)
+    assert sorted(results) == sorted((r.pk, RunStatus.COMPLETED) for r in runs)
+    assert set(Run.objects.values_list("lease_epoch", flat=True)) == {1}
+
+
+def test_completed_run_is_not_claimable_again(journal):
+    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    assert execute(run.pk) == RunStatus.COMPLETED
+    assert execute(run.pk) == "not_claimable"
+    assert sum(journal.counts().values()) == 4  # read, summarize, compose, deliver
