@@ -58,6 +58,15 @@ def env_choice(name: str, default: str, choices: set[str]) -> str:
     return value
 
 
+def env_url(name: str) -> str:
+    """An http(s) URL, or empty.  Other schemes (file:, ftp:) are refused:
+    the tools open these URLs."""
+    value = os.environ.get(name, "").strip()
+    if value and not value.startswith(("http://", "https://")):
+        raise ImproperlyConfigured(f"{name} must be an http:// or https:// URL, got {value!r}")
+    return value
+
+
 def process_role() -> str:
     """Names this process in pg_stat_activity (application_name) so a lock
     graph can say who is who: rundesk:executor, rundesk:web, rundesk:worker."""
@@ -79,10 +88,30 @@ def embedded_database_url() -> str:
     pgserver keeps one server per data folder and stops it when the last
     process that asked for it exits, so `make demo`'s processes share one.
     """
+    import json
+
     import pgserver
 
-    server = pgserver.get_server(VAR_DIR / "postgres", cleanup_mode="stop")
+    pgdata = VAR_DIR / "postgres"
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    # pgserver counts the processes using the server in this file but never
+    # forgets one that was killed; forget those, or the server never stops.
+    handles = pgdata / ".handle_pids.json"
+    if handles.exists():
+        live = [pid for pid in json.loads(handles.read_text() or "[]") if _alive(pid)]
+        handles.write_text(json.dumps(live))
+    server = pgserver.get_server(pgdata, cleanup_mode="stop")
     return server.get_uri()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 DEBUG = env_bool("DEBUG", False)
@@ -180,6 +209,8 @@ if CELERY_BROKER_URL == "filesystem://":
         "processed_folder": str(VAR_DIR / "celery-processed"),
         "store_processed": False,
     }
+    # kombu's filesystem transport expects its folder to exist.
+    CELERY_BROKER_FOLDER.mkdir(parents=True, exist_ok=True)
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
@@ -188,19 +219,21 @@ CELERY_TASK_IGNORE_RESULT = True
 # The research agent.
 RUNDESK_CORPUS_DIR = Path(env_str("RUNDESK_CORPUS_DIR", str(BASE_DIR / "runs" / "sample_corpus")))
 RUNDESK_OUTBOX_DIR = Path(env_str("RUNDESK_OUTBOX_DIR", str(VAR_DIR / "outbox")))
-RUNDESK_DELIVERY_URL = os.environ.get("RUNDESK_DELIVERY_URL", "")
+RUNDESK_DELIVERY_URL = env_url("RUNDESK_DELIVERY_URL")
 RUNDESK_DELIVERY_TIMEOUT = env_float("RUNDESK_DELIVERY_TIMEOUT", 10.0, minimum=0.1)
 # Every real tool execution is appended here (one JSON line), outside any
 # database transaction: drills and tests count executions from it.
 RUNDESK_TOOL_JOURNAL = os.environ.get("RUNDESK_TOOL_JOURNAL", "")
 
 RUNDESK_MODEL_PROVIDER = env_choice("RUNDESK_MODEL_PROVIDER", "offline", {"offline", "openai"})
-RUNDESK_MODEL_URL = os.environ.get("RUNDESK_MODEL_URL", "")
+RUNDESK_MODEL_URL = env_url("RUNDESK_MODEL_URL")
 RUNDESK_MODEL = os.environ.get("RUNDESK_MODEL", "")
 RUNDESK_MODEL_API_KEY = os.environ.get("RUNDESK_MODEL_API_KEY", "")
 RUNDESK_MODEL_TIMEOUT = env_float("RUNDESK_MODEL_TIMEOUT", 60.0, minimum=0.1)
 if RUNDESK_MODEL_PROVIDER == "openai" and not (RUNDESK_MODEL_URL and RUNDESK_MODEL):
-    raise ImproperlyConfigured("RUNDESK_MODEL_PROVIDER=openai needs RUNDESK_MODEL_URL and RUNDESK_MODEL")
+    raise ImproperlyConfigured(
+        "RUNDESK_MODEL_PROVIDER=openai needs RUNDESK_MODEL_URL and RUNDESK_MODEL"
+    )
 
 # Leases: an owner renews every LEASE_SECONDS / 3; a run whose lease expired
 # is taken by another executor with a higher epoch.

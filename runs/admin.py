@@ -28,8 +28,17 @@ class RunAdmin(admin.ModelAdmin):
     list_filter = ["status", "phase"]
     search_fields = ["question"]
     readonly_fields = [
-        "status", "status_reason", "phase", "phase_reason", "lease_owner", "lease_epoch",
-        "lease_expires_at", "created_at", "updated_at", "started_at", "finished_at",
+        "status",
+        "status_reason",
+        "phase",
+        "phase_reason",
+        "lease_owner",
+        "lease_epoch",
+        "lease_expires_at",
+        "created_at",
+        "updated_at",
+        "started_at",
+        "finished_at",
     ]
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:

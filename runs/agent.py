@@ -78,7 +78,9 @@ class ResearchAgent:
                 "compose", "model_call", {"messages": _messages(COMPARE_INSTRUCTIONS, prompt)}
             )["text"]
         else:
-            report = f"# {self.run.question}\n\nNo document could be read, so nothing is compared.\n"
+            report = (
+                f"# {self.run.question}\n\nNo document could be read, so nothing is compared.\n"
+            )
         if notes:
             report += "\n## Not included\n\n" + "".join(f"- {note}\n" for note in notes)
         return report
@@ -86,9 +88,11 @@ class ResearchAgent:
     def _publish(self, number: int, content: str, *, is_final: bool) -> None:
         if self.lease.publish_revision(number, content, is_final=is_final):
             timeline.record(
-                self.run.pk, EventKind.REVISION_PUBLISHED,
+                self.run.pk,
+                EventKind.REVISION_PUBLISHED,
                 f"{'final' if is_final else 'draft'} revision {number}",
-                number=number, content_digest=digest(content),
+                number=number,
+                content_digest=digest(content),
             )
 
 

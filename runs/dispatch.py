@@ -83,14 +83,23 @@ class Dispatcher:
         if action_id is None:
             raise NeedsOperator(f"identity {step_key} already exists but was not loaded")
         action = Action(
-            pk=action_id, run=self.run, step_key=step_key, kind=tool_name,
-            effect_class=effect_class, input=input, input_digest=digest(input),
-            state=ActionState.DISPATCHED, epoch=self.lease.epoch,
+            pk=action_id,
+            run=self.run,
+            step_key=step_key,
+            kind=tool_name,
+            effect_class=effect_class,
+            input=input,
+            input_digest=digest(input),
+            state=ActionState.DISPATCHED,
+            epoch=self.lease.epoch,
         )
         self.known[step_key] = action
         timeline.record(
-            self.run.pk, EventKind.ACTION_DISPATCHED, f"{tool_name} {step_key}",
-            action_id=action_id, epoch=self.lease.epoch,
+            self.run.pk,
+            EventKind.ACTION_DISPATCHED,
+            f"{tool_name} {step_key}",
+            action_id=action_id,
+            epoch=self.lease.epoch,
         )
         return action
 
@@ -106,8 +115,10 @@ class Dispatcher:
             if not receipt.verifies(action):
                 raise NeedsOperator(f"the receipt of {action.step_key} does not verify")
             timeline.record(
-                self.run.pk, EventKind.ACTION_REUSED,
-                f"{action.step_key}: receipt found, not dispatched again", action_id=action.pk,
+                self.run.pk,
+                EventKind.ACTION_REUSED,
+                f"{action.step_key}: receipt found, not dispatched again",
+                action_id=action.pk,
             )
             return receipt.result
         if action.state == ActionState.COMPLETED:
@@ -128,13 +139,17 @@ class Dispatcher:
         self.lease.redispatch_boundary(action.pk)
         action.refresh_from_db()
         timeline.record(
-            self.run.pk, EventKind.ACTION_REDISPATCHED,
+            self.run.pk,
+            EventKind.ACTION_REDISPATCHED,
             f"{action.step_key}: a read with no receipt, dispatched again (attempt "
-            f"{action.attempts})", action_id=action.pk, epoch=self.lease.epoch,
+            f"{action.attempts})",
+            action_id=action.pk,
+            epoch=self.lease.epoch,
         )
 
     def _execute(self, action: Action, input: dict[str, Any]) -> dict[str, Any]:
-        time.sleep(self.faults.tool_delay(self.steps))
+        if delay := self.faults.tool_delay(self.steps):
+            time.sleep(delay)
         identity = action_identity(self.run.pk, action.step_key)
         try:
             result = TOOLS[action.kind].run(input, identity)
@@ -149,9 +164,12 @@ class Dispatcher:
         self.lease.record_receipt(action.pk, result)
         action.state = ActionState.COMPLETED
         timeline.record(
-            self.run.pk, EventKind.ACTION_COMPLETED,
-            f"{action.step_key}" + (f" refused: {result['refused']}" if "refused" in result else ""),
-            action_id=action.pk, result_digest=digest(result),
+            self.run.pk,
+            EventKind.ACTION_COMPLETED,
+            f"{action.step_key}"
+            + (f" refused: {result['refused']}" if "refused" in result else ""),
+            action_id=action.pk,
+            result_digest=digest(result),
         )
         return result
 

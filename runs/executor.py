@@ -66,7 +66,8 @@ def drive(lease: Lease, stop: threading.Event) -> str:
             dispatcher = Dispatcher(lease, stop=stop, lease_lost=lost)
             if dispatcher.known:
                 timeline.record(
-                    run_id, EventKind.RESUMED,
+                    run_id,
+                    EventKind.RESUMED,
                     f"resumed by epoch {lease.epoch} from {len(dispatcher.known)} actions",
                 )
             ResearchAgent(dispatcher).execute()
@@ -110,7 +111,9 @@ def _after_refused_write(lease: Lease, refused: LeaseLost) -> str:
         except LeaseLost:
             pass
         else:
-            timeline.record(lease.run_id, EventKind.RUN_CANCELLED, "cancelled: nothing new dispatched")
+            timeline.record(
+                lease.run_id, EventKind.RUN_CANCELLED, "cancelled: nothing new dispatched"
+            )
             return RunStatus.CANCELLED
     timeline.record(lease.run_id, EventKind.LEASE_LOST, f"epoch {lease.epoch} stops here")
     return "lease_lost"
@@ -164,7 +167,9 @@ class Executor:
                 try:
                     outcome = drive(lease, self.stop)
                 except DatabaseError as error:
-                    logger.warning("run %s: database error, left to its lease: %s", lease.run_id, error)
+                    logger.warning(
+                        "run %s: database error, left to its lease: %s", lease.run_id, error
+                    )
                     connection.close()
                     continue
                 logger.info("run %s: %s", lease.run_id, outcome)

@@ -57,8 +57,11 @@ class FaultPlan:
 
     def tool_delay(self, dispatch: int) -> float:
         """Seconds to sleep before the tool of the run's `dispatch`-th dispatch."""
-        return sum(
-            f.ms
-            for f in self.faults
-            if f.point == "tool_delay" and f.action in (None, dispatch)
-        ) / 1000
+        return (
+            sum(
+                f.ms
+                for f in self.faults
+                if f.point == "tool_delay" and f.action in (None, dispatch)
+            )
+            / 1000
+        )

@@ -56,8 +56,7 @@ class RunQuerySet(models.QuerySet["Run"]):
     def claimable(self) -> RunQuerySet:
         """Queued runs, and running runs whose owner stopped renewing its lease."""
         return self.filter(
-            Q(status=RunStatus.QUEUED)
-            | Q(status=RunStatus.RUNNING, lease_expires_at__lt=Now()),
+            Q(status=RunStatus.QUEUED) | Q(status=RunStatus.RUNNING, lease_expires_at__lt=Now()),
             cancel_requested_at__isnull=True,
         )
 
@@ -177,7 +176,8 @@ class Action(models.Model):
     """One tool dispatch or model call.  Its identity (run, step_key) is fixed
     before dispatch by the boundary row and never reused for other work."""
 
-    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="actions")
+    # No index of its own: action_identity_unique (run, step_key) serves it.
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="actions", db_index=False)
     step_key = models.CharField(max_length=200)
     kind = models.CharField(max_length=40)
     effect_class = models.CharField(max_length=10, choices=EffectClass)

@@ -119,7 +119,11 @@ def compare_report(question: str, sheets: list[FactSheet]) -> str:
     lines.append(
         "| Top holdings | " + " | ".join(_cell("; ".join(s.holdings[:3])) for s in sheets) + " |"
     )
-    lines.append("| Risks | " + " | ".join(_cell("; ".join(r.rstrip(".") for r in s.risks[:3])) for s in sheets) + " |")
+    lines.append(
+        "| Risks | "
+        + " | ".join(_cell("; ".join(r.rstrip(".") for r in s.risks[:3])) for s in sheets)
+        + " |"
+    )
     lines += ["", "## Observations", ""]
     for key, low_word, high_word in [
         ("Expense ratio", "Lowest", "highest"),
@@ -128,7 +132,9 @@ def compare_report(question: str, sheets: list[FactSheet]) -> str:
         ("Distribution yield", "Lowest", "highest"),
     ]:
         known = [
-            (v, s) for s in sheets if (v := figure(s.figures.get(key) or s.fees.get(key) or ""))
+            (v, s)
+            for s in sheets
+            if (v := figure(s.figures.get(key) or s.fees.get(key) or "")) is not None
         ]
         if len(known) >= 2:
             low, high = min(known, key=lambda p: p[0]), max(known, key=lambda p: p[0])
@@ -173,7 +179,8 @@ class OpenAICompatibleProvider:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url, body.encode(), headers, method="POST")
+        # S310: settings.env_url allows http(s) URLs only.
+        request = urllib.request.Request(self.url, body.encode(), headers, method="POST")  # noqa: S310
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310
                 payload = json.load(response)
@@ -181,7 +188,7 @@ class OpenAICompatibleProvider:
             raise ProviderError(f"model API answered HTTP {error.code}") from error
         except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
             raise ProviderError(f"model API unreachable or too slow: {error}") from error
-        except json.JSONDecodeError as error:
+        except ValueError as error:  # not JSON, or not UTF-8
             raise ProviderError("model API answered with something other than JSON") from error
         try:
             return str(payload["choices"][0]["message"]["content"])
@@ -198,4 +205,3 @@ def get_provider() -> Provider:
             settings.RUNDESK_MODEL_TIMEOUT,
         )
     return OfflineProvider()
-

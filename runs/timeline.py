@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +33,12 @@ class _Pending:
 
 
 class Timeline:
-    def __init__(self, capacity: int = 10_000, batch: int = 500) -> None:
+    def __init__(self, capacity: int = 10_000, batch: int = 500, linger: float = 0.05) -> None:
         self._queue: queue.Queue[_Pending | None] = queue.Queue(maxsize=capacity)
         self._batch = batch
+        # Waiting a little for more events turns a commit per event into a
+        # commit per batch: the writer then barely competes with the steps.
+        self._linger = linger
         self._lost: Counter[tuple[int, str]] = Counter()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -102,12 +106,13 @@ class Timeline:
         while not stopping:
             batch: list[_Pending] = []
             item = self._queue.get()
+            until = time.monotonic() + self._linger
             while item is not None:
                 batch.append(item)
-                if len(batch) >= self._batch:
+                if len(batch) >= self._batch or item.written is not None:
                     break
                 try:
-                    item = self._queue.get_nowait()
+                    item = self._queue.get(timeout=max(0.0, until - time.monotonic()))
                 except queue.Empty:
                     break
             stopping = item is None

@@ -10,9 +10,12 @@ to the tool journal when RUNDESK_TOOL_JOURNAL is set.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
+import tempfile
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,30 +114,33 @@ def deliver_report(input: dict[str, Any], identity: str) -> dict[str, Any]:
         return {"delivered_to": settings.RUNDESK_DELIVERY_URL, "status": status, "sha256": sha}
     outbox = Path(settings.RUNDESK_OUTBOX_DIR)
     outbox.mkdir(parents=True, exist_ok=True)
-    target = outbox / (identity.replace(":", "_").replace("/", "_") + ".md")
-    try:
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        if hashlib.sha256(target.read_bytes()).hexdigest() != sha:
-            raise ToolFailed(f"{target} holds another report under this identity") from None
-        return {"delivered_to": str(target), "sha256": sha, "already_delivered": True}
-    with os.fdopen(fd, "wb") as handle:
+    # One file per identity, named so that no two identities share it.
+    target = outbox / (urllib.parse.quote(identity, safe="") + ".md")
+    # Written whole to a temporary file, then linked into place: link() fails
+    # if the target exists, so a report appears once, complete, or not at all.
+    with tempfile.NamedTemporaryFile(dir=outbox, prefix=".incoming-") as handle:
         handle.write(body)
         handle.flush()
         os.fsync(handle.fileno())
+        try:
+            os.link(handle.name, target)
+        except FileExistsError:
+            if hashlib.sha256(target.read_bytes()).hexdigest() != sha:
+                raise ToolFailed(f"{target} holds another report under this identity") from None
+            return {"delivered_to": str(target), "sha256": sha, "already_delivered": True}
     journal("deliver_report", identity, to="outbox")
     return {"delivered_to": str(target), "sha256": sha}
 
 
 def _post(url: str, body: bytes, identity: str) -> int:
-    request = urllib.request.Request(
+    request = urllib.request.Request(  # noqa: S310 (settings.env_url allows http(s) only)
         url,
         data=body,
         method="POST",
         headers={"Content-Type": "text/markdown; charset=utf-8", "Idempotency-Key": identity},
     )
     try:
-        with urllib.request.urlopen(  # noqa: S310 (the operator configures the URL)
+        with urllib.request.urlopen(  # noqa: S310
             request, timeout=settings.RUNDESK_DELIVERY_TIMEOUT
         ) as response:
             return response.status
@@ -146,8 +152,8 @@ def _post(url: str, body: bytes, identity: str) -> int:
         if isinstance(error.reason, ConnectionRefusedError):
             raise ToolFailed(f"receiver unreachable: {error.reason}") from error
         raise OutcomeUnknown(f"delivery answer lost: {error.reason}") from error
-    except (TimeoutError, ConnectionError) as error:
-        raise OutcomeUnknown(f"delivery answer lost: {error}") from error
+    except (TimeoutError, ConnectionError, http.client.HTTPException) as error:
+        raise OutcomeUnknown(f"delivery answer lost: {error!r}") from error
 
 
 def model_call(input: dict[str, Any], identity: str) -> dict[str, Any]:

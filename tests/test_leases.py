@@ -153,9 +153,13 @@ def test_cancel_request_stops_new_dispatches_and_keeps_completed_facts(journal):
     assert run.status == RunStatus.CANCELLED and run.finished_at is not None
     # The summary that was running completed: its receipt is a fact and stays.
     assert list(Receipt.objects.filter(run=run).values_list("step_key", flat=True)) == [
-        "read:0", "summarize:0",
+        "read:0",
+        "summarize:0",
     ]
     # Nothing new: no draft publication, no further read.
     assert not AnswerRevision.objects.filter(run=run).exists()
     assert not Action.objects.filter(run=run, step_key="read:1").exists()
-    assert set(journal.counts()) == {f"rundesk:run-{run.pk}:read:0", f"rundesk:run-{run.pk}:summarize:0"}
+    assert set(journal.counts()) == {
+        f"rundesk:run-{run.pk}:read:0",
+        f"rundesk:run-{run.pk}:summarize:0",
+    }

@@ -65,7 +65,8 @@ def test_effect_with_boundary_and_no_receipt_is_marked_unknown_never_sent_again(
         env = {**process_env, "RUNDESK_DELIVERY_URL": receiver.url}
         # Action 4 is the delivery: its boundary is written, then the tool waits.
         run = Run.objects.submit(
-            question="q", documents=DOCS[:1],
+            question="q",
+            documents=DOCS[:1],
             faults=[{"point": "tool_delay", "action": 4, "ms": 60_000}],
         )
         first = manage("executor", "--run", str(run.pk), env=env)

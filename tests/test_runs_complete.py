@@ -23,8 +23,14 @@ def test_run_goes_from_queued_to_completed_with_receipts_and_revisions(journal, 
     assert run.finished_at is not None
     keys = list(run.actions.values_list("step_key", flat=True))
     assert keys == [
-        "read:0", "summarize:0", "read:1", "summarize:1", "read:2", "summarize:2",
-        "compose", "deliver",
+        "read:0",
+        "summarize:0",
+        "read:1",
+        "summarize:1",
+        "read:2",
+        "summarize:2",
+        "compose",
+        "deliver",
     ]
     assert not Action.objects.filter(run=run).exclude(state="completed").exists()
     assert Receipt.objects.filter(run=run).count() == len(keys)
@@ -38,7 +44,7 @@ def test_run_goes_from_queued_to_completed_with_receipts_and_revisions(journal, 
     assert sorted(journal.counts("read_document").values()) == [1, 1, 1]
     # The report was delivered once, to the outbox, under the action identity.
     delivered = list(_outbox.iterdir())
-    assert [p.name for p in delivered] == [f"rundesk_run-{run.pk}_deliver.md"]
+    assert [p.name for p in delivered] == [f"rundesk%3Arun-{run.pk}%3Adeliver.md"]
     assert delivered[0].read_text() == revisions[1].content
     kinds = list(run.events.values_list("kind", flat=True))
     assert kinds[0] == EventKind.SUBMITTED and kinds[-1] == EventKind.RUN_COMPLETED

@@ -18,14 +18,18 @@ class Command(BaseCommand):
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--question", required=True)
         parser.add_argument(
-            "--doc", action="append", required=True, dest="docs",
+            "--doc",
+            action="append",
+            required=True,
+            dest="docs",
             help="a document path relative to RUNDESK_CORPUS_DIR (repeat for several)",
         )
         parser.add_argument("--faults", default="", help="fault plan, as JSON (runs/faults.py)")
         parser.add_argument("--budget", type=int, help="action budget")
         parser.add_argument("--deadline-seconds", type=float, help="deadline from now")
         parser.add_argument(
-            "--celery", action="store_true",
+            "--celery",
+            action="store_true",
             help="also hand the run to a Celery worker (an executor may take it first)",
         )
         parser.add_argument("--json", action="store_true")

@@ -1,0 +1,146 @@
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import Group, Permission, User
+from django.core.management import call_command
+from django.core.management.base import BaseCommand
+from django.db import transaction
+
+from runs.models import Run
+from runs.tasks import execute_run
+
+SAMPLE_RUNS: list[dict[str, Any]] = [
+    {
+        "question": "Which of these funds is cheapest to hold, and what do I give up for it?",
+        "documents": [
+            "crestline-short-treasury.md",
+            "meridian-world-equity.md",
+            "harborlight-global-dividend.md",
+        ],
+    },
+    {
+        "question": "Compare the growth funds' fees, holdings and risks.",
+        "documents": [
+            "northwind-clean-energy.md",
+            "meridian-world-equity.md",
+            "sable-frontier-markets.md",
+        ],
+        # Slow enough to follow live in the browser.
+        "faults": [{"point": "tool_delay", "ms": 1500}],
+    },
+    {
+        "question": "Compare all five funds, within a small action budget.",
+        "documents": sorted(
+            p.name for p in Path(settings.RUNDESK_CORPUS_DIR).glob("*.md") if p.name != "README.md"
+        ),
+        "action_budget": 7,
+    },
+    {
+        "question": "Compare these funds (one path tries to leave the corpus).",
+        "documents": ["harborlight-global-dividend.md", "../../etc/passwd"],
+    },
+]
+
+
+class Command(BaseCommand):
+    help = (
+        "Brings up the demo: migrates, creates an operator account, seeds sample runs, starts "
+        "the web server, an executor and a Celery worker; Ctrl-C stops them all."
+    )
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--port", type=int, default=8000)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        # SIGTERM stops the demo like Ctrl-C: children first, then the
+        # embedded database (pgserver stops it when this process exits).
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        call_command("migrate", verbosity=0)
+        password = self._operator_account()
+        self._seed()
+        env = {"DATABASE_URL": settings.DATABASE_URL}
+        manage = [sys.executable, str(Path(settings.BASE_DIR) / "manage.py")]
+        children = [
+            self._start(
+                "web", [*manage, "runserver", f"127.0.0.1:{options['port']}", "--noreload"], env
+            ),
+            self._start("executor", [*manage, "executor", "--concurrency", "2"], env),
+            self._start(
+                "worker",
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "dashboard",
+                    "worker",
+                    "--concurrency",
+                    "1",
+                    "--loglevel",
+                    "warning",
+                ],
+                env,
+            ),
+        ]
+        self.stdout.write(
+            self.style.SUCCESS(
+                f"\nRundesk demo: http://127.0.0.1:{options['port']}/\n"
+                f"  sign in as  operator / {password}\n"
+                "  Ctrl-C stops the web server, the executor, the worker and the database.\n"
+            )
+        )
+        try:
+            while all(child.poll() is None for child in children):
+                time.sleep(0.5)
+            self.stderr.write("demo: a process stopped; stopping the others")
+        except KeyboardInterrupt:
+            self.stdout.write("\ndemo: stopping")
+        finally:
+            self._stop(children)
+
+    def _operator_account(self) -> str:
+        """The operator account, with a fresh password printed at each start."""
+        password = secrets.token_urlsafe(12)
+        with transaction.atomic():
+            operators, _ = Group.objects.get_or_create(name="operators")
+            operators.permissions.add(Permission.objects.get(codename="operate_run"))
+            user, _ = User.objects.get_or_create(username="operator")
+            user.is_staff = True
+            user.set_password(password)
+            user.save()
+            user.groups.add(operators)
+        return password
+
+    def _seed(self) -> None:
+        if Run.objects.exists():
+            return
+        for index, sample in enumerate(SAMPLE_RUNS):
+            with transaction.atomic():
+                run = Run.objects.submit(**sample)
+                if index == 0:  # this one goes through Celery; the lease settles who runs it
+                    execute_run.delay_on_commit(run.pk)
+        self.stdout.write(f"demo: {len(SAMPLE_RUNS)} sample runs queued")
+
+    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        self.stdout.write(f"demo: starting {name}")
+        return subprocess.Popen(argv, env={**os.environ, **env, "RUNDESK_ROLE": name})
+
+    def _stop(self, children: list[subprocess.Popen]) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for child in children:
+            try:
+                child.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()

@@ -1,0 +1,76 @@
+"""submit_run, executor and bench, as an operator types them."""
+
+from __future__ import annotations
+
+import json
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from runs.models import Run, RunStatus
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def run_command(*args: str) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out)
+    return out.getvalue()
+
+
+def test_submit_run_queues_a_run_and_prints_its_id_as_json():
+    out = run_command(
+        "submit_run",
+        "--question",
+        "Compare",
+        "--doc",
+        "northwind-clean-energy.md",
+        "--doc",
+        "meridian-world-equity.md",
+        "--budget",
+        "9",
+        "--faults",
+        '[{"point": "tool_delay", "ms": 5}]',
+        "--json",
+    )
+    run = Run.objects.get(pk=json.loads(out)["run_id"])
+    assert run.documents == ["northwind-clean-energy.md", "meridian-world-equity.md"]
+    assert (run.status, run.action_budget, run.faults) == (
+        RunStatus.QUEUED,
+        9,
+        [{"point": "tool_delay", "ms": 5}],
+    )
+
+
+@pytest.mark.parametrize(
+    "faults, message",
+    [("{not json", "not valid JSON"), ('[{"point": "meteor"}]', "'point' must be one of")],
+)
+def test_submit_run_refuses_a_bad_fault_plan_and_queues_nothing(faults, message):
+    with pytest.raises(CommandError, match=message):
+        run_command("submit_run", "--question", "q", "--doc", "a.md", "--faults", faults)
+    assert not Run.objects.exists()
+
+
+def test_executor_run_executes_one_run_and_reports_it():
+    run = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"])
+    other = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"])
+    out = run_command("executor", "--run", str(run.pk), "--json")
+    assert json.loads(out) == {"run_id": run.pk, "outcome": "completed"}
+    assert Run.objects.get(pk=other.pk).status == RunStatus.QUEUED
+
+
+def test_executor_run_refuses_an_unknown_run():
+    with pytest.raises(CommandError, match="no run 999"):
+        run_command("executor", "--run", "999")
+
+
+def test_bench_reports_step_and_commit_times():
+    report = json.loads(run_command("bench", "--steps", "20", "--json"))
+    assert report["steps"] == 20
+    assert report["step_ms_p50"] > 0 and report["commit_ms_p50"] > 0
+    ratio = report["step_ms_p50"] / report["commit_ms_p50"]
+    assert report["step_over_commit"] == pytest.approx(ratio, rel=0.02)
+    bench_run = Run.objects.get(question__startswith="bench:")
+    assert bench_run.status == RunStatus.COMPLETED and bench_run.receipts.count() == 20

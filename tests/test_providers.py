@@ -1,0 +1,313 @@
+"""Model providers: the offline one only repeats what the documents say; the
+OpenAI-compatible one turns every bad answer of the model API into a
+ProviderError, and model_call turns that into a known failure."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+
+import pytest
+from django.conf import settings as django_settings
+
+from runs.providers import (
+    COMPARE_INSTRUCTIONS,
+    SUMMARIZE_INSTRUCTIONS,
+    FactSheet,
+    OfflineProvider,
+    OpenAICompatibleProvider,
+    ProviderError,
+    document_block,
+)
+from runs.tools import ToolFailed, model_call
+from tests.receivers import LocalServer, chat_completion, status
+
+CORPUS = Path(django_settings.RUNDESK_CORPUS_DIR)
+SHEETS = sorted(p.name for p in CORPUS.glob("*.md") if p.name != "README.md")
+FUNDS = [
+    "northwind-clean-energy.md",
+    "crestline-short-treasury.md",
+    "meridian-world-equity.md",
+    "sable-frontier-markets.md",
+]
+
+
+def messages(instructions: str, prompt: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": instructions}, {"role": "user", "content": prompt}]
+
+
+def summarize(name: str) -> str:
+    prompt = "Question: q\n\n" + document_block(name, (CORPUS / name).read_text())
+    return OfflineProvider().complete(messages(SUMMARIZE_INSTRUCTIONS, prompt))
+
+
+def compare(question: str, names: list[str]) -> str:
+    prompt = f"Question: {question}\n\n" + "\n\n".join(
+        document_block(name, summarize(name)) for name in names
+    )
+    return OfflineProvider().complete(messages(COMPARE_INSTRUCTIONS, prompt))
+
+
+# -- the offline provider -------------------------------------------------------
+
+
+def test_offline_provider_gives_the_same_text_for_the_same_messages():
+    first = compare("Which fund is cheapest?", FUNDS)
+    second = compare("Which fund is cheapest?", FUNDS)
+    assert first == second
+    assert summarize(FUNDS[0]) == summarize(FUNDS[0])
+
+
+def test_sample_corpus_has_fact_sheets_to_summarise():
+    assert len(SHEETS) >= 5 and set(FUNDS) <= set(SHEETS)
+
+
+@pytest.mark.parametrize("name", SHEETS)
+def test_summary_keeps_the_sheets_figures_fees_top_holdings_and_risks(name):
+    source = FactSheet.parse((CORPUS / name).read_text())
+
+    summary = FactSheet.parse(summarize(name))
+
+    assert source.figures and source.fees and source.holdings and source.risks
+    assert summary.title == source.title
+    assert summary.figures == source.figures
+    assert summary.fees == source.fees
+    assert summary.holdings == source.holdings[:3]
+    assert summary.risks == source.risks[:3]
+
+
+def test_summary_of_northwind_states_its_figures_verbatim():
+    text = summarize("northwind-clean-energy.md")
+
+    assert text.startswith("# Northwind Clean Energy ETF (NWCE)\n")
+    for line in [
+        "- Net assets: $1.24 billion",
+        "- 3-year return (annualised): -4.3%",
+        "- Expense ratio: 0.45%",
+        "1. Solvane Power — 7.2%",
+        "3. Lumen Grid Storage — 5.9%",
+        "- Policy: returns depend on subsidies and tariffs that can change.",
+    ]:
+        assert line in text.splitlines()
+    # Only what the document says: the fifth holding is beyond the top three.
+    assert "Quarry Lithium" not in text
+
+
+def test_comparison_puts_one_column_per_ticker_with_each_funds_values():
+    report = compare("Which fund is cheapest?", FUNDS)
+    lines = report.splitlines()
+
+    assert lines[0] == "# Which fund is cheapest?"
+    assert "Funds compared: NWCE, CSTB, MWEI, SBFM." in lines
+    assert "| | NWCE | CSTB | MWEI | SBFM |" in lines
+    assert "|---|---|---|---|---|" in lines
+    assert "| Expense ratio | 0.45% | 0.07% | 0.09% | 0.75% |" in lines
+    assert "| Net assets | $1.24 billion | $9.61 billion | $24.30 billion | $186 million |" in lines
+    # A figure only one fund reports is marked missing for the others.
+    assert "| Average duration | — | 1.8 years | — | — |" in lines
+    holdings = next(line for line in lines if line.startswith("| Top holdings |"))
+    assert holdings.count("|") == 6
+    assert "Solvane Power — 7.2%" in holdings and "Halcyon Software — 4.4%" in holdings
+    # The table's rows all have one cell per fund.
+    table = [line for line in lines if line.startswith("|")]
+    assert {line.replace("\\|", "").count("|") for line in table} == {6}
+
+
+def test_comparison_observations_name_the_extremes_correctly():
+    report = compare("Which fund is cheapest?", FUNDS)
+    observations = report.split("## Observations", 1)[1].strip().splitlines()
+
+    assert observations == [
+        "- Expense ratio: Lowest CSTB (0.07%), highest SBFM (0.75%).",
+        # $186 million is smaller than $1.24 billion: units count.
+        "- Net assets: Smallest SBFM ($186 million), largest MWEI ($24.30 billion).",
+        "- 1-year return: Weakest CSTB (4.9%), strongest MWEI (15.2%).",
+        "- Distribution yield: Lowest NWCE (0.6%), highest CSTB (4.7%).",
+    ]
+
+
+def test_comparison_of_two_funds_follows_the_documents_order():
+    report = compare("Bonds or clean energy?", ["crestline-short-treasury.md", FUNDS[0]])
+    assert "| | CSTB | NWCE |" in report.splitlines()
+    assert "- Expense ratio: Lowest CSTB (0.07%), highest NWCE (0.45%)." in report
+
+
+def test_prompt_without_a_document_block_is_a_provider_error():
+    with pytest.raises(ProviderError, match="no <document> block"):
+        OfflineProvider().complete(messages(SUMMARIZE_INSTRUCTIONS, "Question: q\n\nno docs"))
+    with pytest.raises(ProviderError):
+        OfflineProvider().complete(messages(COMPARE_INSTRUCTIONS, "Question: q"))
+
+
+# -- the OpenAI-compatible provider against a local model API ---------------------
+
+
+def answer(body: bytes, delay: float = 0.0) -> Callable[[BaseHTTPRequestHandler, bytes], None]:
+    """A 200 answer with any body, optionally late."""
+
+    def respond(handler: BaseHTTPRequestHandler, _: bytes) -> None:
+        time.sleep(delay)
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    return respond
+
+
+class ModelAPI:
+    """One real local model API for the module; each test says how it answers."""
+
+    def __init__(self) -> None:
+        self.respond: Callable = chat_completion("ok")
+        self.server = LocalServer(lambda handler, body: self.respond(handler, body))
+        self.url = self.server.url + "/v1"
+
+    @property
+    def requests(self) -> list[tuple[dict[str, str], bytes]]:
+        return self.server.requests
+
+
+@pytest.fixture(scope="module")
+def _model_api() -> Iterator[ModelAPI]:
+    api = ModelAPI()
+    with api.server:
+        yield api
+
+
+@pytest.fixture
+def model_api(_model_api: ModelAPI) -> ModelAPI:
+    _model_api.requests.clear()
+    _model_api.respond = chat_completion("ok")
+    return _model_api
+
+
+def provider(api: ModelAPI, *, key: str = "", timeout: float = 2.0) -> OpenAICompatibleProvider:
+    return OpenAICompatibleProvider(api.url, "test-model", key, timeout)
+
+
+MESSAGES = messages(SUMMARIZE_INSTRUCTIONS, document_block("a.md", "# A"))
+
+
+def test_openai_provider_returns_the_answers_content_and_sends_model_and_messages(model_api):
+    model_api.respond = chat_completion("## Key figures\n- Ticker: A")
+
+    text = provider(model_api).complete(MESSAGES)
+
+    assert text == "## Key figures\n- Ticker: A"
+    [(headers, body)] = model_api.requests
+    sent = json.loads(body)
+    assert sent["model"] == "test-model"
+    assert sent["messages"] == MESSAGES
+    assert "Authorization" not in headers
+
+
+def test_openai_provider_posts_to_chat_completions_under_the_configured_url(model_api):
+    seen: list[str] = []
+
+    def respond(handler: BaseHTTPRequestHandler, body: bytes) -> None:
+        seen.append(handler.path)
+        chat_completion("ok")(handler, body)
+
+    model_api.respond = respond
+    OpenAICompatibleProvider(model_api.url + "/", "m", "", 2.0).complete(MESSAGES)
+    assert seen == ["/v1/chat/completions"]
+
+
+def test_openai_provider_sends_the_api_key_as_a_bearer_token(model_api):
+    provider(model_api, key="sk-local-test").complete(MESSAGES)
+
+    [(headers, _)] = model_api.requests
+    assert headers["Authorization"] == "Bearer sk-local-test"
+
+
+@pytest.mark.parametrize(
+    ("respond", "message"),
+    [
+        (status(500), "HTTP 500"),
+        (status(429), "HTTP 429"),
+        (answer(b"<html>not json</html>"), "other than JSON"),
+        (answer(b'{"error": "overloaded"}'), "no choices"),
+        (answer(b'{"choices": []}'), "no choices"),
+        (answer(b'{"choices": [{"text": "legacy"}]}'), "no choices"),
+        (answer(b'["not", "an", "object"]'), "no choices"),
+    ],
+    ids=["500", "429", "not-json", "no-choices", "empty-choices", "no-message", "a-list"],
+)
+def test_openai_provider_turns_a_bad_answer_into_a_provider_error(model_api, respond, message):
+    model_api.respond = respond
+
+    with pytest.raises(ProviderError, match=message):
+        provider(model_api).complete(MESSAGES)
+    assert len(model_api.requests) == 1
+
+
+def test_openai_provider_slower_than_its_timeout_is_a_provider_error(model_api):
+    model_api.respond = answer(b'{"choices": [{"message": {"content": "late"}}]}', delay=0.6)
+
+    started = time.monotonic()
+    with pytest.raises(ProviderError, match="too slow"):
+        provider(model_api, timeout=0.2).complete(MESSAGES)
+    assert time.monotonic() - started < 0.55
+
+
+# -- model_call, the tool ---------------------------------------------------------
+
+
+@pytest.fixture
+def openai_settings(settings, model_api: ModelAPI):
+    settings.RUNDESK_MODEL_PROVIDER = "openai"
+    settings.RUNDESK_MODEL_URL = model_api.url
+    settings.RUNDESK_MODEL = "test-model"
+    settings.RUNDESK_MODEL_API_KEY = "sk-local-test"
+    settings.RUNDESK_MODEL_TIMEOUT = 0.5
+    return settings
+
+
+def test_model_call_returns_the_openai_providers_text_and_journals_it(
+    openai_settings, model_api, journal
+):
+    model_api.respond = chat_completion("compared")
+
+    result = model_call({"messages": MESSAGES}, "rundesk:run-3:compose")
+
+    assert result == {"provider": "openai", "text": "compared"}
+    [(headers, body)] = model_api.requests
+    assert json.loads(body)["model"] == "test-model"
+    assert headers["Authorization"] == "Bearer sk-local-test"
+    assert journal.counts("model_call") == {"rundesk:run-3:compose": 1}
+
+
+@pytest.mark.parametrize(
+    "respond",
+    [
+        status(500),
+        answer(b"not json"),
+        answer(b"{}"),
+        answer(b'{"choices": [{"message": {"content": "late"}}]}', delay=0.8),
+    ],
+    ids=["500", "not-json", "no-choices", "too-slow"],
+)
+def test_model_call_turns_a_provider_error_into_a_known_failure_without_journal(
+    openai_settings, model_api, journal, respond
+):
+    model_api.respond = respond
+
+    with pytest.raises(ToolFailed, match="model API"):
+        model_call({"messages": MESSAGES}, "rundesk:run-3:compose")
+    assert journal.entries() == []
+
+
+def test_model_call_offline_summarises_without_any_network(settings, journal):
+    settings.RUNDESK_MODEL_PROVIDER = "offline"
+    prompt = document_block("n.md", (CORPUS / "northwind-clean-energy.md").read_text())
+
+    result = model_call({"messages": messages(SUMMARIZE_INSTRUCTIONS, prompt)}, "id-offline")
+
+    assert result["provider"] == "offline"
+    assert "- Expense ratio: 0.45%" in result["text"]
+    assert journal.counts("model_call") == {"id-offline": 1}

@@ -1,0 +1,279 @@
+"""The tools themselves: what read_document lets out of the corpus, and how
+deliver_report tells delivered, refused and unknown apart."""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from runs.tools import (
+    MAX_DOCUMENT_BYTES,
+    OutcomeUnknown,
+    ToolFailed,
+    ToolRefused,
+    deliver_report,
+    read_document,
+)
+from tests.receivers import LocalServer, status
+
+IDENTITY = "rundesk:run-7:read:0"
+REPORT = "# Report\n\nCSTB is cheapest: 0.07%.\n"
+
+
+@pytest.fixture
+def corpus(tmp_path: Path, settings) -> Path:
+    """A corpus folder with one sheet, a subfolder, and a secret next to it."""
+    root = tmp_path / "corpus"
+    (root / "funds").mkdir(parents=True)
+    (root / "fund.md").write_text("# Fund\n\n- Expense ratio: 0.10%\n")
+    (root / "funds" / "nested.md").write_text("nested sheet\n")
+    (tmp_path / "secret.txt").write_text("outside the corpus\n")
+    settings.RUNDESK_CORPUS_DIR = root
+    return root
+
+
+class Receiver:
+    """One real local HTTP receiver for the whole module (starting and
+    stopping a server costs half a second); each test says how it answers."""
+
+    def __init__(self) -> None:
+        self.answer: Callable = status(200)
+        self.server = LocalServer(lambda handler, body: self.answer(handler, body))
+        self.url = self.server.url
+
+    @property
+    def requests(self) -> list[tuple[dict[str, str], bytes]]:
+        return self.server.requests
+
+
+@pytest.fixture(scope="module")
+def _receiver() -> Iterator[Receiver]:
+    receiver = Receiver()
+    with receiver.server:
+        yield receiver
+
+
+@pytest.fixture
+def receiver(_receiver: Receiver, settings) -> Receiver:
+    _receiver.requests.clear()
+    _receiver.answer = status(200)
+    settings.RUNDESK_DELIVERY_URL = _receiver.url + "/reports"
+    settings.RUNDESK_DELIVERY_TIMEOUT = 2.0
+    return _receiver
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- read_document ------------------------------------------------------------
+
+
+def test_read_document_returns_the_file_with_its_digest_and_journals_one_read(corpus, journal):
+    data = (corpus / "fund.md").read_bytes()
+
+    result = read_document({"path": "fund.md"}, IDENTITY)
+
+    assert result == {
+        "path": "fund.md",
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "text": data.decode(),
+    }
+    entries = journal.entries()
+    assert [(e["tool"], e["identity"], e["path"]) for e in entries] == [
+        ("read_document", IDENTITY, "fund.md")
+    ]
+
+
+def test_read_document_reads_a_file_in_a_corpus_subfolder(corpus, journal):
+    assert read_document({"path": "funds/nested.md"}, IDENTITY)["text"] == "nested sheet\n"
+    assert journal.counts("read_document") == {IDENTITY: 1}
+
+
+def test_read_document_allows_a_symlink_that_stays_inside_the_corpus(corpus, journal):
+    (corpus / "alias.md").symlink_to(corpus / "funds" / "nested.md")
+
+    result = read_document({"path": "alias.md"}, IDENTITY)
+
+    assert result["text"] == "nested sheet\n" and result["path"] == "alias.md"
+    assert journal.counts("read_document") == {IDENTITY: 1}
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("/etc/passwd", "absolute paths are refused"),
+        ("../secret.txt", "'..' is refused"),
+        ("funds/../../secret.txt", "'..' is refused"),
+        ("missing.md", "no such document"),
+        ("funds", "not a regular file"),
+        ("", "empty or invalid document path"),
+    ],
+)
+def test_read_document_refuses_paths_that_do_not_name_a_corpus_file(corpus, journal, path, message):
+    with pytest.raises(ToolRefused, match=message):
+        read_document({"path": path}, IDENTITY)
+    assert journal.entries() == []
+
+
+def test_read_document_refuses_a_symlink_that_leaves_the_corpus(corpus, journal, tmp_path):
+    (corpus / "escape.md").symlink_to(tmp_path / "secret.txt")
+
+    with pytest.raises(ToolRefused, match="resolves outside the corpus") as refused:
+        read_document({"path": "escape.md"}, IDENTITY)
+
+    assert "outside the corpus\n" not in str(refused.value)
+    assert journal.entries() == []
+
+
+def test_read_document_refuses_a_symlinked_folder_that_leaves_the_corpus(corpus, journal, tmp_path):
+    (corpus / "elsewhere").symlink_to(tmp_path)
+
+    with pytest.raises(ToolRefused, match="resolves outside the corpus"):
+        read_document({"path": "elsewhere/secret.txt"}, IDENTITY)
+    assert journal.entries() == []
+
+
+def test_read_document_refuses_a_file_larger_than_the_limit(corpus, journal):
+    (corpus / "huge.md").write_bytes(b"x" * (MAX_DOCUMENT_BYTES + 1))
+    (corpus / "limit.md").write_bytes(b"y" * MAX_DOCUMENT_BYTES)
+
+    with pytest.raises(ToolRefused, match=f"larger than {MAX_DOCUMENT_BYTES} bytes"):
+        read_document({"path": "huge.md"}, IDENTITY)
+    assert journal.entries() == []
+
+    # Exactly at the limit is still a document.
+    assert read_document({"path": "limit.md"}, "other")["bytes"] == MAX_DOCUMENT_BYTES
+    assert journal.counts() == {"other": 1}
+
+
+# -- deliver_report to a receiver ---------------------------------------------
+
+
+def test_delivery_posts_the_report_with_the_identity_as_idempotency_key(receiver, journal):
+    receiver.answer = status(201)
+
+    result = deliver_report({"content": REPORT}, "rundesk:run-7:deliver")
+
+    assert result == {
+        "delivered_to": receiver.url + "/reports",
+        "status": 201,
+        "sha256": hashlib.sha256(REPORT.encode()).hexdigest(),
+    }
+    [(headers, body)] = receiver.requests
+    assert body.decode() == REPORT
+    assert headers["Idempotency-Key"] == "rundesk:run-7:deliver"
+    assert journal.counts("deliver_report") == {"rundesk:run-7:deliver": 1}
+
+
+def test_delivery_refused_by_the_receiver_with_4xx_is_known_not_delivered(receiver, journal):
+    receiver.answer = status(422)
+
+    with pytest.raises(ToolFailed, match="HTTP 422"):
+        deliver_report({"content": REPORT}, "id-422")
+
+    assert len(receiver.requests) == 1
+    assert journal.entries() == []
+
+
+@pytest.mark.parametrize("code", [500, 503])
+def test_delivery_answered_with_5xx_is_an_unknown_outcome(receiver, journal, code):
+    receiver.answer = status(code)
+
+    with pytest.raises(OutcomeUnknown, match=f"HTTP {code}"):
+        deliver_report({"content": REPORT}, "id-5xx")
+
+    assert len(receiver.requests) == 1
+    assert journal.entries() == []
+
+
+def test_delivery_answer_lost_to_a_timeout_is_unknown_though_the_receiver_got_it(
+    receiver, settings, journal
+):
+    settings.RUNDESK_DELIVERY_TIMEOUT = 0.3
+    receiver.answer = status(200, delay=0.8)
+
+    with pytest.raises(OutcomeUnknown, match="answer lost"):
+        deliver_report({"content": REPORT}, "id-slow")
+
+    # The request reached the receiver: only its answer was lost.
+    [(headers, body)] = receiver.requests
+    assert body.decode() == REPORT and headers["Idempotency-Key"] == "id-slow"
+    assert journal.entries() == []
+
+
+def test_delivery_to_a_port_nothing_listens_on_is_known_not_delivered(settings, journal):
+    settings.RUNDESK_DELIVERY_TIMEOUT = 0.3
+    settings.RUNDESK_DELIVERY_URL = f"http://127.0.0.1:{free_port()}/reports"
+
+    with pytest.raises(ToolFailed, match="unreachable"):
+        deliver_report({"content": REPORT}, "id-refused")
+    assert journal.entries() == []
+
+
+# -- deliver_report to the outbox ----------------------------------------------
+
+
+def test_outbox_delivery_writes_the_report_once_under_its_identity(settings, _outbox, journal):
+    settings.RUNDESK_DELIVERY_URL = ""
+
+    first = deliver_report({"content": REPORT}, "rundesk:run-7:deliver")
+
+    target = _outbox / "rundesk%3Arun-7%3Adeliver.md"
+    assert first == {
+        "delivered_to": str(target),
+        "sha256": hashlib.sha256(REPORT.encode()).hexdigest(),
+    }
+    assert target.read_text() == REPORT
+    assert journal.counts("deliver_report") == {"rundesk:run-7:deliver": 1}
+
+
+def test_outbox_delivery_repeated_with_the_same_content_is_already_delivered(
+    settings, _outbox, journal
+):
+    settings.RUNDESK_DELIVERY_URL = ""
+    deliver_report({"content": REPORT}, "rundesk:run-7:deliver")
+    target = _outbox / "rundesk%3Arun-7%3Adeliver.md"
+    written = target.stat().st_mtime_ns, target.stat().st_ino
+
+    again = deliver_report({"content": REPORT}, "rundesk:run-7:deliver")
+
+    assert again["already_delivered"] is True
+    assert again["delivered_to"] == str(target)
+    assert (target.stat().st_mtime_ns, target.stat().st_ino) == written
+    assert target.read_text() == REPORT
+    assert list(_outbox.iterdir()) == [target]
+    # Only the first call was a real execution.
+    assert journal.counts("deliver_report") == {"rundesk:run-7:deliver": 1}
+
+
+def test_outbox_refuses_other_content_under_a_used_identity_and_keeps_the_first(
+    settings, _outbox, journal
+):
+    settings.RUNDESK_DELIVERY_URL = ""
+    deliver_report({"content": REPORT}, "rundesk:run-7:deliver")
+
+    with pytest.raises(ToolFailed, match="another report under this identity"):
+        deliver_report({"content": "# A different report\n"}, "rundesk:run-7:deliver")
+
+    assert (_outbox / "rundesk%3Arun-7%3Adeliver.md").read_text() == REPORT
+    assert journal.counts("deliver_report") == {"rundesk:run-7:deliver": 1}
+
+
+def test_outbox_keeps_reports_of_different_identities_apart(settings, _outbox):
+    settings.RUNDESK_DELIVERY_URL = ""
+    deliver_report({"content": "run 7\n"}, "rundesk:run-7:deliver")
+    deliver_report({"content": "run 8\n"}, "rundesk:run-8:deliver")
+
+    assert {p.name: p.read_text() for p in _outbox.iterdir()} == {
+        "rundesk%3Arun-7%3Adeliver.md": "run 7\n",
+        "rundesk%3Arun-8%3Adeliver.md": "run 8\n",
+    }
