@@ -125,6 +125,11 @@ class Dispatcher:
             raise NeedsOperator(f"{action.step_key} is completed but its receipt is missing")
         if action.state == ActionState.UNKNOWN:
             raise NeedsOperator(f"the outcome of {action.step_key} is unknown")
+        if action.effect_class == EffectClass.EFFECT and action.state == ActionState.FAILED:
+            raise NeedsOperator(
+                f"{action.step_key} is known not to have happened ({action.error}); sending it "
+                "again is an operator's decision"
+            )
         if action.effect_class == EffectClass.EFFECT:
             reason = (
                 f"{action.step_key} was dispatched under epoch {action.epoch} and has no "
@@ -137,7 +142,8 @@ class Dispatcher:
     def _redispatch(self, action: Action) -> None:
         self._check_can_dispatch()
         self.lease.redispatch_boundary(action.pk)
-        action.refresh_from_db()
+        action.state, action.epoch = ActionState.DISPATCHED, self.lease.epoch
+        action.attempts += 1
         timeline.record(
             self.run.pk,
             EventKind.ACTION_REDISPATCHED,

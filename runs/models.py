@@ -15,10 +15,9 @@ import json
 from typing import Any
 
 from django.contrib.postgres.fields import ArrayField
-from django.db import models
+from django.db import models, transaction
 from django.db.models import Q
 from django.db.models.functions import Now
-from django.utils import timezone
 
 from runs.faults import FaultPlan
 
@@ -60,9 +59,6 @@ class RunQuerySet(models.QuerySet["Run"]):
             cancel_requested_at__isnull=True,
         )
 
-    def active(self) -> RunQuerySet:
-        return self.exclude(status__in=TERMINAL_STATUSES)
-
     def submit(
         self,
         *,
@@ -84,11 +80,12 @@ class RunQuerySet(models.QuerySet["Run"]):
         if action_budget is not None:
             fields["action_budget"] = action_budget
         run = self.create(question=question.strip(), documents=documents, **fields)
-        RunEvent.objects.create(
-            run=run,
-            kind=EventKind.SUBMITTED,
-            message=f"{len(documents)} documents",
-            created_at=timezone.now(),
+        # An observation: it must not be able to fail the submission, so the
+        # timeline writes it off the main path once the run is committed.
+        from runs.timeline import timeline
+
+        transaction.on_commit(
+            lambda: timeline.record(run.pk, EventKind.SUBMITTED, f"{len(documents)} documents")
         )
         return run
 
@@ -282,7 +279,6 @@ class EventKind(models.TextChoices):
     REVISION_PUBLISHED = "revision_published"
     PHASE_CHANGED = "phase_changed"
     NEEDS_OPERATOR = "needs_operator"
-    CANCEL_REQUESTED = "cancel_requested"
     RUN_COMPLETED = "run_completed"
     RUN_FAILED = "run_failed"
     RUN_CANCELLED = "run_cancelled"

@@ -8,6 +8,7 @@ holdings, risks), and, for a comparison, puts them side by side.
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import urllib.error
@@ -186,7 +187,12 @@ class OpenAICompatibleProvider:
                 payload = json.load(response)
         except urllib.error.HTTPError as error:
             raise ProviderError(f"model API answered HTTP {error.code}") from error
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+        except (
+            urllib.error.URLError,
+            TimeoutError,
+            ConnectionError,
+            http.client.HTTPException,
+        ) as error:
             raise ProviderError(f"model API unreachable or too slow: {error}") from error
         except ValueError as error:  # not JSON, or not UTF-8
             raise ProviderError("model API answered with something other than JSON") from error

@@ -18,7 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, IntegrityError, connection
 from django.utils import timezone
 
 from runs.models import EventKind, RunEvent
@@ -135,19 +135,40 @@ class Timeline:
             ]
             self._lost.clear()
         try:
-            RunEvent.objects.bulk_create(gaps + events)
-        except DatabaseError as error:
-            logger.warning("timeline: %d events not recorded: %s", len(events), error)
-            connection.close()  # a fresh connection next time
-            with self._lock:
-                for gap in gaps:
-                    self._lost[(gap.run_id, gap.data["reason"])] += gap.data["count"]
-                for event in events:
-                    self._lost[(event.run_id, "db_error")] += 1
+            try:
+                RunEvent.objects.bulk_create(gaps + events)
+            except DatabaseError:
+                # One bad row (e.g. a run that no longer exists) must not
+                # take the whole batch, or every later batch, down with it.
+                connection.close_if_unusable_or_obsolete()
+                self._write_each(gaps, events)
         finally:
             for pending in batch:
                 if pending.written is not None:
                     pending.written.set()
+
+    def _write_each(self, gaps: list[RunEvent], events: list[RunEvent]) -> None:
+        lost = Counter[tuple[int, str]]()
+        for row in gaps + events:
+            try:
+                RunEvent.objects.bulk_create([row])
+            except IntegrityError as error:
+                # The row can never be written (its run or action is gone):
+                # said once in the log, not retried forever.
+                logger.warning(
+                    "timeline: dropped %s event of run %s: %s", row.kind, row.run_id, error
+                )
+            except DatabaseError as error:
+                logger.warning(
+                    "timeline: %s event of run %s not recorded: %s", row.kind, row.run_id, error
+                )
+                connection.close_if_unusable_or_obsolete()
+                if row.kind == EventKind.EVENTS_LOST:
+                    lost[(row.run_id, row.data["reason"])] += row.data["count"]
+                else:
+                    lost[(row.run_id, "db_error")] += 1
+        with self._lock:
+            self._lost.update(lost)
 
 
 timeline = Timeline()

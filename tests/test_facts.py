@@ -22,8 +22,11 @@ from runs.models import (
     RunStatus,
     digest,
 )
+from runs.timeline import timeline
 
-pytestmark = pytest.mark.django_db
+# Transactional: the timeline writes the submission event on its own
+# connection, after the run is committed.
+pytestmark = pytest.mark.django_db(transaction=True)
 
 DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md"]
 RESULT = {"path": DOCS[0], "bytes": 42, "sha256": "ab" * 32, "text": "# Northwind"}
@@ -55,6 +58,7 @@ def facts() -> Facts:
     )
     lease.record_receipt(read_id, RESULT)
     assert lease.publish_revision(1, "# Final answer\n", is_final=True) is True
+    timeline.flush()
     return Facts(
         run=run,
         lease=lease,
@@ -402,4 +406,5 @@ def test_submit_queues_a_run_with_a_submitted_event():
         RunStatus.QUEUED,
     )
     assert run.faults == [{"point": "tool_delay", "ms": 10}]
+    timeline.flush()
     assert list(run.events.values_list("kind", "message")) == [(EventKind.SUBMITTED, "2 documents")]

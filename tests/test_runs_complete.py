@@ -6,6 +6,7 @@ import pytest
 
 from runs.executor import Executor, execute
 from runs.models import Action, AnswerRevision, EventKind, Phase, Receipt, Run, RunStatus
+from tests.receivers import LocalServer, status
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -97,3 +98,18 @@ def test_completed_run_is_not_claimable_again(journal):
     assert execute(run.pk) == RunStatus.COMPLETED
     assert execute(run.pk) == "not_claimable"
     assert sum(journal.counts().values()) == 4  # read, summarize, compose, deliver
+
+
+def test_refused_delivery_fails_the_run_and_a_requeue_does_not_send_it_again(settings):
+    with LocalServer(status(422)) as receiver:
+        settings.RUNDESK_DELIVERY_URL = receiver.url
+        run = Run.objects.submit(question="q", documents=DOCS[:1])
+        assert execute(run.pk) == RunStatus.FAILED
+        assert Action.objects.get(run=run, step_key="deliver").state == "failed"
+        # Requeued by hand: the runtime must not decide to send the effect again.
+        Run.objects.filter(pk=run.pk).update(status=RunStatus.QUEUED, finished_at=None)
+        assert execute(run.pk) == RunStatus.NEEDS_OPERATOR
+        run.refresh_from_db()
+        assert "known not to have happened" in run.status_reason
+        assert len(receiver.requests) == 1
+        assert AnswerRevision.objects.filter(run=run, is_final=True).exists()

@@ -68,7 +68,7 @@ class Command(BaseCommand):
         password = self._operator_account()
         self._seed()
         env = {"DATABASE_URL": settings.DATABASE_URL}
-        manage = [sys.executable, str(Path(settings.BASE_DIR) / "manage.py")]
+        manage = [sys.executable, str(settings.BASE_DIR / "manage.py")]
         children = [
             self._start(
                 "web", [*manage, "runserver", f"127.0.0.1:{options['port']}", "--noreload"], env
