@@ -21,7 +21,7 @@ from runs.faults import FaultPlan
 from runs.leases import Lease, LeaseLost
 from runs.models import Action, ActionState, EffectClass, EventKind, Run, action_identity, digest
 from runs.timeline import timeline
-from runs.tools import TOOLS, OutcomeUnknown, ToolFailed, ToolRefused
+from runs.tools import TOOLS, OutcomeUnknown, Tool, ToolFailed, ToolRefused
 
 
 class Stopping(Exception):
@@ -43,29 +43,37 @@ class Dispatcher:
         self.lease_lost = lease_lost
         self.run = Run.objects.get(pk=lease.run_id)
         self.faults = FaultPlan.parse(self.run.faults)
+        # What earlier owners left: every action of the run, with its receipt.
         self.known: dict[str, Action] = {
             a.step_key: a for a in Action.objects.filter(run=self.run).select_related("receipt")
         }
+        # Actions completed by this owner.
+        self.completed_now: set[str] = set()
         # Steps taken in this run's sequence, whether dispatched now or settled
         # by a receipt: a resumed run counts exactly as the first owner did.
         self.steps = 0
 
     def completed(self, step_key: str) -> bool:
+        if step_key in self.completed_now:
+            return True
         action = self.known.get(step_key)
         return action is not None and action.state == ActionState.COMPLETED
 
     def step(self, step_key: str, tool_name: str, input: dict[str, Any]) -> dict[str, Any]:
+        if step_key in self.completed_now:
+            raise NeedsOperator(f"the agent used identity {step_key} twice")
         tool = TOOLS[tool_name]
         self.steps += 1
         action = self.known.get(step_key)
         if action is None:
-            action = self._new_boundary(step_key, tool_name, tool.effect_class, input)
+            action_id = self._new_boundary(step_key, tool, input)
         else:
-            result = self._settled_result(action, input)
+            result = self._settled_result(action, tool, input)
             if result is not None:
                 return result
             self._redispatch(action)
-        return self._execute(action, input)
+            action_id = action.pk
+        return self._execute(action_id, step_key, tool, input)
 
     def _check_can_dispatch(self) -> None:
         if self.stop.is_set():
@@ -73,42 +81,35 @@ class Dispatcher:
         if self.lease_lost.is_set():
             raise LeaseLost(f"run {self.lease.run_id}: heartbeat found the lease gone")
 
-    def _new_boundary(
-        self, step_key: str, tool_name: str, effect_class: str, input: dict[str, Any]
-    ) -> Action:
+    def _new_boundary(self, step_key: str, tool: Tool, input: dict[str, Any]) -> int:
         self._check_can_dispatch()
         action_id = self.lease.record_boundary(
-            step_key=step_key, kind=tool_name, effect_class=effect_class, input=input
+            step_key=step_key,
+            kind=tool.name,
+            effect_class=tool.effect_class,
+            input=input,
         )
         if action_id is None:
-            raise NeedsOperator(f"identity {step_key} already exists but was not loaded")
-        action = Action(
-            pk=action_id,
-            run=self.run,
-            step_key=step_key,
-            kind=tool_name,
-            effect_class=effect_class,
-            input=input,
-            input_digest=digest(input),
-            state=ActionState.DISPATCHED,
-            epoch=self.lease.epoch,
-        )
-        self.known[step_key] = action
+            raise NeedsOperator(
+                f"identity {step_key} exists but was not loaded: another owner wrote it"
+            )
         timeline.record(
             self.run.pk,
             EventKind.ACTION_DISPATCHED,
-            f"{tool_name} {step_key}",
+            f"{tool.name} {step_key}",
             action_id=action_id,
             epoch=self.lease.epoch,
         )
-        return action
+        return action_id
 
-    def _settled_result(self, action: Action, input: dict[str, Any]) -> dict[str, Any] | None:
+    def _settled_result(
+        self, action: Action, tool: Tool, input: dict[str, Any]
+    ) -> dict[str, Any] | None:
         """The result of an action that must not be dispatched again, or None
         when it may be dispatched again (a `read` without receipt)."""
-        if action.input_digest != digest(input):
+        if action.kind != tool.name or action.input_digest != digest(input):
             raise NeedsOperator(
-                f"identity {action.step_key} was used for other work (input digest differs)"
+                f"identity {action.step_key} was used for other work (tool or input differs)"
             )
         receipt = getattr(action, "receipt", None)
         if receipt is not None:
@@ -135,14 +136,13 @@ class Dispatcher:
                 f"{action.step_key} was dispatched under epoch {action.epoch} and has no "
                 "receipt: the effect may have happened; only its receiver knows"
             )
-            self._mark(action, ActionState.UNKNOWN, reason, EventKind.ACTION_UNKNOWN)
+            self._mark(action.pk, ActionState.UNKNOWN, reason, EventKind.ACTION_UNKNOWN)
             raise NeedsOperator(reason)
         return None
 
     def _redispatch(self, action: Action) -> None:
         self._check_can_dispatch()
         self.lease.redispatch_boundary(action.pk)
-        action.state, action.epoch = ActionState.DISPATCHED, self.lease.epoch
         action.attempts += 1
         timeline.record(
             self.run.pk,
@@ -153,33 +153,32 @@ class Dispatcher:
             epoch=self.lease.epoch,
         )
 
-    def _execute(self, action: Action, input: dict[str, Any]) -> dict[str, Any]:
+    def _execute(
+        self, action_id: int, step_key: str, tool: Tool, input: dict[str, Any]
+    ) -> dict[str, Any]:
         if delay := self.faults.tool_delay(self.steps):
             time.sleep(delay)
-        identity = action_identity(self.run.pk, action.step_key)
         try:
-            result = TOOLS[action.kind].run(input, identity)
+            result = tool.run(input, action_identity(self.run.pk, step_key))
         except ToolRefused as refusal:
             result = {"refused": str(refusal)}
         except OutcomeUnknown as error:
-            self._mark(action, ActionState.UNKNOWN, str(error), EventKind.ACTION_UNKNOWN)
-            raise NeedsOperator(f"the outcome of {action.step_key} is unknown: {error}") from error
+            self._mark(action_id, ActionState.UNKNOWN, str(error), EventKind.ACTION_UNKNOWN)
+            raise NeedsOperator(f"the outcome of {step_key} is unknown: {error}") from error
         except ToolFailed as error:
-            self._mark(action, ActionState.FAILED, str(error), EventKind.ACTION_FAILED)
-            raise ActionFailed(f"{action.step_key} failed: {error}") from error
-        self.lease.record_receipt(action.pk, result)
-        action.state = ActionState.COMPLETED
+            self._mark(action_id, ActionState.FAILED, str(error), EventKind.ACTION_FAILED)
+            raise ActionFailed(f"{step_key} failed: {error}") from error
+        result_digest = self.lease.record_receipt(action_id, result)
+        self.completed_now.add(step_key)
         timeline.record(
             self.run.pk,
             EventKind.ACTION_COMPLETED,
-            f"{action.step_key}"
-            + (f" refused: {result['refused']}" if "refused" in result else ""),
-            action_id=action.pk,
-            result_digest=digest(result),
+            step_key + (f" refused: {result['refused']}" if "refused" in result else ""),
+            action_id=action_id,
+            result_digest=result_digest,
         )
         return result
 
-    def _mark(self, action: Action, state: ActionState, reason: str, kind: EventKind) -> None:
-        self.lease.record_action_outcome(action.pk, state, reason)
-        action.state = state
-        timeline.record(self.run.pk, kind, reason, action_id=action.pk)
+    def _mark(self, action_id: int, state: ActionState, reason: str, kind: EventKind) -> None:
+        self.lease.record_action_outcome(action_id, state, reason)
+        timeline.record(self.run.pk, kind, reason, action_id=action_id)

@@ -7,8 +7,8 @@ commits first, and the re-checked condition no longer matches, or waits
 until the write has committed.  So a stale owner's write changes 0 rows,
 and its caller stops: it dispatches nothing more.
 
-Each write is a single autocommit statement: one round trip, no open
-transaction around slow work.
+Each write is a single autocommit statement, prepared once per connection:
+one round trip, no open transaction around slow work.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Coalesce, Now
 from psycopg.types.json import Jsonb
 
 from runs.models import ActionState, Phase, Run, RunStatus, digest
+from runs.sql import server_cursor
 
 # The run row, locked FOR SHARE, as long as the caller still owns it.  Cancel
 # is checked separately (CANCEL_FREE) because a receipt is written even after
@@ -163,9 +164,11 @@ class Lease:
             action=action_id,
         )
 
-    def record_receipt(self, action_id: int, result: dict[str, Any]) -> None:
+    def record_receipt(self, action_id: int, result: dict[str, Any]) -> str:
         """The fact that the action completed, with the action's state, in one
-        statement.  The receipt copies the action's identity from its row."""
+        statement.  The receipt copies the action's identity from its row.
+        Returns the result's digest."""
+        result_digest = digest(result)
         self._require(
             f"""WITH completed AS (
                     UPDATE runs_action SET state = 'completed', finished_at = now()
@@ -179,8 +182,9 @@ class Lease:
             f"receipt of action {action_id}",
             action=action_id,
             result=Jsonb(result),
-            result_digest=digest(result),
+            result_digest=result_digest,
         )
+        return result_digest
 
     def record_action_outcome(self, action_id: int, state: ActionState, error: str) -> None:
         """A dispatched action that did not complete: `failed` (known not to
@@ -239,9 +243,9 @@ class Lease:
         """Ends this ownership with the run's new status: completed, failed,
         cancelled, or needs_operator (the run waits for a person)."""
         self._require(
-            """UPDATE runs_run SET status = %(status)s, status_reason = %(reason)s,
-                   phase = CASE WHEN %(status)s = 'completed' THEN 'done' ELSE phase END,
-                   finished_at = CASE WHEN %(status)s IN ('completed', 'failed', 'cancelled')
+            """UPDATE runs_run SET status = %(status)s::text, status_reason = %(reason)s,
+                   phase = CASE WHEN %(status)s::text = 'completed' THEN 'done' ELSE phase END,
+                   finished_at = CASE WHEN %(status)s::text IN ('completed', 'failed', 'cancelled')
                                  THEN now() END,
                    lease_owner = '', lease_expires_at = NULL
                WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
@@ -257,13 +261,13 @@ class Lease:
         return {"run": self.run_id, "owner": self.owner, "epoch": self.epoch, **extra}
 
     def _execute(self, sql: str, **extra: Any) -> bool:
-        with connection.cursor() as cursor:
-            cursor.execute(sql, self._params(extra))
+        with server_cursor() as cursor:
+            cursor.execute(sql, self._params(extra), prepare=True)
             return cursor.rowcount > 0
 
     def _fetch(self, sql: str, **extra: Any) -> tuple[Any, ...] | None:
-        with connection.cursor() as cursor:
-            cursor.execute(sql, self._params(extra))
+        with server_cursor() as cursor:
+            cursor.execute(sql, self._params(extra), prepare=True)
             return cursor.fetchone()
 
     def _require(self, sql: str, what: str, **extra: Any) -> None:
