@@ -245,3 +245,6 @@ if RUNDESK_MODEL_PROVIDER == "openai" and not (RUNDESK_MODEL_URL and RUNDESK_MOD
 # is taken by another executor with a higher epoch.
 RUNDESK_LEASE_SECONDS = env_float("RUNDESK_LEASE_SECONDS", 15.0, minimum=1.0)
 RUNDESK_POLL_SECONDS = env_float("RUNDESK_POLL_SECONDS", 1.0, minimum=0.05)
+# How long the runtime keeps asking about a write whose COMMIT got no answer
+# (runs/outcomes.py) before it leaves the outcome unknown for an operator.
+RUNDESK_SETTLE_SECONDS = env_float("RUNDESK_SETTLE_SECONDS", 5.0, minimum=0.0)

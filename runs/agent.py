@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from django.utils import timezone
 
-from runs.dispatch import Dispatcher
-from runs.models import EventKind, Phase, RunStatus, digest
+from runs.checkpoints import AgentState, Checkpointer
+from runs.dispatch import ActionFailed, Dispatcher, NeedsOperator
+from runs.models import AnswerRevision, EventKind, OutcomeKind, Phase, RunStatus, digest
+from runs.outcomes import CommitUnanswered, settle_unanswered
 from runs.providers import COMPARE_INSTRUCTIONS, SUMMARIZE_INSTRUCTIONS, document_block
 from runs.timeline import timeline
 
@@ -24,37 +26,55 @@ class ResearchAgent:
         self.d = dispatcher
         self.run = dispatcher.run
         self.lease = dispatcher.lease
+        self.checkpoints = Checkpointer(dispatcher)
 
     def execute(self) -> None:
-        summaries: list[tuple[str, str]] = []
-        notes: list[str] = []
-        for index, path in enumerate(self.run.documents):
-            if not (self.d.completed(f"read:{index}") or self._may_research(actions_needed=2)):
-                notes.append(f"{path}: not read ({self.run.phase_reason})")
-                continue
-            read = self.d.step(f"read:{index}", "read_document", {"path": path})
-            if "refused" in read:
-                notes.append(f"{path}: {read['refused']}")
-                continue
-            prompt = f"Question: {self.run.question}\n\n" + document_block(path, read["text"])
-            summary = self.d.step(
-                f"summarize:{index}",
-                "model_call",
-                {"messages": _messages(SUMMARIZE_INSTRUCTIONS, prompt)},
-            )
-            summaries.append((path, summary["text"]))
-            if len(summaries) == 1:
-                self._publish(1, _draft(summaries, len(self.run.documents)), is_final=False)
-        final = self._compose(summaries, notes)
-        number = 2 if summaries else 1
+        state = self.checkpoints.resume_state() or AgentState()
+        self.d.steps = state.steps
+        documents = self.run.documents
+        for index in range(state.position, len(documents)):
+            state.position = index
+            self._research(index, documents[index], state)
+        state.position = len(documents)
+        final = self._compose(state)
+        number = 2 if state.summaries else 1
         self._publish(number, final, is_final=True)
         self.d.step("deliver", "deliver_report", {"revision": number, "content": final})
         self.lease.finish(RunStatus.COMPLETED)
         timeline.record(self.run.pk, EventKind.RUN_COMPLETED, f"{self.d.steps} steps")
 
+    def _research(self, index: int, path: str, state: AgentState) -> None:
+        """Reads one document and has the model summarise it.  A read or a
+        summary that fails is noted in the report; the other documents are
+        independent work and go on."""
+        read_key, summary_key = f"read:{index}", f"summarize:{index}"
+        if not (self.d.completed(read_key) or self._may_research(actions_needed=2)):
+            state.notes.append(f"{path}: not read ({self.run.phase_reason})")
+            return
+        try:
+            read = self.d.step(read_key, "read_document", {"path": path})
+            self.checkpoints.after(read_key, state)
+            if "refused" in read:
+                state.notes.append(f"{path}: {read['refused']}")
+                return
+            prompt = f"Question: {self.run.question}\n\n" + document_block(path, read["text"])
+            summary = self.d.step(
+                summary_key, "model_call", {"messages": _messages(SUMMARIZE_INSTRUCTIONS, prompt)}
+            )
+        except ActionFailed as failure:
+            state.notes.append(f"{path}: not included ({failure})")
+            return
+        state.summaries.append((path, summary["text"]))
+        state.receipts[summary_key] = digest(summary)
+        state.position = index + 1
+        if len(state.summaries) == 1:
+            self._publish(1, _draft(state.summaries, len(self.run.documents)), is_final=False)
+        self.checkpoints.after(summary_key, state)
+
     def _may_research(self, *, actions_needed: int) -> bool:
         """Research goes on until the budget or the deadline says finalize.
-        Only those (and cancel or an operator) move a run to finalizing."""
+        Only those (and cancel or an operator) move a run to finalizing: no
+        record-keeping failure does."""
         if self.run.phase != Phase.RESEARCH:
             return False
         reason = ""
@@ -69,24 +89,33 @@ class ResearchAgent:
         timeline.record(self.run.pk, EventKind.PHASE_CHANGED, f"finalizing: {reason}")
         return False
 
-    def _compose(self, summaries: list[tuple[str, str]], notes: list[str]) -> str:
-        if summaries:
+    def _compose(self, state: AgentState) -> str:
+        if state.summaries:
             prompt = f"Question: {self.run.question}\n\n" + "\n\n".join(
-                document_block(path, text) for path, text in summaries
+                document_block(path, text) for path, text in state.summaries
             )
             report = self.d.step(
                 "compose", "model_call", {"messages": _messages(COMPARE_INSTRUCTIONS, prompt)}
             )["text"]
+            self.checkpoints.after("compose", state)
         else:
             report = (
                 f"# {self.run.question}\n\nNo document could be read, so nothing is compared.\n"
             )
-        if notes:
-            report += "\n## Not included\n\n" + "".join(f"- {note}\n" for note in notes)
+        if state.notes:
+            report += "\n## Not included\n\n" + "".join(f"- {note}\n" for note in state.notes)
         return report
 
     def _publish(self, number: int, content: str, *, is_final: bool) -> None:
-        if self.lease.publish_revision(number, content, is_final=is_final):
+        """Commits an answer revision.  If its COMMIT gets no answer, evidence
+        decides: committed goes on, known-not-written is published again,
+        unknown waits for an operator."""
+        try:
+            with self.d.faults.at_commit("publication", self.d.steps):
+                published = self.lease.publish_revision(number, content, is_final=is_final)
+        except CommitUnanswered as unanswered:
+            published = self._settle_publication(number, content, is_final, unanswered)
+        if published:
             timeline.record(
                 self.run.pk,
                 EventKind.REVISION_PUBLISHED,
@@ -94,6 +123,27 @@ class ResearchAgent:
                 number=number,
                 content_digest=digest(content),
             )
+
+    def _settle_publication(
+        self, number: int, content: str, is_final: bool, unanswered: CommitUnanswered
+    ) -> bool:
+        settlement = settle_unanswered(
+            unanswered,
+            lambda: AnswerRevision.objects.filter(
+                run_id=self.run.pk, number=number, content_digest=digest(content)
+            ).exists(),
+            run_id=self.run.pk,
+            kind=OutcomeKind.PUBLICATION,
+            subject=f"publication:run-{self.run.pk}:revision-{number}",
+            lease_epoch=self.lease.epoch,
+            afterwards="the run waits for an operator",
+            revision_number=number,
+        )
+        if settlement.outcome == "unknown":
+            raise NeedsOperator(f"whether revision {number} was published is unknown")
+        if settlement.outcome == "committed":
+            return True
+        return self.lease.publish_revision(number, content, is_final=is_final)
 
 
 def _messages(instructions: str, prompt: str) -> list[dict[str, str]]:

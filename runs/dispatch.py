@@ -15,11 +15,22 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
-from runs.faults import FaultPlan
+from runs.faults import FaultPlan, request_cancel, steal_lease
 from runs.leases import Lease, LeaseLost
-from runs.models import Action, ActionState, EffectClass, EventKind, Run, action_identity, digest
+from runs.models import (
+    Action,
+    ActionState,
+    EffectClass,
+    EventKind,
+    OutcomeKind,
+    Receipt,
+    Run,
+    action_identity,
+    digest,
+)
+from runs.outcomes import CommitUnanswered, open_item, settle_unanswered
 from runs.timeline import timeline
 from runs.tools import TOOLS, OutcomeUnknown, Tool, ToolFailed, ToolRefused
 
@@ -42,13 +53,13 @@ class Dispatcher:
         self.stop = stop
         self.lease_lost = lease_lost
         self.run = Run.objects.get(pk=lease.run_id)
-        self.faults = FaultPlan.parse(self.run.faults)
+        self.faults = FaultPlan.parse(self.run.faults, run_id=self.run.pk)
         # What earlier owners left: every action of the run, with its receipt.
         self.known: dict[str, Action] = {
             a.step_key: a for a in Action.objects.filter(run=self.run).select_related("receipt")
         }
-        # Actions completed by this owner.
-        self.completed_now: set[str] = set()
+        # Actions completed by this owner: step key -> action id.
+        self.completed_now: dict[str, int] = {}
         # Steps taken in this run's sequence, whether dispatched now or settled
         # by a receipt: a resumed run counts exactly as the first owner did.
         self.steps = 0
@@ -76,6 +87,10 @@ class Dispatcher:
         return self._execute(action_id, step_key, tool, input)
 
     def _check_can_dispatch(self) -> None:
+        if self.faults.fire("lease_stolen", self.steps):
+            steal_lease(self.run.pk)
+        if self.faults.fire("cancel", self.steps):
+            request_cancel(self.run.pk)
         if self.stop.is_set():
             raise Stopping()
         if self.lease_lost.is_set():
@@ -136,8 +151,7 @@ class Dispatcher:
                 f"{action.step_key} was dispatched under epoch {action.epoch} and has no "
                 "receipt: the effect may have happened; only its receiver knows"
             )
-            self._mark(action.pk, ActionState.UNKNOWN, reason, EventKind.ACTION_UNKNOWN)
-            raise NeedsOperator(reason)
+            self._effect_unknown(action.pk, action.step_key, reason)
         return None
 
     def _redispatch(self, action: Action) -> None:
@@ -159,17 +173,24 @@ class Dispatcher:
         if delay := self.faults.tool_delay(self.steps):
             time.sleep(delay)
         try:
+            if self.faults.fire("tool_error", self.steps):
+                raise ToolFailed("the tool failed (fault plan: tool_error)")
             result = tool.run(input, action_identity(self.run.pk, step_key))
+            if tool.effect_class == EffectClass.EFFECT and self.faults.fire(
+                "delivery_timeout", self.steps
+            ):
+                raise OutcomeUnknown("delivered, but the answer was lost (fault plan)")
         except ToolRefused as refusal:
             result = {"refused": str(refusal)}
         except OutcomeUnknown as error:
-            self._mark(action_id, ActionState.UNKNOWN, str(error), EventKind.ACTION_UNKNOWN)
-            raise NeedsOperator(f"the outcome of {step_key} is unknown: {error}") from error
+            self._effect_unknown(
+                action_id, step_key, f"the outcome of {step_key} is unknown: {error}"
+            )
         except ToolFailed as error:
             self._mark(action_id, ActionState.FAILED, str(error), EventKind.ACTION_FAILED)
             raise ActionFailed(f"{step_key} failed: {error}") from error
-        result_digest = self.lease.record_receipt(action_id, result)
-        self.completed_now.add(step_key)
+        result_digest = self._record_receipt(action_id, step_key, result)
+        self.completed_now[step_key] = action_id
         timeline.record(
             self.run.pk,
             EventKind.ACTION_COMPLETED,
@@ -178,6 +199,48 @@ class Dispatcher:
             result_digest=result_digest,
         )
         return result
+
+    def _record_receipt(self, action_id: int, step_key: str, result: dict[str, Any]) -> str:
+        """Writes the receipt.  If its COMMIT gets no answer, evidence decides:
+        committed goes on, known-not-written is written again (that is not
+        blind), and what stays unknown waits for an operator."""
+        try:
+            with self.faults.at_commit("receipt", self.steps):
+                return self.lease.record_receipt(action_id, result)
+        except CommitUnanswered as unanswered:
+            settlement = settle_unanswered(
+                unanswered,
+                lambda: Receipt.objects.filter(action_id=action_id).exists(),
+                run_id=self.run.pk,
+                kind=OutcomeKind.RECEIPT,
+                subject=f"receipt:action-{action_id}",
+                lease_epoch=self.lease.epoch,
+                afterwards=f"{step_key} completed; the run waits for an operator",
+                action_id=action_id,
+            )
+        if settlement.outcome == "unknown":
+            raise NeedsOperator(f"whether the receipt of {step_key} committed is unknown")
+        if settlement.outcome == "committed":
+            return digest(result)
+        return self.lease.record_receipt(action_id, result)
+
+    def _effect_unknown(self, action_id: int, step_key: str, reason: str) -> NoReturn:
+        """Only the receiver knows whether an effect happened: an operator
+        settles it with the receiver's evidence."""
+        self._mark(action_id, ActionState.UNKNOWN, reason, EventKind.ACTION_UNKNOWN)
+        open_item(
+            run_id=self.run.pk,
+            kind=OutcomeKind.EFFECT,
+            subject=f"effect:action-{action_id}",
+            summary=reason,
+            evidence={
+                "identity": action_identity(self.run.pk, step_key),
+                "idempotency_key": action_identity(self.run.pk, step_key),
+                "lease_epoch": self.lease.epoch,
+            },
+            action_id=action_id,
+        )
+        raise NeedsOperator(reason)
 
     def _mark(self, action_id: int, state: ActionState, reason: str, kind: EventKind) -> None:
         self.lease.record_action_outcome(action_id, state, reason)

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from django.conf import settings
 from django.db import DatabaseError, connection
 
+from runs import outcomes
 from runs.agent import ResearchAgent
 from runs.dispatch import ActionFailed, Dispatcher, NeedsOperator, Stopping
 from runs.leases import Lease, LeaseLost, new_owner_name
@@ -148,6 +149,15 @@ class Executor:
             worker.join()
         return self.results
 
+    def _sweep(self) -> None:
+        """While idle: ask again about unsettled writes (runs/outcomes.py)."""
+        try:
+            if settled := outcomes.sweep():
+                logger.info("executor: %s unknown outcomes settled by evidence", settled)
+        except DatabaseError as error:
+            logger.warning("executor: sweep failed: %s", error)
+            connection.close()
+
     def _work(self, once: bool) -> None:
         owner = new_owner_name()
         try:
@@ -162,6 +172,7 @@ class Executor:
                 if lease is None:
                     if once:
                         return
+                    self._sweep()
                     self.stop.wait(self.poll_seconds)
                     continue
                 try:

@@ -3,19 +3,70 @@
 A run carries its plan in `Run.faults`, a JSON list of faults, each
 `{"point": NAME, ...}`.  Drills, the demo and the tests use them; the points
 live in the runtime, so what a drill exercises is the code that runs in
-production.  Points:
+production.  "Action K" is the K-th step of the run's sequence (1-based;
+steps settled by a receipt on resume count too).  Every fault but
+`tool_delay` fires at most once per run: it is recorded in
+`Run.faults_fired` in the same statement that decides it fires, so a
+resumed run does not meet it again.
 
-- `tool_delay`: `{"point": "tool_delay", "ms": 300, "action": 2}` sleeps
-  before the tool of the run's 2nd dispatch (every dispatch without
-  "action").  Makes runs slow enough to watch, or to kill mid-way.
+- `tool_delay` `{"ms": 300, "action": 2}`: sleeps before the tool of action
+  2 (of every action without "action").  Makes runs slow enough to watch.
+- `checkpoint_serialize_error` `{"action": K}`: the checkpoint after action
+  K does not serialize (a real TypeError from the JSON encoder), so it
+  fails before anything is written.
+- `drop_connection_at_commit` `{"write": "checkpoint" | "receipt" |
+  "publication", "action": K, "outcome": "committed" | "aborted" | "late"}`:
+  the first such write at or after action K loses its connection while its
+  transaction is in flight, after announcing its xid.  The server side
+  then commits (`committed`), is terminated before COMMIT (`aborted`), or
+  stays in flight for `stall_ms` (default 10000) and commits later (`late`:
+  the writer cannot settle it in time).  The writer gets no answer in all
+  three cases.
+- `lease_stolen` `{"action": K}`: before action K another owner takes the
+  lease (a new epoch, from a second connection).
+- `cancel` `{"action": K}`: before action K a cancel request arrives.
+- `tool_error` `{"action": K}`: the tool of action K fails (known not to
+  have happened) instead of running.
+- `delivery_timeout` `{}`: the report is delivered (the receiver gets it)
+  but the answer is lost.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-POINTS: dict[str, set[str]] = {"tool_delay": {"ms", "action"}}
+import psycopg
+from django.conf import settings
+from django.db import connection
+
+from runs.sql import backend_pid, socket_fd
+
+WRITES = ("checkpoint", "receipt", "publication")
+OUTCOMES = ("committed", "aborted", "late")
+
+# point -> its keys besides "point"
+POINTS: dict[str, set[str]] = {
+    "tool_delay": {"ms", "action"},
+    "checkpoint_serialize_error": {"action"},
+    "drop_connection_at_commit": {"write", "action", "outcome", "stall_ms"},
+    "lease_stolen": {"action"},
+    "cancel": {"action"},
+    "tool_error": {"action"},
+    "delivery_timeout": set(),
+}
+NEEDS_ACTION = {"checkpoint_serialize_error", "drop_connection_at_commit", "lease_stolen"}
+NEEDS_ACTION |= {"cancel", "tool_error"}
+
+# How long the writer's transaction stays in flight after announcing its xid
+# while the fault cuts the connection (the `late` outcome takes stall_ms).
+CUT_STALL_MS = 300
 
 
 class FaultPlanError(ValueError):
@@ -24,44 +75,174 @@ class FaultPlanError(ValueError):
 
 @dataclass(frozen=True)
 class Fault:
+    index: int
     point: str
-    action: int | None
-    ms: int
+    action: int | None = None
+    ms: int = 0
+    write: str = ""
+    outcome: str = ""
+    stall_ms: int = 10_000
+
+    @property
+    def key(self) -> str:
+        return f"{self.index}:{self.point}"
 
 
 @dataclass(frozen=True)
 class FaultPlan:
     faults: tuple[Fault, ...] = ()
+    run_id: int | None = None
 
     @classmethod
-    def parse(cls, raw: Any) -> FaultPlan:
+    def parse(cls, raw: Any, run_id: int | None = None) -> FaultPlan:
         """Validates a plan; the error says what is wrong and where."""
         if raw in (None, ""):
-            return cls()
+            return cls(run_id=run_id)
         if not isinstance(raw, list):
             raise FaultPlanError("a fault plan is a JSON list of faults")
-        faults = []
-        for i, item in enumerate(raw):
-            if not isinstance(item, dict) or item.get("point") not in POINTS:
-                raise FaultPlanError(f"fault {i}: 'point' must be one of {sorted(POINTS)}")
-            unknown = set(item) - POINTS[item["point"]] - {"point"}
-            if unknown:
-                raise FaultPlanError(f"fault {i}: unknown keys {sorted(unknown)}")
-            action, ms = item.get("action"), item.get("ms", 0)
-            if action is not None and (not isinstance(action, int) or action < 1):
-                raise FaultPlanError(f"fault {i}: 'action' must be a positive integer")
-            if not isinstance(ms, int) or not 0 <= ms <= 600_000:
-                raise FaultPlanError(f"fault {i}: 'ms' must be an integer from 0 to 600000")
-            faults.append(Fault(point=item["point"], action=action, ms=ms))
-        return cls(tuple(faults))
+        return cls(tuple(_parse_fault(i, item) for i, item in enumerate(raw)), run_id)
 
-    def tool_delay(self, dispatch: int) -> float:
-        """Seconds to sleep before the tool of the run's `dispatch`-th dispatch."""
-        return (
-            sum(
-                f.ms
-                for f in self.faults
-                if f.point == "tool_delay" and f.action in (None, dispatch)
+    def tool_delay(self, step: int) -> float:
+        """Seconds to sleep before the tool of the run's `step`-th action."""
+        ms = sum(f.ms for f in self.faults if f.point == "tool_delay" and f.action in (None, step))
+        return ms / 1000
+
+    def fire(self, point: str, step: int, *, write: str = "") -> Fault | None:
+        """The fault planned at this point for this step, if it has not fired
+        yet for this run; it is marked fired in the same statement."""
+        for fault in self.faults:
+            if fault.point != point or (write and fault.write != write):
+                continue
+            due = (
+                fault.action is not None and fault.action <= step
+                if point == "drop_connection_at_commit"
+                else fault.action in (None, step)
             )
-            / 1000
+            if due and self._mark_fired(fault):
+                # Imported here: runs.models validates plans with this module.
+                from runs.models import EventKind
+                from runs.timeline import timeline
+
+                timeline.record(
+                    self.run_id,
+                    EventKind.FAULT_INJECTED,
+                    f"{point} at action {step}",
+                    fault=fault.key,
+                )
+                return fault
+        return None
+
+    @contextmanager
+    def at_commit(self, write: str, step: int) -> Iterator[None]:
+        """Around a `write` (checkpoint, receipt, publication): cuts its
+        connection in flight if the plan says so."""
+        fault = self.fire("drop_connection_at_commit", step, write=write)
+        if fault is None:
+            yield
+            return
+        with drop_connection_at_commit(fault, backend_pid(), socket_fd()):
+            yield
+
+    def _mark_fired(self, fault: Fault) -> bool:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "UPDATE runs_run SET faults_fired = array_append(faults_fired, %s) "
+                "WHERE id = %s AND NOT (%s = ANY (faults_fired))",
+                [fault.key, self.run_id, fault.key],
+            )
+            return cursor.rowcount == 1
+
+
+def _parse_fault(i: int, item: Any) -> Fault:
+    if not isinstance(item, dict) or item.get("point") not in POINTS:
+        raise FaultPlanError(f"fault {i}: 'point' must be one of {sorted(POINTS)}")
+    point = item["point"]
+    unknown = set(item) - POINTS[point] - {"point"}
+    if unknown:
+        raise FaultPlanError(f"fault {i}: unknown keys {sorted(unknown)}")
+    action = item.get("action")
+    if point in NEEDS_ACTION and action is None:
+        raise FaultPlanError(f"fault {i}: {point} needs 'action'")
+    if action is not None and (not isinstance(action, int) or action < 1):
+        raise FaultPlanError(f"fault {i}: 'action' must be a positive integer")
+    for key, top in (("ms", 600_000), ("stall_ms", 600_000)):
+        value = item.get(key, 0)
+        if not isinstance(value, int) or not 0 <= value <= top:
+            raise FaultPlanError(f"fault {i}: '{key}' must be an integer from 0 to {top}")
+    fields: dict[str, Any] = {"ms": item.get("ms", 0)}
+    if point == "drop_connection_at_commit":
+        if item.get("write") not in WRITES:
+            raise FaultPlanError(f"fault {i}: 'write' must be one of {list(WRITES)}")
+        if item.get("outcome", "committed") not in OUTCOMES:
+            raise FaultPlanError(f"fault {i}: 'outcome' must be one of {list(OUTCOMES)}")
+        fields.update(
+            write=item["write"],
+            outcome=item.get("outcome", "committed"),
+            stall_ms=item.get("stall_ms", 10_000),
         )
+    return Fault(index=i, point=point, action=action, **fields)
+
+
+# -- what the faults do -----------------------------------------------------------
+
+
+def _side_connection() -> psycopg.Connection[Any]:
+    """A second connection, as another process would have."""
+    params = connection.get_connection_params()
+    params["application_name"] = "rundesk:fault-plan"
+    return psycopg.connect(**params, autocommit=True)
+
+
+def steal_lease(run_id: int) -> None:
+    """Another owner takes the run: a new epoch, from a second connection."""
+    with _side_connection() as side:
+        side.execute(
+            "UPDATE runs_run SET lease_owner = 'fault-plan:thief', lease_epoch = lease_epoch + 1,"
+            " lease_expires_at = now() + make_interval(secs => %s)"
+            " WHERE id = %s AND status = 'running'",
+            (settings.RUNDESK_LEASE_SECONDS, run_id),
+        )
+
+
+def request_cancel(run_id: int) -> None:
+    with _side_connection() as side:
+        side.execute(
+            "UPDATE runs_run SET cancel_requested_at = now()"
+            " WHERE id = %s AND cancel_requested_at IS NULL",
+            (run_id,),
+        )
+
+
+@contextmanager
+def drop_connection_at_commit(fault: Fault, pid: int, fd: int) -> Iterator[None]:
+    """Around one write on this thread's connection (backend `pid`, socket
+    `fd`): the write's transaction stays in flight after it announces its
+    xid; meanwhile a second connection waits for that moment and cuts the
+    writer's connection.  The writer sees a lost connection, no answer."""
+    stall = fault.stall_ms if fault.outcome == "late" else CUT_STALL_MS
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('rundesk.stall_after_announce_ms', %s, false)", [stall])
+    cutter = threading.Thread(target=_cut, args=(fault.outcome, pid, fd), daemon=True)
+    cutter.start()
+    try:
+        yield
+    finally:
+        cutter.join()
+
+
+def _cut(outcome: str, pid: int, fd: int) -> None:
+    with _side_connection() as side:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            waiting = side.execute(
+                "SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)
+            ).fetchone()
+            if waiting and waiting[0] == "PgSleep":
+                break
+            time.sleep(0.005)
+        # The client's end goes first: whatever the server does next, the
+        # writer hears nothing more.
+        with socket.socket(fileno=os.dup(fd)) as writer_end:
+            writer_end.shutdown(socket.SHUT_RDWR)
+        if outcome == "aborted":
+            side.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))

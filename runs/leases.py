@@ -27,6 +27,7 @@ from django.db.models.functions import Coalesce, Now
 from psycopg.types.json import Jsonb
 
 from runs.models import ActionState, Phase, Run, RunStatus, digest
+from runs.outcomes import unanswered_as
 from runs.sql import server_cursor
 
 # The run row, locked FOR SHARE, as long as the caller still owns it.  Cancel
@@ -123,6 +124,9 @@ class Lease:
                  AND status = 'running'"""
         )
 
+    def held(self) -> bool:
+        return self._execute(OWNED)
+
     def cancel_requested(self) -> bool:
         return Run.objects.filter(pk=self.run_id, cancel_requested_at__isnull=False).exists()
 
@@ -167,23 +171,26 @@ class Lease:
     def record_receipt(self, action_id: int, result: dict[str, Any]) -> str:
         """The fact that the action completed, with the action's state, in one
         statement.  The receipt copies the action's identity from its row.
-        Returns the result's digest."""
+        Returns the result's digest.  A lost connection raises
+        CommitUnanswered: the caller settles it (runs/outcomes.py)."""
         result_digest = digest(result)
-        self._require(
-            f"""WITH completed AS (
-                    UPDATE runs_action SET state = 'completed', finished_at = now()
-                    WHERE id = %(action)s AND run_id = %(run)s AND epoch = %(epoch)s
-                      AND state = 'dispatched' AND EXISTS ({OWNED})
-                    RETURNING id, run_id, step_key)
-                INSERT INTO runs_receipt (action_id, run_id, step_key, result, result_digest,
-                    epoch, created_at)
-                SELECT id, run_id, step_key, %(result)s, %(result_digest)s, %(epoch)s, now()
-                FROM completed""",
-            f"receipt of action {action_id}",
-            action=action_id,
-            result=Jsonb(result),
-            result_digest=result_digest,
-        )
+        with unanswered_as(f"receipt of action {action_id}"):
+            self._require(
+                f"""WITH completed AS (
+                        UPDATE runs_action SET state = 'completed', finished_at = now()
+                        WHERE id = %(action)s AND run_id = %(run)s AND epoch = %(epoch)s
+                          AND state = 'dispatched' AND EXISTS ({OWNED})
+                        RETURNING id, run_id, step_key)
+                    INSERT INTO runs_receipt (action_id, run_id, step_key, result,
+                        result_digest, epoch, xid, created_at)
+                    SELECT id, run_id, step_key, %(result)s, %(result_digest)s, %(epoch)s,
+                        rundesk_announce_xid(), now()
+                    FROM completed""",
+                f"receipt of action {action_id}",
+                action=action_id,
+                result=Jsonb(result),
+                result_digest=result_digest,
+            )
         return result_digest
 
     def record_action_outcome(self, action_id: int, state: ActionState, error: str) -> None:
@@ -202,20 +209,22 @@ class Lease:
     def publish_revision(self, number: int, content: str, *, is_final: bool) -> bool:
         """Commits an answer revision readers can read back.  Returns False if
         this revision was already published (a resumed run), with the same
-        content; a different content under the same number is an error."""
-        row = self._fetch(
-            f"""INSERT INTO runs_answerrevision (run_id, number, content, content_digest,
-                    is_final, epoch, committed_at)
-                SELECT %(run)s, %(number)s, %(content)s, %(content_digest)s, %(is_final)s,
-                    %(epoch)s, now()
-                FROM ({OWNED_NOT_CANCELLED}) AS owned
-                ON CONFLICT (run_id, number) DO NOTHING
-                RETURNING id""",
-            number=number,
-            content=content,
-            content_digest=digest(content),
-            is_final=is_final,
-        )
+        content; a different content under the same number is an error.
+        A lost connection raises CommitUnanswered."""
+        with unanswered_as(f"publication of revision {number}"):
+            row = self._fetch(
+                f"""INSERT INTO runs_answerrevision (run_id, number, content, content_digest,
+                        is_final, epoch, xid, committed_at)
+                    SELECT %(run)s, %(number)s, %(content)s, %(content_digest)s, %(is_final)s,
+                        %(epoch)s, rundesk_announce_xid(), now()
+                    FROM ({OWNED_NOT_CANCELLED}) AS owned
+                    ON CONFLICT (run_id, number) DO NOTHING
+                    RETURNING id""",
+                number=number,
+                content=content,
+                content_digest=digest(content),
+                is_final=is_final,
+            )
         if row:
             return True
         existing = self._fetch(
@@ -228,6 +237,25 @@ class Lease:
         if existing[0] != digest(content):
             raise ValueError(f"revision {number} of run {self.run_id} exists with other content")
         return False
+
+    def save_checkpoint(
+        self, *, after_action: int, number: int, state: str, state_digest: str
+    ) -> None:
+        """Saves the agent's state (JSON text) in its own statement: never in
+        a receipt's transaction.  A lost connection raises CommitUnanswered."""
+        with unanswered_as(f"checkpoint {number}"):
+            self._require(
+                f"""INSERT INTO runs_checkpoint (run_id, after_action_id, number, epoch,
+                        outcome, state, state_digest, xid, error, resolution, created_at)
+                    SELECT %(run)s, %(action)s, %(number)s, %(epoch)s, 'committed',
+                        %(state)s::jsonb, %(state_digest)s, rundesk_announce_xid(), '', '', now()
+                    FROM ({OWNED}) AS owned""",
+                f"checkpoint {number}",
+                action=after_action,
+                number=number,
+                state=state,
+                state_digest=state_digest,
+            )
 
     def enter_phase(self, phase: Phase, reason: str) -> None:
         self._require(

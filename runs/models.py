@@ -1,4 +1,5 @@
-"""Runs, actions, receipts, answer revisions and the run timeline.
+"""Runs, actions, receipts, answer revisions, checkpoints, unknown outcomes
+and the run timeline.
 
 The rules a run lives by (DESIGN.md) are enforced here by the database
 itself where it can: identities are unique, receipts and answer revisions
@@ -102,6 +103,9 @@ class Run(models.Model):
     # The fault plan (runs/faults.py): faults injected at named points of the
     # real code path, for drills, demos and tests.
     faults = models.JSONField(default=list, blank=True)
+    # Each fault fires at most once per run (runs/faults.py): a resumed run
+    # does not meet it again.
+    faults_fired = ArrayField(models.CharField(max_length=100), default=list, blank=True)
 
     lease_owner = models.CharField(max_length=200, blank=True)
     lease_epoch = models.BigIntegerField(default=0)
@@ -221,6 +225,7 @@ class Receipt(models.Model):
     result = models.JSONField()
     result_digest = models.CharField(max_length=64)
     epoch = models.BigIntegerField()
+    xid = models.BigIntegerField(null=True, help_text="Transaction that wrote it (announced)")
     created_at = models.DateTimeField(db_default=Now())
 
     class Meta:
@@ -247,6 +252,7 @@ class AnswerRevision(models.Model):
     content_digest = models.CharField(max_length=64)
     is_final = models.BooleanField(default=False)
     epoch = models.BigIntegerField()
+    xid = models.BigIntegerField(null=True, help_text="Transaction that wrote it (announced)")
     committed_at = models.DateTimeField(db_default=Now())
 
     class Meta:
@@ -261,6 +267,113 @@ class AnswerRevision(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} revision {self.number}"
+
+
+class CheckpointOutcome(models.TextChoices):
+    COMMITTED = "committed"
+    FAILED_BEFORE_WRITE = "failed_before_write"  # known not written
+    UNKNOWN = "unknown"  # COMMIT sent, no answer: only evidence settles it
+    RESOLVED_COMMITTED = "resolved_committed"
+    RESOLVED_NOT_WRITTEN = "resolved_not_written"
+
+
+class Checkpoint(models.Model):
+    """A save of the agent's state after a completed action (recovery
+    class: it supports continuing, it never overrides a receipt).  A row is
+    the checkpoint itself (its `state` is set: the checkpoint transaction
+    wrote it) or the record of an attempt that did not write one, or whose
+    outcome was unknown (no state).  Only `outcome`, `resolved_at` and
+    `resolution` ever change (a trigger, migration 0004)."""
+
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="checkpoints")
+    after_action = models.ForeignKey(Action, on_delete=models.PROTECT, related_name="checkpoints")
+    number = models.PositiveIntegerField(help_text="The run's step count when it was saved")
+    epoch = models.BigIntegerField()
+    outcome = models.CharField(max_length=30, choices=CheckpointOutcome)
+    state = models.JSONField(null=True, blank=True)
+    state_digest = models.CharField(max_length=64, blank=True)
+    xid = models.BigIntegerField(null=True, help_text="Transaction id announced before COMMIT")
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+    resolved_at = models.DateTimeField(null=True, blank=True)
+    resolution = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["run", "number", "id"]
+        constraints = [
+            # One saved state per checkpoint number: rows that only record an
+            # attempt's outcome are not in it, so recording an unknown outcome
+            # never waits on (or collides with) a transaction still in flight.
+            models.UniqueConstraint(
+                fields=["run", "number"],
+                condition=Q(state__isnull=False),
+                name="checkpoint_one_state_per_number",
+            ),
+            models.CheckConstraint(
+                condition=Q(state__isnull=True)
+                | Q(outcome__in=["committed", "resolved_committed"]),
+                name="checkpoint_state_only_if_written",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} checkpoint {self.number} ({self.outcome})"
+
+
+class OutcomeKind(models.TextChoices):
+    CHECKPOINT = "checkpoint"
+    RECEIPT = "receipt"
+    PUBLICATION = "publication"
+    EFFECT = "effect"
+
+
+class OutcomeState(models.TextChoices):
+    OPEN = "open"
+    RESOLVED = "resolved"
+
+
+class OutcomeItem(models.Model):
+    """Something the runtime could not settle itself: a write whose COMMIT
+    got no answer and whose evidence is inconclusive, or an effect whose
+    answer was lost (only its receiver knows).  It stays open until evidence
+    or an operator settles it; it is never guessed."""
+
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="outcome_items")
+    kind = models.CharField(max_length=20, choices=OutcomeKind)
+    # What it is about, stable: one item per subject, e.g. "effect:action-12".
+    subject = models.CharField(max_length=100, unique=True)
+    action = models.ForeignKey(
+        Action, on_delete=models.PROTECT, related_name="outcome_items", null=True, blank=True
+    )
+    checkpoint = models.ForeignKey(
+        Checkpoint, on_delete=models.PROTECT, related_name="outcome_items", null=True, blank=True
+    )
+    revision_number = models.PositiveIntegerField(null=True, blank=True)
+    xid = models.BigIntegerField(null=True, blank=True)
+    summary = models.TextField()
+    evidence = models.JSONField(default=dict)
+    state = models.CharField(max_length=10, choices=OutcomeState, default=OutcomeState.OPEN)
+    resolution = models.TextField(blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+    resolved_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(state=OutcomeState.OPEN, resolved_at__isnull=True)
+                | Q(state=OutcomeState.RESOLVED, resolved_at__isnull=False),
+                name="outcome_resolved_has_time",
+            ),
+        ]
+        indexes = [
+            models.Index(
+                fields=["created_at"], name="outcome_open_idx", condition=Q(state=OutcomeState.OPEN)
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.subject} ({self.state})"
 
 
 class EventKind(models.TextChoices):
@@ -282,6 +395,14 @@ class EventKind(models.TextChoices):
     RUN_COMPLETED = "run_completed"
     RUN_FAILED = "run_failed"
     RUN_CANCELLED = "run_cancelled"
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    CHECKPOINT_FAILED = "checkpoint_failed"  # failed before write: handled locally
+    CHECKPOINT_USED = "checkpoint_used"  # a resumed run continued from it
+    CHECKPOINT_IGNORED = "checkpoint_ignored"  # its state disagreed with the receipts
+    COMMIT_UNANSWERED = "commit_unanswered"  # outcome unknown, xid recorded
+    OUTCOME_SETTLED = "outcome_settled"  # by pg_xact_status or a probe
+    OUTCOME_OPEN = "outcome_open"  # left for an operator
+    FAULT_INJECTED = "fault_injected"
     EVENTS_LOST = "events_lost"  # an honest gap in this timeline
 
 

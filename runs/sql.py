@@ -1,4 +1,6 @@
-"""Direct SQL on Django's own database connection, for the hot paths."""
+"""Direct SQL on Django's own database connection, for the hot paths, and
+what the runtime learns about that connection: its backend pid, and the
+transaction id a write announced before its COMMIT (migration 0004)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,21 @@ from typing import Any
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, connections
 
-_cursors = threading.local()
+ANNOUNCE_PREFIX = "rundesk:xid "
+
+
+class _Session(threading.local):
+    cursor: psycopg.Cursor[Any] | None = None
+    announced_xid: int | None = None
+
+
+_session = _Session()
+
+
+def _on_notice(diagnostic: psycopg.errors.Diagnostic) -> None:
+    message = diagnostic.message_primary or ""
+    if message.startswith(ANNOUNCE_PREFIX):
+        _session.announced_xid = int(message.removeprefix(ANNOUNCE_PREFIX))
 
 
 @contextmanager
@@ -23,8 +39,38 @@ def server_cursor() -> Iterator[psycopg.Cursor[Any]]:
     statements per step through it."""
     db = connections[DEFAULT_DB_ALIAS]
     db.ensure_connection()
-    cursor = getattr(_cursors, "cursor", None)
+    cursor = _session.cursor
     if cursor is None or cursor.connection is not db.connection or cursor.closed:
-        cursor = _cursors.cursor = psycopg.Cursor(db.connection)
+        db.connection.add_notice_handler(_on_notice)
+        cursor = _session.cursor = psycopg.Cursor(db.connection)
     with db.wrap_database_errors:
         yield cursor
+
+
+def backend_pid() -> int:
+    """The server process of this thread's connection (connecting if needed)."""
+    db = connections[DEFAULT_DB_ALIAS]
+    db.ensure_connection()
+    return db.connection.info.backend_pid
+
+
+def socket_fd() -> int:
+    db = connections[DEFAULT_DB_ALIAS]
+    db.ensure_connection()
+    return db.connection.pgconn.socket
+
+
+def connection_lost() -> bool:
+    """True when this thread's connection is gone (closed or broken): a
+    write that was under way got no answer."""
+    raw = connections[DEFAULT_DB_ALIAS].connection
+    return raw is None or raw.closed or raw.broken
+
+
+def forget_announced_xid() -> None:
+    _session.announced_xid = None
+
+
+def announced_xid() -> int | None:
+    """The transaction id the last write on this thread announced, if any."""
+    return _session.announced_xid

@@ -120,8 +120,15 @@ class Timeline:
                 except queue.Empty:
                     break
             stopping = None in items
+            events = [item for item in items if isinstance(item, Event)]
             try:
-                self._write([item for item in items if isinstance(item, Event)])
+                self._write(events)
+            except Exception:
+                # The writer must outlive anything: what it could not write
+                # is counted, and becomes a gap row with the next batch.
+                logger.exception("timeline: writer failed")
+                with self._lock:
+                    self._lost.update((event.run_id, "writer_error") for event in events)
             finally:
                 for item in items:
                     if isinstance(item, threading.Event):

@@ -25,6 +25,14 @@ def _stop_timeline(django_db_setup: None, django_db_blocker: object) -> Iterator
     timeline.stop()
 
 
+@pytest.fixture(autouse=True)
+def _timeline_written() -> Iterator[None]:
+    """Each test's events are written before the next test starts (the next
+    one may not be allowed to touch the database)."""
+    yield
+    timeline.flush()
+
+
 class Journal:
     """The tool journal: one line per real tool execution, written outside
     the database.  Counting lines counts executions."""

@@ -118,7 +118,7 @@ def test_stale_owner_dispatches_nothing_more_and_the_new_owner_completes(journal
     )
     stale = Lease.claim(run.pk, "old-owner")
     thread, out = in_thread(drive, stale, threading.Event())
-    wait_for(lambda: Receipt.objects.filter(run=run, step_key="read:0").exists())
+    wait_for(lambda: Action.objects.filter(run=run, step_key="summarize:0").exists())
     expire(run)
     Run.objects.filter(pk=run.pk).update(faults=[])
     new = Lease.claim(run.pk, "new-owner")
@@ -145,7 +145,7 @@ def test_cancel_request_stops_new_dispatches_and_keeps_completed_facts(journal):
     )
     lease = Lease.claim(run.pk, "owner")
     thread, out = in_thread(drive, lease, threading.Event())
-    wait_for(lambda: Receipt.objects.filter(run=run, step_key="read:0").exists())
+    wait_for(lambda: Action.objects.filter(run=run, step_key="summarize:0").exists())
     Run.objects.filter(pk=run.pk).update(cancel_requested_at=timezone.now())
     thread.join()
     assert out == [RunStatus.CANCELLED]

@@ -55,7 +55,14 @@ def test_sigkill_mid_run_then_another_executor_completes_without_replay(process_
     assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
     assert Receipt.objects.filter(run=run).count() == 8
     assert run.events.filter(kind=EventKind.RESUMED).exists()
-    assert run.events.filter(kind=EventKind.ACTION_REUSED).count() == len(done_before_kill)
+    # The second owner went on from the newest checkpoint and the receipts
+    # after it: no action completed before the kill was dispatched again.
+    assert run.events.filter(kind=EventKind.CHECKPOINT_USED).exists()
+    assert not run.events.filter(
+        kind__in=[EventKind.ACTION_DISPATCHED, EventKind.ACTION_REDISPATCHED],
+        action__step_key__in=done_before_kill,
+        data__epoch=2,
+    ).exists()
 
 
 def test_effect_with_boundary_and_no_receipt_is_marked_unknown_never_sent_again(

@@ -1,0 +1,77 @@
+# A fact or recovery write announces its transaction id before it commits,
+# so a writer whose COMMIT gets no answer still knows which transaction to
+# ask pg_xact_status() about (runs/outcomes.py).  INFO messages go to the
+# client whatever client_min_messages says, and the server flushes them at
+# once, ahead of the COMMIT.
+#
+# `rundesk.stall_after_announce_ms` is the fault plan's hook for
+# drop_connection_at_commit (runs/faults.py): the transaction stays open for
+# that long after announcing, so the fault can cut the connection while it
+# is in flight.  Unset, it costs one lookup.
+#
+# Checkpoints are records: only their outcome (committed or unknown, once
+# settled) and its resolution change; nothing deletes them or outcome items.
+
+from django.db import migrations
+
+ANNOUNCE = """
+CREATE FUNCTION rundesk_announce_xid() RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    xid xid8 := pg_current_xact_id();
+    stall text := current_setting('rundesk.stall_after_announce_ms', true);
+BEGIN
+    RAISE INFO 'rundesk:xid %', xid;
+    IF stall IS NOT NULL AND stall <> '' THEN
+        PERFORM pg_sleep(stall::numeric / 1000);
+    END IF;
+    RETURN xid::text::bigint;
+END
+$$;
+"""
+
+CHECKPOINT_RULES = """
+CREATE FUNCTION rundesk_checkpoint_change() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'DELETE' THEN
+        RAISE EXCEPTION 'rundesk: DELETE on runs_checkpoint is refused: checkpoints are records'
+            USING ERRCODE = 'restrict_violation';
+    END IF;
+    IF (NEW.run_id, NEW.after_action_id, NEW.number, NEW.epoch, NEW.state, NEW.state_digest,
+        NEW.xid, NEW.error, NEW.created_at)
+       IS DISTINCT FROM
+       (OLD.run_id, OLD.after_action_id, OLD.number, OLD.epoch, OLD.state, OLD.state_digest,
+        OLD.xid, OLD.error, OLD.created_at)
+    THEN
+        RAISE EXCEPTION 'rundesk: a checkpoint''s content cannot change, only its outcome'
+            USING ERRCODE = 'restrict_violation';
+    END IF;
+    IF NEW.outcome IS DISTINCT FROM OLD.outcome AND NOT (
+        (OLD.outcome = 'committed' AND NEW.outcome = 'resolved_committed')
+        OR (OLD.outcome = 'unknown'
+            AND NEW.outcome IN ('resolved_committed', 'resolved_not_written'))
+    ) THEN
+        RAISE EXCEPTION 'rundesk: checkpoint outcome % cannot become %', OLD.outcome, NEW.outcome
+            USING ERRCODE = 'restrict_violation';
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER runs_checkpoint_rules BEFORE UPDATE OR DELETE ON runs_checkpoint
+    FOR EACH ROW EXECUTE FUNCTION rundesk_checkpoint_change();
+CREATE TRIGGER runs_outcomeitem_kept BEFORE DELETE ON runs_outcomeitem
+    FOR EACH ROW EXECUTE FUNCTION rundesk_refuse_change();
+"""
+
+
+class Migration(migrations.Migration):
+    dependencies = [("runs", "0003_checkpoints_outcomes")]
+
+    operations = [
+        migrations.RunSQL(ANNOUNCE, "DROP FUNCTION rundesk_announce_xid();"),
+        migrations.RunSQL(
+            CHECKPOINT_RULES,
+            "DROP TRIGGER runs_outcomeitem_kept ON runs_outcomeitem;"
+            "DROP TRIGGER runs_checkpoint_rules ON runs_checkpoint;"
+            "DROP FUNCTION rundesk_checkpoint_change();",
+        ),
+    ]

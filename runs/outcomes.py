@@ -1,0 +1,270 @@
+"""Writes whose COMMIT got no answer, and how the runtime settles them.
+
+A fact write (receipt, answer revision) or recovery write (checkpoint)
+announces its transaction id before it commits (migration 0004).  If the
+connection is lost before the answer comes, the outcome is unknown:
+`CommitUnanswered` carries the xid and the writer's backend pid.  Once the
+database answers again, `settle()` asks it:
+
+- pg_xact_status(xid) = committed: committed, once a probe reads the row back;
+- aborted: known not written;
+- in progress: the orphaned backend is still at work and may hold locks:
+  wait, and ask again;
+- no status (no xid was announced, or it is too old to tell): probe by the
+  write's identity once the old backend is gone.  These rows are never
+  deleted, so a row found is committed, and a row absent after its writer
+  ended was not written.
+
+What is still unsettled when patience runs out stays `unknown`: an
+OutcomeItem for an operator.  Nothing here ever treats unknown as not
+written, and nothing writes an unknown write again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from django.conf import settings
+from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
+from django.utils import timezone
+
+from runs.models import (
+    AnswerRevision,
+    Checkpoint,
+    CheckpointOutcome,
+    EventKind,
+    OutcomeItem,
+    OutcomeKind,
+    OutcomeState,
+    Receipt,
+)
+from runs.sql import announced_xid, backend_pid, connection_lost, forget_announced_xid
+from runs.timeline import timeline
+
+
+class CommitUnanswered(OperationalError):
+    """A write was sent and no answer came: it may or may not have committed."""
+
+    def __init__(self, what: str, xid: int | None, pid: int | None, error: str) -> None:
+        super().__init__(f"{what}: no answer from the database ({error})")
+        self.what, self.xid, self.pid, self.error = what, xid, pid, error
+
+
+@contextmanager
+def unanswered_as(what: str) -> Iterator[None]:
+    """Turns the loss of the connection during a write into CommitUnanswered
+    (with the xid the write announced, if it got that far).  An error the
+    database answered with is re-raised as it is."""
+    forget_announced_xid()
+    pid = backend_pid()
+    try:
+        yield
+    except DatabaseError as error:
+        if not connection_lost():
+            raise
+        xid = announced_xid()
+        connection.close()
+        raise CommitUnanswered(what, xid, pid, str(error).strip()) from error
+
+
+@dataclass
+class Settlement:
+    outcome: Literal["committed", "not_written", "unknown"]
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        last = self.evidence["checks"][-1] if self.evidence.get("checks") else {}
+        return (
+            f"{self.outcome}: xid {self.evidence.get('xid')} status "
+            f"{last.get('xid_status')!s}, row found: {last.get('row_found')}, "
+            f"writer's backend alive: {last.get('backend_alive')}"
+        )
+
+
+def xact_status(xid: int) -> str | None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_xact_status(%s::text::xid8)", [str(xid)])
+        return cursor.fetchone()[0]
+
+
+def backend_alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s)", [pid])
+        return cursor.fetchone()[0]
+
+
+def settle(
+    unanswered: CommitUnanswered, probe: Callable[[], bool], *, patience: float | None = None
+) -> Settlement:
+    """Asks the database what became of an unanswered write, waiting while
+    its transaction is still in flight, for at most `patience` seconds."""
+    patience = settings.RUNDESK_SETTLE_SECONDS if patience is None else patience
+    xid, pid = unanswered.xid, unanswered.pid
+    evidence: dict[str, Any] = {"xid": xid, "backend_pid": pid, "error": unanswered.error}
+    checks: list[dict[str, Any]] = []
+    evidence["checks"] = checks
+    deadline = time.monotonic() + patience
+    delay = 0.02
+    while True:
+        try:
+            status = xact_status(xid) if xid is not None else None
+            alive = backend_alive(pid)
+            found = probe()
+        except DatabaseError as error:
+            # The database does not answer yet: keep asking until patience ends.
+            connection.close()
+            checks.append({"at": timezone.now().isoformat(), "error": str(error).strip()})
+        else:
+            checks.append(
+                {
+                    "at": timezone.now().isoformat(),
+                    "xid_status": status,
+                    "backend_alive": alive,
+                    "row_found": found,
+                }
+            )
+            if status == "committed" and found:
+                return Settlement("committed", evidence)
+            if status == "aborted" and not found:
+                return Settlement("not_written", evidence)
+            if status is None and not alive:
+                return Settlement("committed" if found else "not_written", evidence)
+        if time.monotonic() >= deadline:
+            return Settlement("unknown", evidence)
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def open_item(
+    *,
+    run_id: int,
+    kind: OutcomeKind,
+    subject: str,
+    summary: str,
+    evidence: dict[str, Any],
+    **about: Any,
+) -> OutcomeItem:
+    """Records something only evidence or an operator can settle.  One item
+    per subject: asking twice returns the first."""
+    try:
+        with transaction.atomic():
+            item = OutcomeItem.objects.create(
+                run_id=run_id,
+                kind=kind,
+                subject=subject,
+                summary=summary,
+                evidence=evidence,
+                **about,
+            )
+    except IntegrityError:
+        return OutcomeItem.objects.get(subject=subject)
+    timeline.record(run_id, EventKind.OUTCOME_OPEN, f"{kind}: {summary}", subject=subject)
+    return item
+
+
+def settle_unanswered(
+    unanswered: CommitUnanswered,
+    probe: Callable[[], bool],
+    *,
+    run_id: int,
+    kind: OutcomeKind,
+    subject: str,
+    lease_epoch: int,
+    afterwards: str,
+    **about: Any,
+) -> Settlement:
+    """Says on the timeline that a write got no answer, settles it by
+    evidence, and opens an item for an operator when evidence cannot."""
+    timeline.record(
+        run_id,
+        EventKind.COMMIT_UNANSWERED,
+        f"{unanswered.what}: COMMIT sent, no answer; xid {unanswered.xid}",
+        xid=unanswered.xid,
+    )
+    settlement = settle(unanswered, probe)
+    if settlement.outcome == "unknown":
+        open_item(
+            run_id=run_id,
+            kind=kind,
+            subject=subject,
+            summary=f"{unanswered.what}: COMMIT sent, no answer, and the evidence does not "
+            "settle it",
+            evidence={**settlement.evidence, "lease_epoch": lease_epoch, "afterwards": afterwards},
+            xid=unanswered.xid,
+            **about,
+        )
+    else:
+        timeline.record(
+            run_id, EventKind.OUTCOME_SETTLED, f"{unanswered.what}: {settlement.describe()}"
+        )
+    return settlement
+
+
+def resolve_item(item: OutcomeItem, resolution: str, evidence: dict[str, Any]) -> bool:
+    """Settles an open item once; False if it was already settled."""
+    changed = OutcomeItem.objects.filter(pk=item.pk, state=OutcomeState.OPEN).update(
+        state=OutcomeState.RESOLVED,
+        resolution=resolution,
+        resolved_at=timezone.now(),
+        evidence={**item.evidence, "settled_by": evidence},
+    )
+    if changed:
+        timeline.record(item.run_id, EventKind.OUTCOME_SETTLED, f"{item.subject}: {resolution}")
+    return bool(changed)
+
+
+def settle_checkpoint(record: Checkpoint, settlement: Settlement) -> None:
+    """Writes what the evidence says on a checkpoint whose outcome was unknown."""
+    if settlement.outcome == "unknown":
+        return
+    outcome = (
+        CheckpointOutcome.RESOLVED_COMMITTED
+        if settlement.outcome == "committed"
+        else CheckpointOutcome.RESOLVED_NOT_WRITTEN
+    )
+    Checkpoint.objects.filter(pk=record.pk, outcome=CheckpointOutcome.UNKNOWN).update(
+        outcome=outcome, resolved_at=timezone.now(), resolution=settlement.describe()
+    )
+
+
+def written(item: OutcomeItem) -> bool:
+    """Probe by identity: is the write an item is about readable now?"""
+    if item.kind == OutcomeKind.RECEIPT:
+        return Receipt.objects.filter(action_id=item.action_id).exists()
+    if item.kind == OutcomeKind.PUBLICATION:
+        return AnswerRevision.objects.filter(
+            run_id=item.run_id, number=item.revision_number
+        ).exists()
+    if item.kind == OutcomeKind.CHECKPOINT:
+        return Checkpoint.objects.filter(
+            run_id=item.run_id, number=item.checkpoint.number, state__isnull=False
+        ).exists()
+    raise ValueError(f"{item.kind} items are settled by their receiver, not by a probe")
+
+
+def sweep() -> int:
+    """Asks again about open checkpoint, receipt and publication items (an
+    orphaned transaction may have ended since).  Effects are never settled
+    here: only their receiver knows.  Returns how many were settled."""
+    settled = 0
+    items = OutcomeItem.objects.filter(
+        state=OutcomeState.OPEN,
+        kind__in=[OutcomeKind.CHECKPOINT, OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION],
+    ).select_related("checkpoint")
+    for item in items:
+        pid = item.evidence.get("backend_pid")
+        asked = CommitUnanswered(item.subject, item.xid, pid, "asked again by the sweep")
+        settlement = settle(asked, lambda item=item: written(item), patience=0)
+        if settlement.outcome == "unknown":
+            continue
+        if item.checkpoint is not None:
+            settle_checkpoint(item.checkpoint, settlement)
+        if resolve_item(item, settlement.describe(), settlement.evidence):
+            settled += 1
+    return settled
