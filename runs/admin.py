@@ -1,5 +1,6 @@
-"""Admin for every model.  Receipts, answer revisions and events are facts
-or history: the admin shows them and never offers to change or delete them."""
+"""Admin for every model.  Receipts, answer revisions, checkpoints, outcome
+items and events are facts or records: the admin shows them and never offers
+to change or delete them (outcome items are decided in the operators' inbox)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from typing import Any
 from django.contrib import admin
 from django.http import HttpRequest
 
-from runs.models import Action, AnswerRevision, Receipt, Run, RunEvent
+from runs.models import (
+    Action,
+    AnswerRevision,
+    Checkpoint,
+    OutcomeItem,
+    Receipt,
+    Run,
+    RunEvent,
+)
 
 
 class ReadOnlyAdmin(admin.ModelAdmin):
@@ -69,4 +78,19 @@ class AnswerRevisionAdmin(ReadOnlyAdmin):
 class RunEventAdmin(ReadOnlyAdmin):
     list_display = ["run", "kind", "message", "created_at"]
     list_filter = ["kind"]
+    list_select_related = ["run"]
+
+
+@admin.register(Checkpoint)
+class CheckpointAdmin(ReadOnlyAdmin):
+    list_display = ["run", "number", "after_action", "outcome", "xid", "epoch", "created_at"]
+    list_filter = ["outcome"]
+    list_select_related = ["run", "after_action"]
+
+
+@admin.register(OutcomeItem)
+class OutcomeItemAdmin(ReadOnlyAdmin):
+    list_display = ["subject", "run", "kind", "state", "xid", "created_at", "resolved_at"]
+    list_filter = ["state", "kind"]
+    search_fields = ["subject", "summary"]
     list_select_related = ["run"]

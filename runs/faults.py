@@ -221,7 +221,9 @@ def drop_connection_at_commit(fault: Fault, pid: int, fd: int) -> Iterator[None]
     writer's connection.  The writer sees a lost connection, no answer."""
     stall = fault.stall_ms if fault.outcome == "late" else CUT_STALL_MS
     with connection.cursor() as cursor:
-        cursor.execute("SELECT set_config('rundesk.stall_after_announce_ms', %s, false)", [stall])
+        cursor.execute(
+            "SELECT set_config('rundesk.stall_after_announce_ms', %s, false)", [str(stall)]
+        )
     cutter = threading.Thread(target=_cut, args=(fault.outcome, pid, fd), daemon=True)
     cutter.start()
     try:

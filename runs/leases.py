@@ -184,7 +184,7 @@ class Lease:
                     INSERT INTO runs_receipt (action_id, run_id, step_key, result,
                         result_digest, epoch, xid, created_at)
                     SELECT id, run_id, step_key, %(result)s, %(result_digest)s, %(epoch)s,
-                        rundesk_announce_xid(), now()
+                        rundesk_xid(false), now()
                     FROM completed""",
                 f"receipt of action {action_id}",
                 action=action_id,
@@ -216,7 +216,7 @@ class Lease:
                 f"""INSERT INTO runs_answerrevision (run_id, number, content, content_digest,
                         is_final, epoch, xid, committed_at)
                     SELECT %(run)s, %(number)s, %(content)s, %(content_digest)s, %(is_final)s,
-                        %(epoch)s, rundesk_announce_xid(), now()
+                        %(epoch)s, rundesk_xid(true), now()
                     FROM ({OWNED_NOT_CANCELLED}) AS owned
                     ON CONFLICT (run_id, number) DO NOTHING
                     RETURNING id""",
@@ -248,7 +248,7 @@ class Lease:
                 f"""INSERT INTO runs_checkpoint (run_id, after_action_id, number, epoch,
                         outcome, state, state_digest, xid, error, resolution, created_at)
                     SELECT %(run)s, %(action)s, %(number)s, %(epoch)s, 'committed',
-                        %(state)s::jsonb, %(state_digest)s, rundesk_announce_xid(), '', '', now()
+                        %(state)s::jsonb, %(state_digest)s, rundesk_xid(true), '', '', now()
                     FROM ({OWNED}) AS owned""",
                 f"checkpoint {number}",
                 action=after_action,

@@ -1,10 +1,11 @@
 """Writes whose COMMIT got no answer, and how the runtime settles them.
 
-A fact write (receipt, answer revision) or recovery write (checkpoint)
-announces its transaction id before it commits (migration 0004).  If the
-connection is lost before the answer comes, the outcome is unknown:
-`CommitUnanswered` carries the xid and the writer's backend pid.  Once the
-database answers again, `settle()` asks it:
+Checkpoints and answer revisions announce their transaction id before they
+commit (migration 0004).  If the connection is lost before the answer comes,
+the outcome is unknown: `CommitUnanswered` carries the xid and the writer's
+backend pid.  A receipt does not announce (it is on every step's path): its
+xid is read from the writer's old backend while that still runs, which is
+while it matters.  Once the database answers again, `settle()` asks it:
 
 - pg_xact_status(xid) = committed: committed, once a probe reads the row back;
 - aborted: known not written;
@@ -91,12 +92,26 @@ def xact_status(xid: int) -> str | None:
         return cursor.fetchone()[0]
 
 
-def backend_alive(pid: int | None) -> bool:
+# The writer's old backend, if it still runs, and its open transaction's id
+# widened to 64 bits (pg_stat_activity shows 32) with the current epoch.
+ORPHAN = """
+    SELECT CASE WHEN a.backend_xid IS NULL THEN NULL ELSE
+        ((c.full >> 32) - (a.backend_xid::text::bigint > (c.full & 4294967295))::int) << 32
+        | a.backend_xid::text::bigint END
+    FROM pg_stat_activity a, (SELECT pg_current_xact_id()::text::bigint AS full) c
+    WHERE a.pid = %s
+"""
+
+
+def orphan(pid: int | None) -> tuple[bool, int | None]:
+    """Whether the writer's old backend still runs, and the xid of the
+    transaction it has open (a write that did not announce one)."""
     if pid is None:
-        return False
+        return False, None
     with connection.cursor() as cursor:
-        cursor.execute("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s)", [pid])
-        return cursor.fetchone()[0]
+        cursor.execute(ORPHAN, [pid])
+        row = cursor.fetchone()
+    return (row is not None, row[0] if row else None)
 
 
 def settle(
@@ -113,8 +128,11 @@ def settle(
     delay = 0.02
     while True:
         try:
+            alive, open_xid = orphan(pid)
+            if xid is None and open_xid is not None:
+                xid = evidence["xid"] = open_xid
+                evidence["xid_from"] = "pg_stat_activity of the writer's backend"
             status = xact_status(xid) if xid is not None else None
-            alive = backend_alive(pid)
             found = probe()
         except DatabaseError as error:
             # The database does not answer yet: keep asking until patience ends.
@@ -196,7 +214,7 @@ def settle_unanswered(
             summary=f"{unanswered.what}: COMMIT sent, no answer, and the evidence does not "
             "settle it",
             evidence={**settlement.evidence, "lease_epoch": lease_epoch, "afterwards": afterwards},
-            xid=unanswered.xid,
+            xid=settlement.evidence["xid"],
             **about,
         )
     else:

@@ -33,6 +33,12 @@ def _timeline_written() -> Iterator[None]:
     timeline.flush()
 
 
+@pytest.fixture
+def short_settle(settings: object) -> None:
+    """Unanswered writes are asked about for 1.5 s, not the default 5."""
+    settings.RUNDESK_SETTLE_SECONDS = 1.5
+
+
 class Journal:
     """The tool journal: one line per real tool execution, written outside
     the database.  Counting lines counts executions."""

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from runs.models import Action, AnswerRevision, EventKind, Receipt, Run, RunStatus
+from runs.models import Action, AnswerRevision, EventKind, OutcomeItem, Receipt, Run, RunStatus
 from tests.conftest import manage
 from tests.receivers import LocalServer, status
 
@@ -90,6 +90,10 @@ def test_effect_with_boundary_and_no_receipt_is_marked_unknown_never_sent_again(
         assert deliver.state == "unknown" and deliver.attempts == 1
         assert "may have happened" in run.status_reason
         assert receiver.requests == []  # never delivered blindly
+        # Only the receiver knows: the item for an operator says what to ask it.
+        item = OutcomeItem.objects.get(run=run)
+        assert (item.kind, item.action_id, item.state) == ("effect", deliver.pk, "open")
+        assert item.evidence["idempotency_key"] == f"rundesk:run-{run.pk}:deliver"
         # The published answer is still readable.
         assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
         assert run.events.filter(kind=EventKind.NEEDS_OPERATOR).exists()

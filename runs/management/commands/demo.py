@@ -50,6 +50,62 @@ SAMPLE_RUNS: list[dict[str, Any]] = [
     },
 ]
 
+# One run for each row of the decision table (DESIGN.md), and an effect
+# whose answer is lost.  Their fault plans (runs/faults.py) make each happen
+# on the real code path; their questions say what to look for.
+TWO_FUNDS = ["crestline-short-treasury.md", "meridian-world-equity.md"]
+DECISION_TABLE_RUNS: list[tuple[str, list[dict[str, Any]]]] = [
+    (
+        "Row 1: the checkpoint after read 1 fails before write; the receipt verifies, so "
+        "research goes on in the same phase.",
+        [{"point": "checkpoint_serialize_error", "action": 1}],
+    ),
+    (
+        "Row 2: the checkpoint after action 2 gets no answer to its COMMIT, which had "
+        "committed: adopted by its xid.",
+        [{"point": "drop_connection_at_commit", "write": "checkpoint", "action": 2}],
+    ),
+    (
+        "Row 2: the checkpoint after action 2 gets no answer to its COMMIT, which never "
+        "happened: known not written, not written again.",
+        [
+            {
+                "point": "drop_connection_at_commit",
+                "write": "checkpoint",
+                "action": 2,
+                "outcome": "aborted",
+            }
+        ],
+    ),
+    (
+        "Row 2: the checkpoint after action 2 is still in flight when the runtime stops "
+        "asking: left unknown for an operator, until the executor's sweep settles it.",
+        [
+            {
+                "point": "drop_connection_at_commit",
+                "write": "checkpoint",
+                "action": 2,
+                "outcome": "late",
+                "stall_ms": 8_000,
+            }
+        ],
+    ),
+    (
+        "Row 3: the lease is lost before read 2: the old owner stops; a new owner resumes "
+        "from the checkpoint and the receipts.",
+        [{"point": "lease_stolen", "action": 3}],
+    ),
+    (
+        "Row 3: cancelled before read 2: nothing new is dispatched.",
+        [{"point": "cancel", "action": 3}],
+    ),
+    (
+        "An effect: the report is delivered but the answer is lost. Only the receiver "
+        "knows, so it waits for an operator.",
+        [{"point": "delivery_timeout"}],
+    ),
+]
+
 
 class Command(BaseCommand):
     help = (
@@ -128,7 +184,12 @@ class Command(BaseCommand):
                 run = Run.objects.submit(**sample)
                 if index == 0:  # this one goes through Celery; the lease settles who runs it
                     execute_run.delay_on_commit(run.pk)
-        self.stdout.write(f"demo: {len(SAMPLE_RUNS)} sample runs queued")
+        for question, faults in DECISION_TABLE_RUNS:
+            Run.objects.submit(question=question, documents=TWO_FUNDS, faults=faults)
+        self.stdout.write(
+            f"demo: {len(SAMPLE_RUNS) + len(DECISION_TABLE_RUNS)} sample runs queued, "
+            f"{len(DECISION_TABLE_RUNS)} of them with a fault plan"
+        )
 
     def _start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         self.stdout.write(f"demo: starting {name}")

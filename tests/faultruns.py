@@ -1,0 +1,52 @@
+"""Running a run with a fault plan, and the reverse checks asked of it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from django.db import connection
+
+from runs.executor import execute
+from runs.models import Action, EventKind, Run, action_identity
+from runs.timeline import timeline
+
+DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md", "meridian-world-equity.md"]
+# The run's sequence with DOCS: action K is KEYS[K - 1].
+KEYS = ["read:0", "summarize:0", "read:1", "summarize:1", "read:2", "summarize:2"]
+KEYS += ["compose", "deliver"]
+
+
+def run_with(faults: list[dict[str, Any]], documents: list[str] = DOCS) -> tuple[Run, str]:
+    """Submits a run with a fault plan and executes it in this process."""
+    run = Run.objects.submit(question="Compare these funds", documents=documents, faults=faults)
+    outcome = execute(run.pk)
+    timeline.flush()
+    run.refresh_from_db()
+    return run, outcome
+
+
+def executions(journal: Any, run: Run, step_key: str) -> int:
+    """Real executions of an action's tool, counted outside the database."""
+    return journal.counts()[action_identity(run.pk, step_key)]
+
+
+def dispatched(run: Run, step_key: str) -> bool:
+    return Action.objects.filter(run=run, step_key=step_key).exists()
+
+
+def events(run: Run, kind: EventKind) -> list[str]:
+    return list(run.events.filter(kind=kind).order_by("id").values_list("message", flat=True))
+
+
+def xact_status(xid: int) -> str | None:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_xact_status(%s::text::xid8)", [str(xid)])
+        return cursor.fetchone()[0]
+
+
+def wait_for(predicate: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)

@@ -1,0 +1,152 @@
+"""Facts whose COMMIT got no answer are settled by evidence, never guessed:
+pg_xact_status() of the xid the write announced, then a probe by identity.
+An effect whose answer was lost is always an item for an operator."""
+
+from __future__ import annotations
+
+import pytest
+
+from runs.executor import execute
+from runs.models import (
+    ActionState,
+    AnswerRevision,
+    EventKind,
+    OutcomeItem,
+    OutcomeKind,
+    OutcomeState,
+    Receipt,
+    Run,
+    RunStatus,
+)
+from runs.outcomes import sweep
+from tests.faultruns import KEYS, dispatched, events, executions, run_with, wait_for, xact_status
+from tests.receivers import LocalServer, status
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("short_settle")]
+
+
+def drop(write: str, action: int, outcome: str, **extra: object) -> list[dict]:
+    fault = {"point": "drop_connection_at_commit", "write": write, "action": action}
+    return [{**fault, "outcome": outcome, **extra}]
+
+
+# -- receipts ----------------------------------------------------------------------
+
+
+def test_unanswered_receipt_that_committed_is_adopted_and_the_read_ran_once(journal):
+    run, outcome = run_with(drop("receipt", 3, "committed"))
+
+    receipt = Receipt.objects.get(run=run, step_key="read:1")
+    assert xact_status(receipt.xid) == "committed"
+    assert receipt.verifies(receipt.action)
+    assert "committed: xid" in events(run, EventKind.OUTCOME_SETTLED)[0]
+    assert outcome == RunStatus.COMPLETED
+    for step_key in KEYS:
+        assert executions(journal, run, step_key) == 1, step_key
+
+
+def test_unanswered_receipt_that_aborted_is_written_again_not_the_read(journal):
+    run, outcome = run_with(drop("receipt", 3, "aborted"))
+
+    # Settled by pg_xact_status (aborted) while the writer's backend still
+    # ran, or by the probe once it was gone: either way, known not written.
+    assert "not_written" in events(run, EventKind.OUTCOME_SETTLED)[0]
+    # Known not written, so writing the receipt again is not blind; the read
+    # itself was not executed again.
+    receipt = Receipt.objects.get(run=run, step_key="read:1")
+    assert receipt.verifies(receipt.action) and xact_status(receipt.xid) == "committed"
+    assert executions(journal, run, "read:1") == 1
+    assert outcome == RunStatus.COMPLETED
+    assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
+
+
+def test_unanswered_receipt_still_in_flight_waits_for_an_operator_then_settles(journal):
+    run, outcome = run_with(drop("receipt", 3, "late", stall_ms=4000))
+
+    assert outcome == RunStatus.NEEDS_OPERATOR
+    assert run.status_reason == "whether the receipt of read:1 committed is unknown"
+    item = OutcomeItem.objects.get(run=run)
+    assert (item.kind, item.state, item.action.step_key) == (
+        OutcomeKind.RECEIPT,
+        OutcomeState.OPEN,
+        "read:1",
+    )
+    assert item.xid is not None and item.evidence["checks"][-1]["xid_status"] == "in progress"
+    # Nothing after it was dispatched; what came before is readable.
+    assert not dispatched(run, "summarize:1")
+    assert Receipt.objects.filter(run=run, step_key="summarize:0").exists()
+    assert AnswerRevision.objects.filter(run=run, number=1).exists()
+    assert executions(journal, run, "read:1") == 1
+
+    wait_for(lambda: xact_status(item.xid) == "committed")
+    assert sweep() == 1
+    item.refresh_from_db()
+    assert item.state == OutcomeState.RESOLVED
+    assert Receipt.objects.filter(run=run, step_key="read:1").exists()
+
+
+# -- publications ------------------------------------------------------------------
+
+
+def test_unanswered_publication_that_committed_is_adopted_not_published_twice(journal):
+    run, outcome = run_with(drop("publication", 1, "committed"))
+
+    draft = AnswerRevision.objects.get(run=run, number=1)
+    assert xact_status(draft.xid) == "committed"
+    assert outcome == RunStatus.COMPLETED
+    assert events(run, EventKind.REVISION_PUBLISHED) == ["draft revision 1", "final revision 2"]
+
+
+def test_unanswered_publication_that_aborted_is_published_again(journal):
+    run, outcome = run_with(drop("publication", 1, "aborted"))
+
+    assert "not_written" in events(run, EventKind.OUTCOME_SETTLED)[0]
+    draft = AnswerRevision.objects.get(run=run, number=1)
+    assert xact_status(draft.xid) == "committed"
+    assert outcome == RunStatus.COMPLETED
+    for step_key in KEYS:
+        assert executions(journal, run, step_key) == 1, step_key
+
+
+def test_unanswered_final_publication_still_in_flight_is_not_delivered(journal, _outbox):
+    run, outcome = run_with(drop("publication", 7, "late", stall_ms=4000))
+
+    assert outcome == RunStatus.NEEDS_OPERATOR
+    item = OutcomeItem.objects.get(run=run)
+    assert (item.kind, item.revision_number) == (OutcomeKind.PUBLICATION, 2)
+    # The delivery, a protected effect that would send this answer, waits.
+    assert not dispatched(run, "deliver")
+    assert not _outbox.exists() or not any(_outbox.iterdir())
+    assert AnswerRevision.objects.get(run=run, number=1).content.startswith("**Draft**")
+
+
+# -- effects -----------------------------------------------------------------------
+
+
+def test_delivery_whose_answer_is_lost_is_an_item_and_is_never_sent_again(journal, settings):
+    with LocalServer(status(200)) as receiver:
+        settings.RUNDESK_DELIVERY_URL = receiver.url
+        run, outcome = run_with([{"point": "delivery_timeout"}])
+
+        assert outcome == RunStatus.NEEDS_OPERATOR
+        # The receiver has it; the runtime does not know that.
+        assert len(receiver.requests) == 1
+        headers, _ = receiver.requests[0]
+        identity = f"rundesk:run-{run.pk}:deliver"
+        assert headers["Idempotency-Key"] == identity
+        deliver = run.actions.get(step_key="deliver")
+        assert deliver.state == ActionState.UNKNOWN
+        item = OutcomeItem.objects.get(run=run)
+        assert (item.kind, item.state, item.action_id) == (
+            OutcomeKind.EFFECT,
+            OutcomeState.OPEN,
+            deliver.pk,
+        )
+        assert item.evidence["idempotency_key"] == identity
+        assert sweep() == 0  # only the receiver can settle an effect
+
+        # Handed to an executor again, the run still does not send it.
+        Run.objects.filter(pk=run.pk).update(status=RunStatus.QUEUED, finished_at=None)
+        assert execute(run.pk) == RunStatus.NEEDS_OPERATOR
+        assert len(receiver.requests) == 1
+        assert OutcomeItem.objects.filter(run=run).count() == 1
