@@ -237,6 +237,7 @@ class Dispatcher:
                 "identity": action_identity(self.run.pk, step_key),
                 "idempotency_key": action_identity(self.run.pk, step_key),
                 "lease_epoch": self.lease.epoch,
+                "afterwards": "the run waits for an operator; the effect is not sent again",
             },
             action_id=action_id,
         )
