@@ -213,6 +213,7 @@ if CELERY_BROKER_URL == "filesystem://":
         "data_folder_in": str(CELERY_BROKER_FOLDER),
         "data_folder_out": str(CELERY_BROKER_FOLDER),
         "processed_folder": str(VAR_DIR / "celery-processed"),
+        "control_folder": str(VAR_DIR / "celery-control"),
         "store_processed": False,
     }
     # kombu's filesystem transport expects its folder to exist.
