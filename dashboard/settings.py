@@ -131,6 +131,7 @@ INSTALLED_APPS = [
     "django_htmx",
     "template_partials",
     "runs",
+    "evidence",
 ]
 
 MIDDLEWARE = [
@@ -249,3 +250,11 @@ RUNDESK_POLL_SECONDS = env_float("RUNDESK_POLL_SECONDS", 1.0, minimum=0.05)
 # How long the runtime keeps asking about a write whose COMMIT got no answer
 # (runs/outcomes.py) before it leaves the outcome unknown for an operator.
 RUNDESK_SETTLE_SECONDS = env_float("RUNDESK_SETTLE_SECONDS", 5.0, minimum=0.0)
+# Evidence capture (evidence/capture.py): queue capacity, the size cap of each
+# field of a copy (beyond 16 times the cap a copy is not made: a gap), and the
+# lock timeout of its transactions.
+RUNDESK_CAPTURE_QUEUE = int(env_float("RUNDESK_CAPTURE_QUEUE", 1000, minimum=1))
+RUNDESK_CAPTURE_MAX_BYTES = int(env_float("RUNDESK_CAPTURE_MAX_BYTES", 65536, minimum=256))
+RUNDESK_CAPTURE_LOCK_TIMEOUT_MS = int(env_float("RUNDESK_CAPTURE_LOCK_TIMEOUT_MS", 50, minimum=1))
+# Lock-wait sampling in the executor (evidence/locks.py), while runs are active.
+RUNDESK_LOCK_SAMPLE_SECONDS = env_float("RUNDESK_LOCK_SAMPLE_SECONDS", 0.5, minimum=0.05)

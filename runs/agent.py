@@ -8,12 +8,18 @@ Dispatcher, so a resumed run replays nothing that completed.
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from django.utils import timezone
 
+from evidence.capture import capture
+from evidence.models import Source
+from evidence.records import record_model_call, record_source
 from runs.checkpoints import AgentState, Checkpointer
-from runs.dispatch import ActionFailed, Dispatcher, NeedsOperator
+from runs.dispatch import ActionFailed, Dispatcher
 from runs.models import AnswerRevision, EventKind, OutcomeKind, Phase, RunStatus, digest
-from runs.outcomes import CommitUnanswered, settle_unanswered
+from runs.outcomes import write_settled
 from runs.providers import COMPARE_INSTRUCTIONS, SUMMARIZE_INSTRUCTIONS, document_block
 from runs.timeline import timeline
 
@@ -30,7 +36,7 @@ class ResearchAgent:
 
     def execute(self) -> None:
         state = self.checkpoints.resume_state() or AgentState()
-        self.d.steps = state.steps
+        self.d.resume(state.steps, state.taken)
         documents = self.run.documents
         for index in range(state.position, len(documents)):
             state.position = index
@@ -57,9 +63,10 @@ class ResearchAgent:
             if "refused" in read:
                 state.notes.append(f"{path}: {read['refused']}")
                 return
+            source = record_source(self.run.pk, self.d.action_id(read_key), read)
             prompt = f"Question: {self.run.question}\n\n" + document_block(path, read["text"])
-            summary = self.d.step(
-                summary_key, "model_call", {"messages": _messages(SUMMARIZE_INSTRUCTIONS, prompt)}
+            summary = self._model_call(
+                summary_key, _messages(SUMMARIZE_INSTRUCTIONS, prompt), [path], [source]
             )
         except ActionFailed as failure:
             state.notes.append(f"{path}: not included ({failure})")
@@ -70,6 +77,25 @@ class ResearchAgent:
         if len(state.summaries) == 1:
             self._publish(1, _draft(state.summaries, len(self.run.documents)), is_final=False)
         self.checkpoints.after(summary_key, state)
+
+    def _model_call(
+        self, step_key: str, messages: list[dict[str, str]], paths: list[str], sources: list
+    ) -> dict[str, Any]:
+        """A model call, its model record, and (when it ran now) a copy of it
+        handed to evidence capture, which never makes the run wait."""
+        input = {"messages": messages}
+        result = self.d.step(step_key, "model_call", input)
+        if step_key in self.d.completed_now:
+            call = record_model_call(self.run.pk, self.d.action_id(step_key), input, result, paths)
+            if call is not None:
+                capture.submit(
+                    run_id=self.run.pk,
+                    model_call_id=call,
+                    source_ids=[source for source in sources if source is not None],
+                    input=json.dumps(messages, ensure_ascii=False),
+                    output=result["text"],
+                )
+        return result
 
     def _may_research(self, *, actions_needed: int) -> bool:
         """Research goes on until the budget or the deadline says finalize.
@@ -94,9 +120,12 @@ class ResearchAgent:
             prompt = f"Question: {self.run.question}\n\n" + "\n\n".join(
                 document_block(path, text) for path, text in state.summaries
             )
-            report = self.d.step(
-                "compose", "model_call", {"messages": _messages(COMPARE_INSTRUCTIONS, prompt)}
-            )["text"]
+            paths = [path for path, _ in state.summaries]
+            sources = list(
+                Source.objects.filter(run=self.run, path__in=paths).values_list("id", flat=True)
+            )
+            messages = _messages(COMPARE_INSTRUCTIONS, prompt)
+            report = self._model_call("compose", messages, paths, sources)["text"]
             self.checkpoints.after("compose", state)
         else:
             report = (
@@ -107,31 +136,19 @@ class ResearchAgent:
         return report
 
     def _publish(self, number: int, content: str, *, is_final: bool) -> None:
-        """Commits an answer revision.  If its COMMIT gets no answer, evidence
-        decides: committed goes on, known-not-written is published again,
-        unknown waits for an operator."""
-        try:
-            with self.d.faults.at_commit("publication", self.d.steps):
-                published = self.lease.publish_revision(number, content, is_final=is_final)
-        except CommitUnanswered as unanswered:
-            published = self._settle_publication(number, content, is_final, unanswered)
-        if published:
-            timeline.record(
-                self.run.pk,
-                EventKind.REVISION_PUBLISHED,
-                f"{'final' if is_final else 'draft'} revision {number}",
-                number=number,
-                content_digest=digest(content),
-            )
+        """Commits an answer revision; an unanswered COMMIT is settled by
+        evidence, and what stays unknown waits for an operator."""
 
-    def _settle_publication(
-        self, number: int, content: str, is_final: bool, unanswered: CommitUnanswered
-    ) -> bool:
-        settlement = settle_unanswered(
-            unanswered,
+        def write() -> bool:
+            with self.d.faults.at_commit("publication", self.d.steps):
+                return self.lease.publish_revision(number, content, is_final=is_final)
+
+        published = write_settled(
+            write,
             lambda: AnswerRevision.objects.filter(
                 run_id=self.run.pk, number=number, content_digest=digest(content)
             ).exists(),
+            what=f"publication of revision {number}",
             run_id=self.run.pk,
             kind=OutcomeKind.PUBLICATION,
             subject=f"publication:run-{self.run.pk}:revision-{number}",
@@ -139,11 +156,14 @@ class ResearchAgent:
             afterwards="the run waits for an operator",
             revision_number=number,
         )
-        if settlement.outcome == "unknown":
-            raise NeedsOperator(f"whether revision {number} was published is unknown")
-        if settlement.outcome == "committed":
-            return True
-        return self.lease.publish_revision(number, content, is_final=is_final)
+        if published is not False:
+            timeline.record(
+                self.run.pk,
+                EventKind.REVISION_PUBLISHED,
+                f"{'final' if is_final else 'draft'} revision {number}",
+                number=number,
+                content_digest=digest(content),
+            )
 
 
 def _messages(instructions: str, prompt: str) -> list[dict[str, str]]:

@@ -27,10 +27,15 @@ from typing import Any
 
 from django.db import DatabaseError
 
-from runs.dispatch import Dispatcher, NeedsOperator
+from runs.dispatch import Dispatcher
 from runs.leases import LeaseLost
 from runs.models import Checkpoint, CheckpointOutcome, EventKind, OutcomeKind, Receipt
-from runs.outcomes import CommitUnanswered, settle_checkpoint, settle_unanswered
+from runs.outcomes import (
+    CommitUnanswered,
+    NeedsOperator,
+    settle_checkpoint,
+    settle_unanswered,
+)
 from runs.timeline import timeline
 
 logger = logging.getLogger(__name__)
@@ -45,6 +50,7 @@ class AgentState:
     summaries: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     steps: int = 0
+    taken: list[str] = field(default_factory=list)
     receipts: dict[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -54,6 +60,7 @@ class AgentState:
             summaries=[(path, text) for path, text in raw["summaries"]],
             notes=list(raw["notes"]),
             steps=raw["steps"],
+            taken=list(raw["taken"]),
             receipts=dict(raw["receipts"]),
         )
 
@@ -73,7 +80,7 @@ class Checkpointer:
         if action_id is None:
             return
         number = self.d.steps
-        state.steps = number
+        state.steps, state.taken = number, list(self.d.taken)
         raw: Any = asdict(state)
         if self.d.faults.fire("checkpoint_serialize_error", number):
             raw["scratch"] = object()  # the fault: a value JSON cannot encode
@@ -93,9 +100,15 @@ class Checkpointer:
                     state_digest=hashlib.sha256(text.encode()).hexdigest(),
                 )
         except CommitUnanswered as unanswered:
-            self._unanswered(step_key, action_id, number, unanswered)
-        except LeaseLost:
-            raise
+            try:
+                self._unanswered(step_key, action_id, number, unanswered)
+            except DatabaseError as error:
+                # Recovery class: the run goes on (if the conditions below
+                # hold); the log says what could not be recorded.
+                logger.warning(
+                    "run %s: checkpoint %s unknown, not recorded: %s", self.run_id, number, error
+                )
+            self._require_local_conditions(step_key, action_id, f"checkpoint {number} unanswered")
         except DatabaseError as error:
             # The database answered with an error: the statement rolled back.
             self._failed_before_write(step_key, action_id, number, str(error).strip())
@@ -146,7 +159,6 @@ class Checkpointer:
             checkpoint=record,
         )
         settle_checkpoint(record, settlement)
-        self._require_local_conditions(step_key, action_id, f"checkpoint {number} unanswered")
 
     def _record(
         self, action_id: int, number: int, outcome: CheckpointOutcome, **fields: Any
@@ -188,13 +200,13 @@ class Checkpointer:
         if newest is None:
             return None
         state = AgentState.load(newest.state)
-        for step_key, result_digest in state.receipts.items():
+        for step_key in [*state.taken, *state.receipts]:
             action = self.d.known.get(step_key)
             receipt = getattr(action, "receipt", None)
             if (
                 receipt is None
                 or not receipt.verifies(action)
-                or receipt.result_digest != result_digest
+                or state.receipts.get(step_key, receipt.result_digest) != receipt.result_digest
             ):
                 timeline.record(
                     self.run_id,

@@ -30,17 +30,13 @@ from runs.models import (
     action_identity,
     digest,
 )
-from runs.outcomes import CommitUnanswered, open_item, settle_unanswered
+from runs.outcomes import NeedsOperator, open_item, write_settled
 from runs.timeline import timeline
 from runs.tools import TOOLS, OutcomeUnknown, Tool, ToolFailed, ToolRefused
 
 
 class Stopping(Exception):
     """The executor is shutting down: give the run back, dispatch nothing."""
-
-
-class NeedsOperator(Exception):
-    """The runtime cannot settle this itself: the run waits for a person."""
 
 
 class ActionFailed(Exception):
@@ -63,6 +59,15 @@ class Dispatcher:
         # Steps taken in this run's sequence, whether dispatched now or settled
         # by a receipt: a resumed run counts exactly as the first owner did.
         self.steps = 0
+        # The steps whose results the run has, in order (what a checkpoint
+        # covers), and those a checkpoint already counted: stepping one of
+        # these again returns its receipt's result and counts nothing.
+        self.taken: list[str] = []
+        self.covered: set[str] = set()
+
+    def resume(self, steps: int, taken: list[str]) -> None:
+        """Continues from a checkpoint that counted `steps` and covered `taken`."""
+        self.steps, self.taken, self.covered = steps, list(taken), set(taken)
 
     def completed(self, step_key: str) -> bool:
         if step_key in self.completed_now:
@@ -70,21 +75,29 @@ class Dispatcher:
         action = self.known.get(step_key)
         return action is not None and action.state == ActionState.COMPLETED
 
+    def action_id(self, step_key: str) -> int:
+        """The id of an action this run has completed (now or earlier)."""
+        if step_key in self.completed_now:
+            return self.completed_now[step_key]
+        return self.known[step_key].pk
+
     def step(self, step_key: str, tool_name: str, input: dict[str, Any]) -> dict[str, Any]:
         if step_key in self.completed_now:
             raise NeedsOperator(f"the agent used identity {step_key} twice")
         tool = TOOLS[tool_name]
-        self.steps += 1
+        covered = step_key in self.covered
+        self.covered.discard(step_key)
+        if not covered:
+            self.steps += 1
         action = self.known.get(step_key)
         if action is None:
-            action_id = self._new_boundary(step_key, tool, input)
-        else:
-            result = self._settled_result(action, tool, input)
-            if result is not None:
-                return result
+            result = self._execute(self._new_boundary(step_key, tool, input), step_key, tool, input)
+        elif (result := self._settled_result(action, tool, input)) is None:
             self._redispatch(action)
-            action_id = action.pk
-        return self._execute(action_id, step_key, tool, input)
+            result = self._execute(action.pk, step_key, tool, input)
+        if not covered:
+            self.taken.append(step_key)
+        return result
 
     def _check_can_dispatch(self) -> None:
         if self.faults.fire("lease_stolen", self.steps):
@@ -201,28 +214,24 @@ class Dispatcher:
         return result
 
     def _record_receipt(self, action_id: int, step_key: str, result: dict[str, Any]) -> str:
-        """Writes the receipt.  If its COMMIT gets no answer, evidence decides:
-        committed goes on, known-not-written is written again (that is not
-        blind), and what stays unknown waits for an operator."""
-        try:
+        """Writes the receipt; an unanswered COMMIT is settled by evidence."""
+
+        def write() -> str:
             with self.faults.at_commit("receipt", self.steps):
                 return self.lease.record_receipt(action_id, result)
-        except CommitUnanswered as unanswered:
-            settlement = settle_unanswered(
-                unanswered,
-                lambda: Receipt.objects.filter(action_id=action_id).exists(),
-                run_id=self.run.pk,
-                kind=OutcomeKind.RECEIPT,
-                subject=f"receipt:action-{action_id}",
-                lease_epoch=self.lease.epoch,
-                afterwards=f"{step_key} completed; the run waits for an operator",
-                action_id=action_id,
-            )
-        if settlement.outcome == "unknown":
-            raise NeedsOperator(f"whether the receipt of {step_key} committed is unknown")
-        if settlement.outcome == "committed":
-            return digest(result)
-        return self.lease.record_receipt(action_id, result)
+
+        written = write_settled(
+            write,
+            lambda: Receipt.objects.filter(action_id=action_id).exists(),
+            what=f"receipt of {step_key}",
+            run_id=self.run.pk,
+            kind=OutcomeKind.RECEIPT,
+            subject=f"receipt:action-{action_id}",
+            lease_epoch=self.lease.epoch,
+            afterwards=f"{step_key} completed; the run waits for an operator",
+            action_id=action_id,
+        )
+        return written or digest(result)
 
     def _effect_unknown(self, action_id: int, step_key: str, reason: str) -> NoReturn:
         """Only the receiver knows whether an effect happened: an operator

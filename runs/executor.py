@@ -19,9 +19,10 @@ from django.db import DatabaseError, connection
 
 from runs import outcomes
 from runs.agent import ResearchAgent
-from runs.dispatch import ActionFailed, Dispatcher, NeedsOperator, Stopping
+from runs.dispatch import ActionFailed, Dispatcher, Stopping
 from runs.leases import Lease, LeaseLost, new_owner_name
 from runs.models import EventKind, RunStatus
+from runs.outcomes import NeedsOperator
 from runs.timeline import timeline
 
 logger = logging.getLogger(__name__)

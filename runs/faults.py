@@ -36,7 +36,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -218,33 +217,43 @@ def drop_connection_at_commit(fault: Fault, pid: int, fd: int) -> Iterator[None]
     """Around one write on this thread's connection (backend `pid`, socket
     `fd`): the write's transaction stays in flight after it announces its
     xid; meanwhile a second connection waits for that moment and cuts the
-    writer's connection.  The writer sees a lost connection, no answer."""
+    writer's connection.  The writer sees a lost connection, no answer.  A
+    write that never gets that far (e.g. fenced out) is not cut."""
     stall = fault.stall_ms if fault.outcome == "late" else CUT_STALL_MS
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT set_config('rundesk.stall_after_announce_ms', %s, false)", [str(stall)]
         )
-    cutter = threading.Thread(target=_cut, args=(fault.outcome, pid, fd), daemon=True)
+    finished, cut = threading.Event(), threading.Event()
+    cutter = threading.Thread(
+        target=_cut, args=(fault.outcome, pid, fd, finished, cut), daemon=True
+    )
     cutter.start()
     try:
         yield
     finally:
+        finished.set()
         cutter.join()
+        if not cut.is_set():
+            with connection.cursor() as cursor:
+                cursor.execute("RESET rundesk.stall_after_announce_ms")
 
 
-def _cut(outcome: str, pid: int, fd: int) -> None:
+def _cut(outcome: str, pid: int, fd: int, finished: threading.Event, cut: threading.Event) -> None:
     with _side_connection() as side:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        while not finished.is_set():
             waiting = side.execute(
                 "SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)
             ).fetchone()
             if waiting and waiting[0] == "PgSleep":
                 break
-            time.sleep(0.005)
+            finished.wait(0.005)
+        else:
+            return
         # The client's end goes first: whatever the server does next, the
         # writer hears nothing more.
         with socket.socket(fileno=os.dup(fd)) as writer_end:
             writer_end.shutdown(socket.SHUT_RDWR)
+        cut.set()
         if outcome == "aborted":
             side.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))

@@ -30,19 +30,37 @@ from runs.models import ActionState, Phase, Run, RunStatus, digest
 from runs.outcomes import unanswered_as
 from runs.sql import server_cursor
 
-# The run row, locked FOR SHARE, as long as the caller still owns it.  Cancel
-# is checked separately (CANCEL_FREE) because a receipt is written even after
-# a cancel request: the action did complete, and that fact must not be lost.
-_OWNED = """
-    SELECT 1 FROM runs_run
-    WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
-      AND status = 'running' AND lease_expires_at > clock_timestamp()
-      {cancel}
-    FOR SHARE
+# The caller still owns the run, and (HELD_NOT_CANCELLED) no cancel was
+# requested.  Cancel is checked separately because a receipt is written even
+# after a cancel request: the action did complete, and that fact must stay.
+HELD = """id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
+    AND status = 'running' AND lease_expires_at > clock_timestamp()"""
+HELD_NOT_CANCELLED = f"{HELD} AND cancel_requested_at IS NULL"
+# The run row, locked FOR SHARE, as long as the caller owns it.
+OWNED = f"SELECT 1 FROM runs_run WHERE {HELD} FOR SHARE"
+OWNED_NOT_CANCELLED = f"SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED} FOR SHARE"
+
+# Publishing an answer revision, in one statement.  It first marks the run's
+# model calls with the revision (the model records it used: their row
+# locks), then inserts the revision, fenced by the run row FOR SHARE: the
+# uncorrelated subquery on `marked` is a one-time filter, evaluated before
+# the run row is locked.  A stale owner marks nothing.
+PUBLISH = f"""
+    WITH marked AS (
+        UPDATE evidence_modelcall SET published_revision = %(number)s
+        WHERE run_id = %(run)s
+          AND EXISTS (SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED})
+        RETURNING 1)
+    INSERT INTO runs_answerrevision (run_id, number, content, content_digest, is_final, epoch,
+        xid, committed_at)
+    SELECT %(run)s, %(number)s, %(content)s, %(content_digest)s, %(is_final)s, %(epoch)s,
+        rundesk_xid(true), now()
+    FROM (SELECT 1 FROM runs_run
+          WHERE {HELD_NOT_CANCELLED} AND (SELECT count(*) FROM marked) >= 0
+          FOR SHARE) AS owned
+    ON CONFLICT (run_id, number) DO NOTHING
+    RETURNING id
 """
-_CANCEL_FREE = "AND cancel_requested_at IS NULL"
-OWNED = _OWNED.format(cancel="")
-OWNED_NOT_CANCELLED = _OWNED.format(cancel=_CANCEL_FREE)
 
 
 class LeaseLost(Exception):
@@ -213,13 +231,7 @@ class Lease:
         A lost connection raises CommitUnanswered."""
         with unanswered_as(f"publication of revision {number}"):
             row = self._fetch(
-                f"""INSERT INTO runs_answerrevision (run_id, number, content, content_digest,
-                        is_final, epoch, xid, committed_at)
-                    SELECT %(run)s, %(number)s, %(content)s, %(content_digest)s, %(is_final)s,
-                        %(epoch)s, rundesk_xid(true), now()
-                    FROM ({OWNED_NOT_CANCELLED}) AS owned
-                    ON CONFLICT (run_id, number) DO NOTHING
-                    RETURNING id""",
+                PUBLISH,
                 number=number,
                 content=content,
                 content_digest=digest(content),
@@ -242,14 +254,17 @@ class Lease:
         self, *, after_action: int, number: int, state: str, state_digest: str
     ) -> None:
         """Saves the agent's state (JSON text) in its own statement: never in
-        a receipt's transaction.  A lost connection raises CommitUnanswered."""
+        a receipt's transaction.  A recovery write: it checks the lease but
+        does not lock the run row, so a checkpoint whose connection is cut
+        while it is in flight cannot hold up the heartbeat or the run's
+        other writes.  A lost connection raises CommitUnanswered."""
         with unanswered_as(f"checkpoint {number}"):
             self._require(
                 f"""INSERT INTO runs_checkpoint (run_id, after_action_id, number, epoch,
                         outcome, state, state_digest, xid, error, resolution, created_at)
                     SELECT %(run)s, %(action)s, %(number)s, %(epoch)s, 'committed',
                         %(state)s::jsonb, %(state_digest)s, rundesk_xid(true), '', '', now()
-                    FROM ({OWNED}) AS owned""",
+                    WHERE EXISTS (SELECT 1 FROM runs_run WHERE {HELD})""",
                 f"checkpoint {number}",
                 action=after_action,
                 number=number,

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from django.conf import settings
 from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
@@ -45,6 +45,12 @@ from runs.models import (
 )
 from runs.sql import announced_xid, backend_pid, connection_lost, forget_announced_xid
 from runs.timeline import timeline
+
+T = TypeVar("T")
+
+
+class NeedsOperator(Exception):
+    """The runtime cannot settle this itself: the run waits for a person."""
 
 
 class CommitUnanswered(OperationalError):
@@ -98,7 +104,8 @@ ORPHAN = """
     SELECT CASE WHEN a.backend_xid IS NULL THEN NULL ELSE
         ((c.full >> 32) - (a.backend_xid::text::bigint > (c.full & 4294967295))::int) << 32
         | a.backend_xid::text::bigint END
-    FROM pg_stat_activity a, (SELECT pg_current_xact_id()::text::bigint AS full) c
+    FROM pg_stat_activity a,
+        (SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS full) c
     WHERE a.pid = %s
 """
 
@@ -222,6 +229,44 @@ def settle_unanswered(
             run_id, EventKind.OUTCOME_SETTLED, f"{unanswered.what}: {settlement.describe()}"
         )
     return settlement
+
+
+def write_settled(
+    write: Callable[[], T],
+    probe: Callable[[], bool],
+    *,
+    what: str,
+    run_id: int,
+    kind: OutcomeKind,
+    subject: str,
+    lease_epoch: int,
+    afterwards: str,
+    attempts: int = 2,
+    **about: Any,
+) -> T | None:
+    """Runs a fact write.  If its COMMIT gets no answer, evidence decides:
+    committed, it is there (None: an earlier attempt wrote it); known not
+    written, it is written again, which is not blind, up to `attempts`
+    times; unknown, an item for an operator, and NeedsOperator."""
+    for _ in range(attempts):
+        try:
+            return write()
+        except CommitUnanswered as unanswered:
+            settlement = settle_unanswered(
+                unanswered,
+                probe,
+                run_id=run_id,
+                kind=kind,
+                subject=subject,
+                lease_epoch=lease_epoch,
+                afterwards=afterwards,
+                **about,
+            )
+        if settlement.outcome == "committed":
+            return None
+        if settlement.outcome == "unknown":
+            raise NeedsOperator(f"whether the {what} committed is unknown")
+    raise NeedsOperator(f"the {what} got no answer {attempts} times, and was not written")
 
 
 def resolve_item(item: OutcomeItem, resolution: str, evidence: dict[str, Any]) -> bool:

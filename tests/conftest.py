@@ -12,6 +12,7 @@ import pytest
 from django.conf import settings as django_settings
 from django.db import connection
 
+from evidence.capture import capture
 from runs.timeline import timeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,10 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session", autouse=True)
 def _stop_timeline(django_db_setup: None, django_db_blocker: object) -> Iterator[None]:
-    """The timeline thread holds a connection to the test database: close it
-    before the database is dropped."""
+    """The timeline and capture threads hold connections to the test
+    database: close them before the database is dropped."""
     yield
     timeline.stop()
+    capture.stop()
 
 
 @pytest.fixture(autouse=True)

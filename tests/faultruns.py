@@ -39,9 +39,12 @@ def events(run: Run, kind: EventKind) -> list[str]:
     return list(run.events.filter(kind=kind).order_by("id").values_list("message", flat=True))
 
 
-def xact_status(xid: int) -> str | None:
+def write_in_flight() -> bool:
+    """A write is stalled after announcing its xid (the fault plan's cut)."""
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_xact_status(%s::text::xid8)", [str(xid)])
+        cursor.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep')"
+        )
         return cursor.fetchone()[0]
 
 

@@ -15,7 +15,7 @@ import pytest
 from django.db import IntegrityError, connection
 
 from runs.checkpoints import AgentState, Checkpointer
-from runs.dispatch import Dispatcher, NeedsOperator
+from runs.dispatch import Dispatcher
 from runs.executor import execute
 from runs.faults import request_cancel, steal_lease
 from runs.leases import Lease, LeaseLost
@@ -32,7 +32,7 @@ from runs.models import (
     Run,
     RunStatus,
 )
-from runs.outcomes import sweep
+from runs.outcomes import NeedsOperator, sweep, xact_status
 from tests.faultruns import (
     DOCS,
     KEYS,
@@ -41,7 +41,7 @@ from tests.faultruns import (
     executions,
     run_with,
     wait_for,
-    xact_status,
+    write_in_flight,
 )
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("short_settle")]
@@ -302,6 +302,70 @@ def test_a_resumed_run_continues_from_the_newest_checkpoint_and_the_receipts_aft
     assert events(run, EventKind.ACTION_REUSED) == []
     assert_completed_once_each(journal, run)
     assert run.lease_epoch == 3  # the fault's thief held epoch 2
+
+
+def test_resuming_from_a_checkpoint_after_a_read_counts_that_read_once(journal):
+    # Budget 8 fits two documents exactly (2 actions each, plus compose and
+    # deliver).  The checkpoint after read:1 (action 3) is the newest when
+    # the lease is stolen; resuming must not count read:1 again and run out.
+    run = Run.objects.submit(
+        question="q",
+        documents=DOCS[:2],
+        action_budget=8,
+        faults=[{"point": "lease_stolen", "action": 4}],
+    )
+    assert execute(run.pk) == "lease_lost"
+    assert saved(run)[-1].after_action.step_key == "read:1"
+    Run.objects.filter(pk=run.pk).update(lease_expires_at="2000-01-01T00:00:00Z")
+
+    assert execute(run.pk) == RunStatus.COMPLETED
+    run.refresh_from_db()
+    assert run.phase_reason == ""  # the budget was never exhausted
+    assert list(run.actions.values_list("step_key", flat=True)) == [
+        "read:0",
+        "summarize:0",
+        "read:1",
+        "summarize:1",
+        "compose",
+        "deliver",
+    ]
+    assert [c.number for c in saved(run)] == [1, 2, 3, 4, 5]
+    assert "Not included" not in AnswerRevision.objects.get(run=run, is_final=True).content
+    for step_key in ["read:0", "read:1", "summarize:1"]:
+        assert executions(journal, run, step_key) == 1
+
+
+def test_an_unanswered_checkpoint_with_the_lease_lost_is_not_handled_locally(journal):
+    run = Run.objects.submit(
+        question="q",
+        documents=DOCS,
+        faults=[{"point": "drop_connection_at_commit", "write": "checkpoint", "action": 1}],
+    )
+    lease = Lease.claim(run.pk, "owner")
+    dispatcher = Dispatcher(lease, stop=threading.Event(), lease_lost=threading.Event())
+    dispatcher.step("read:0", "read_document", {"path": DOCS[0]})
+    raised: list[BaseException] = []
+
+    def save() -> None:
+        try:
+            Checkpointer(dispatcher).after("read:0", AgentState())
+        except BaseException as error:
+            raised.append(error)
+        finally:
+            connection.close()
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    # While the checkpoint is in flight (its connection about to be cut),
+    # another owner takes the run.
+    wait_for(write_in_flight)
+    steal_lease(run.pk)
+    saver.join()
+
+    assert len(raised) == 1 and isinstance(raised[0], LeaseLost)
+    assert "checkpoint 1 unanswered, and the lease is lost: no local handling" in str(raised[0])
+    # The unknown outcome was still settled and recorded.
+    assert run.checkpoints.get(state__isnull=True).outcome == CheckpointOutcome.RESOLVED_COMMITTED
 
 
 def test_a_checkpoint_that_disagrees_with_the_receipts_is_ignored(journal):

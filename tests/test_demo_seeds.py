@@ -8,8 +8,8 @@ import pytest
 from runs.executor import Executor
 from runs.management.commands.demo import DECISION_TABLE_RUNS, TWO_FUNDS
 from runs.models import CheckpointOutcome, OutcomeItem, OutcomeKind, Run, RunStatus
-from runs.outcomes import sweep
-from tests.faultruns import wait_for, xact_status
+from runs.outcomes import sweep, xact_status
+from tests.faultruns import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

@@ -18,8 +18,8 @@ from runs.models import (
     Run,
     RunStatus,
 )
-from runs.outcomes import sweep
-from tests.faultruns import KEYS, dispatched, events, executions, run_with, wait_for, xact_status
+from runs.outcomes import sweep, xact_status
+from tests.faultruns import KEYS, dispatched, events, executions, run_with, wait_for
 from tests.receivers import LocalServer, status
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("short_settle")]

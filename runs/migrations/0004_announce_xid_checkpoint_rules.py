@@ -12,8 +12,9 @@
 # that long after announcing, so the fault can cut the connection while it
 # is in flight.  Unset, it costs one lookup.
 #
-# Checkpoints are records: only their outcome (committed or unknown, once
-# settled) and its resolution change; nothing deletes them or outcome items.
+# Checkpoints and outcome items are records: an unknown checkpoint and an
+# open item are settled once (outcome, time, resolution); nothing else about
+# them changes, and nothing deletes them.
 
 from django.db import migrations
 
@@ -50,11 +51,8 @@ BEGIN
         RAISE EXCEPTION 'rundesk: a checkpoint''s content cannot change, only its outcome'
             USING ERRCODE = 'restrict_violation';
     END IF;
-    IF NEW.outcome IS DISTINCT FROM OLD.outcome AND NOT (
-        (OLD.outcome = 'committed' AND NEW.outcome = 'resolved_committed')
-        OR (OLD.outcome = 'unknown'
-            AND NEW.outcome IN ('resolved_committed', 'resolved_not_written'))
-    ) THEN
+    IF OLD.outcome <> 'unknown' OR NEW.outcome NOT IN ('resolved_committed', 'resolved_not_written')
+    THEN
         RAISE EXCEPTION 'rundesk: checkpoint outcome % cannot become %', OLD.outcome, NEW.outcome
             USING ERRCODE = 'restrict_violation';
     END IF;
@@ -63,8 +61,28 @@ END
 $$;
 CREATE TRIGGER runs_checkpoint_rules BEFORE UPDATE OR DELETE ON runs_checkpoint
     FOR EACH ROW EXECUTE FUNCTION rundesk_checkpoint_change();
-CREATE TRIGGER runs_outcomeitem_kept BEFORE DELETE ON runs_outcomeitem
-    FOR EACH ROW EXECUTE FUNCTION rundesk_refuse_change();
+
+CREATE FUNCTION rundesk_outcome_item_change() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'DELETE' THEN
+        RAISE EXCEPTION 'rundesk: DELETE on runs_outcomeitem is refused: items are records'
+            USING ERRCODE = 'restrict_violation';
+    END IF;
+    IF OLD.state <> 'open' OR NEW.state <> 'resolved'
+       OR (NEW.run_id, NEW.kind, NEW.subject, NEW.action_id, NEW.checkpoint_id,
+           NEW.revision_number, NEW.xid, NEW.summary, NEW.created_at)
+          IS DISTINCT FROM
+          (OLD.run_id, OLD.kind, OLD.subject, OLD.action_id, OLD.checkpoint_id,
+           OLD.revision_number, OLD.xid, OLD.summary, OLD.created_at)
+    THEN
+        RAISE EXCEPTION 'rundesk: an outcome item is settled once, open to resolved'
+            USING ERRCODE = 'restrict_violation';
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER runs_outcomeitem_rules BEFORE UPDATE OR DELETE ON runs_outcomeitem
+    FOR EACH ROW EXECUTE FUNCTION rundesk_outcome_item_change();
 """
 
 
@@ -75,7 +93,8 @@ class Migration(migrations.Migration):
         migrations.RunSQL(ANNOUNCE, "DROP FUNCTION rundesk_xid(boolean);"),
         migrations.RunSQL(
             CHECKPOINT_RULES,
-            "DROP TRIGGER runs_outcomeitem_kept ON runs_outcomeitem;"
+            "DROP TRIGGER runs_outcomeitem_rules ON runs_outcomeitem;"
+            "DROP FUNCTION rundesk_outcome_item_change();"
             "DROP TRIGGER runs_checkpoint_rules ON runs_checkpoint;"
             "DROP FUNCTION rundesk_checkpoint_change();",
         ),

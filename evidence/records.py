@@ -1,0 +1,59 @@
+"""The evidence a run leaves on its main path: a Source row for each
+document it read, a ModelCall row for each model call.  Both are
+observations: a failure to write one is logged and the run goes on."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.db import DatabaseError, connection
+
+from runs.models import digest
+
+logger = logging.getLogger(__name__)
+
+
+def record_source(run_id: int, action_id: int, read: dict[str, Any]) -> int | None:
+    """The document `read` (a read_document result) as it was when read."""
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                """INSERT INTO evidence_source (run_id, path, read_action_id, digest, bytes,
+                       created_at, changed)
+                   VALUES (%s, %s, %s, %s, %s, now(), false)
+                   ON CONFLICT (run_id, path) DO UPDATE SET path = EXCLUDED.path
+                   RETURNING id""",
+                [run_id, read["path"], action_id, read["sha256"], read["bytes"]],
+            )
+            return cursor.fetchone()[0]
+    except DatabaseError as error:
+        logger.warning("run %s: source %s not recorded: %s", run_id, read["path"], error)
+        return None
+
+
+def record_model_call(
+    run_id: int, action_id: int, input: dict[str, Any], output: dict[str, Any], paths: list[str]
+) -> int | None:
+    """The model record of one model-call action, linked to its sources."""
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                """INSERT INTO evidence_modelcall (run_id, action_id, provider, input_digest,
+                       output_digest, created_at)
+                   VALUES (%s, %s, %s, %s, %s, now())
+                   ON CONFLICT (action_id) DO UPDATE SET provider = EXCLUDED.provider
+                   RETURNING id""",
+                [run_id, action_id, output.get("provider", ""), digest(input), digest(output)],
+            )
+            model_call_id = cursor.fetchone()[0]
+            cursor.execute(
+                """INSERT INTO evidence_modelcall_sources (modelcall_id, source_id)
+                   SELECT %s, id FROM evidence_source WHERE run_id = %s AND path = ANY(%s)
+                   ON CONFLICT DO NOTHING""",
+                [model_call_id, run_id, paths],
+            )
+            return model_call_id
+    except DatabaseError as error:
+        logger.warning("run %s: model call %s not recorded: %s", run_id, action_id, error)
+        return None
