@@ -165,11 +165,12 @@ TEMPLATES = [
 ]
 
 DATABASE_URL = os.environ.get("DATABASE_URL") or embedded_database_url()
+PROCESS_ROLE = process_role()
 DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
 if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
     raise ImproperlyConfigured("DATABASE_URL must point at PostgreSQL: Rundesk relies on its locks")
 DATABASES["default"].setdefault("OPTIONS", {}).update(
-    application_name=f"rundesk:{process_role()}",
+    application_name=f"rundesk:{PROCESS_ROLE}",
     # Django's own (client-side binding) cursors never prepare; this lets the
     # lease's per-step statements (runs/leases.py) be prepared once per
     # connection.  A transaction-mode pooler needs PgBouncer >= 1.21.

@@ -133,17 +133,26 @@ def lock_not_available(error: BaseException) -> bool:
 
 def record_gaps(gaps: Counter[tuple[int, int | None, str, str]]) -> None:
     """Writes gaps (run, model call, reason, detail) -> count, and the runs'
-    lost counters, in one statement."""
+    lost counters, in one statement, bounded by the capture lock timeout
+    like every capture write.  A model call that does not exist is named in
+    the detail only."""
     rows = [
         (run, call, reason, detail, count) for (run, call, reason, detail), count in gaps.items()
     ]
-    with connection.cursor() as cursor:
+    timeout = f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('lock_timeout', %s, true)", [timeout])
         cursor.execute(
             """WITH gap AS (
                    INSERT INTO evidence_capturegap (run_id, model_call_id, reason, detail, count,
                        created_at)
-                   SELECT * , now() FROM unnest(%s::bigint[], %s::bigint[], %s::text[],
-                       %s::text[], %s::int[])
+                   SELECT g.run, m.id, g.reason,
+                       CASE WHEN m.id IS NULL AND g.call IS NOT NULL
+                            THEN 'model call ' || g.call || ': ' || g.detail ELSE g.detail END,
+                       g.count, now()
+                   FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[], %s::int[])
+                       AS g(run, call, reason, detail, count)
+                   LEFT JOIN evidence_modelcall m ON m.id = g.call
                    RETURNING run_id, count)
                INSERT INTO evidence_capturestats (run_id, captured, lost)
                SELECT run_id, 0, sum(count) FROM gap GROUP BY run_id

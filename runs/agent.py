@@ -33,6 +33,7 @@ class ResearchAgent:
         self.run = dispatcher.run
         self.lease = dispatcher.lease
         self.checkpoints = Checkpointer(dispatcher)
+        self.copies: list[dict[str, Any]] = []
 
     def execute(self) -> None:
         state = self.checkpoints.resume_state() or AgentState()
@@ -45,6 +46,7 @@ class ResearchAgent:
         final = self._compose(state)
         number = 2 if state.summaries else 1
         self._publish(number, final, is_final=True)
+        self._hand_over_copies()
         self.d.step("deliver", "deliver_report", {"revision": number, "content": final})
         self.lease.finish(RunStatus.COMPLETED)
         timeline.record(self.run.pk, EventKind.RUN_COMPLETED, f"{self.d.steps} steps")
@@ -76,26 +78,38 @@ class ResearchAgent:
         state.position = index + 1
         if len(state.summaries) == 1:
             self._publish(1, _draft(state.summaries, len(self.run.documents)), is_final=False)
+        self._hand_over_copies()
         self.checkpoints.after(summary_key, state)
 
     def _model_call(
         self, step_key: str, messages: list[dict[str, str]], paths: list[str], sources: list
     ) -> dict[str, Any]:
         """A model call, its model record, and (when it ran now) a copy of it
-        handed to evidence capture, which never makes the run wait."""
+        for evidence capture, handed over by `_hand_over_copies()`."""
         input = {"messages": messages}
         result = self.d.step(step_key, "model_call", input)
         if step_key in self.d.completed_now:
             call = record_model_call(self.run.pk, self.d.action_id(step_key), input, result, paths)
             if call is not None:
-                capture.submit(
-                    run_id=self.run.pk,
-                    model_call_id=call,
-                    source_ids=[source for source in sources if source is not None],
-                    input=json.dumps(messages, ensure_ascii=False),
-                    output=result["text"],
+                self.copies.append(
+                    {
+                        "run_id": self.run.pk,
+                        "model_call_id": call,
+                        "source_ids": [source for source in sources if source is not None],
+                        "input": json.dumps(messages, ensure_ascii=False),
+                        "output": result["text"],
+                    }
                 )
         return result
+
+    def _hand_over_copies(self) -> None:
+        """Hands the copies to capture once the answer that used their calls is
+        published: capture never makes the run wait, and this way it rarely
+        meets a publication's locks on the same model records (it would give
+        up at once, leaving a gap)."""
+        for copy in self.copies:
+            capture.submit(**copy)
+        self.copies.clear()
 
     def _may_research(self, *, actions_needed: int) -> bool:
         """Research goes on until the budget or the deadline says finalize.

@@ -9,6 +9,7 @@ next step boundary and gives the run back to the queue.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Iterator
@@ -17,12 +18,15 @@ from contextlib import contextmanager
 from django.conf import settings
 from django.db import DatabaseError, connection
 
+from evidence.locks import LockSampler
+from evidence.sources import SourceRefresh
 from runs import outcomes
 from runs.agent import ResearchAgent
 from runs.dispatch import ActionFailed, Dispatcher, Stopping
 from runs.leases import Lease, LeaseLost, new_owner_name
 from runs.models import EventKind, RunStatus
 from runs.outcomes import NeedsOperator
+from runs.sql import name_connection
 from runs.timeline import timeline
 
 logger = logging.getLogger(__name__)
@@ -63,6 +67,7 @@ def drive(lease: Lease, stop: threading.Event) -> str:
     an operator, is cancelled, loses its lease, or the executor stops."""
     run_id = lease.run_id
     timeline.record(run_id, EventKind.LEASE_ACQUIRED, f"{lease.owner}", epoch=lease.epoch)
+    name_connection(settings.PROCESS_ROLE, run_id)
     try:
         with heartbeat(lease) as lost:
             dispatcher = Dispatcher(lease, stop=stop, lease_lost=lost)
@@ -72,6 +77,10 @@ def drive(lease: Lease, stop: threading.Event) -> str:
                     EventKind.RESUMED,
                     f"resumed by epoch {lease.epoch} from {len(dispatcher.known)} actions",
                 )
+                for path in SourceRefresh(run_id).run():
+                    timeline.record(
+                        run_id, EventKind.SOURCE_CHANGED, f"{path} changed since it was read"
+                    )
             ResearchAgent(dispatcher).execute()
             return RunStatus.COMPLETED
     except Stopping:
@@ -100,6 +109,9 @@ def drive(lease: Lease, stop: threading.Event) -> str:
         return RunStatus.FAILED
     finally:
         timeline.flush()
+        with contextlib.suppress(DatabaseError):
+            if connection.connection is not None:
+                name_connection(settings.PROCESS_ROLE)
 
 
 def _after_refused_write(lease: Lease, refused: LeaseLost) -> str:
@@ -136,6 +148,8 @@ class Executor:
         self.poll_seconds = poll_seconds or settings.RUNDESK_POLL_SECONDS
         self.stop = threading.Event()
         self.results: list[tuple[int, str]] = []
+        self.running = 0  # runs being driven now (the lock sampler samples while > 0)
+        self._count = threading.Lock()
 
     def serve(self, *, once: bool = False) -> list[tuple[int, str]]:
         """Claims and runs runs until stopped (or, with once, until the queue
@@ -144,11 +158,30 @@ class Executor:
             threading.Thread(target=self._work, args=(once,), name=f"executor-{i}")
             for i in range(self.concurrency)
         ]
+        sampler_stop = threading.Event()
+        sampler = threading.Thread(
+            target=LockSampler(lambda: self.running > 0).serve,
+            args=(sampler_stop,),
+            name="lock-sampler",
+        )
+        sampler.start()
         for worker in workers:
             worker.start()
         for worker in workers:
             worker.join()
+        sampler_stop.set()
+        sampler.join()
         return self.results
+
+    @contextmanager
+    def _counted(self) -> Iterator[None]:
+        with self._count:
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self._count:
+                self.running -= 1
 
     def _sweep(self) -> None:
         """While idle: ask again about unsettled writes (runs/outcomes.py)."""
@@ -177,7 +210,8 @@ class Executor:
                     self.stop.wait(self.poll_seconds)
                     continue
                 try:
-                    outcome = drive(lease, self.stop)
+                    with self._counted():
+                        outcome = drive(lease, self.stop)
                 except DatabaseError as error:
                     logger.warning(
                         "run %s: database error, left to its lease: %s", lease.run_id, error

@@ -403,6 +403,7 @@ class EventKind(models.TextChoices):
     OUTCOME_SETTLED = "outcome_settled"  # by pg_xact_status or a probe
     OUTCOME_OPEN = "outcome_open"  # left for an operator
     FAULT_INJECTED = "fault_injected"
+    SOURCE_CHANGED = "source_changed"  # a document differs from what the run read
     EVENTS_LOST = "events_lost"  # an honest gap in this timeline
 
 

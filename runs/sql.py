@@ -47,6 +47,16 @@ def server_cursor() -> Iterator[psycopg.Cursor[Any]]:
         yield cursor
 
 
+def name_connection(role: str, run_id: int | None = None) -> None:
+    """Says in pg_stat_activity what this thread's connection serves, so a
+    lock graph can name it: `rundesk:executor:run-42`."""
+    suffix = f":run-{run_id}" if run_id is not None else ""
+    with connections[DEFAULT_DB_ALIAS].cursor() as cursor:
+        cursor.execute(
+            "SELECT set_config('application_name', %s, false)", [f"rundesk:{role}{suffix}"]
+        )
+
+
 def backend_pid() -> int:
     """The server process of this thread's connection (connecting if needed)."""
     db = connections[DEFAULT_DB_ALIAS]

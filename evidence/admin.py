@@ -1,0 +1,64 @@
+"""Admin for the evidence models: records, shown and never changed here."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+
+from evidence.models import (
+    CaptureGap,
+    CaptureStats,
+    EvidenceCopy,
+    LockIncident,
+    LockWait,
+    ModelCall,
+    Source,
+)
+from runs.admin import ReadOnlyAdmin
+
+
+@admin.register(Source)
+class SourceAdmin(ReadOnlyAdmin):
+    list_display = ["run", "path", "digest", "bytes", "changed", "created_at"]
+    list_select_related = ["run"]
+
+
+@admin.register(ModelCall)
+class ModelCallAdmin(ReadOnlyAdmin):
+    list_display = ["run", "action", "provider", "published_revision", "created_at"]
+    list_select_related = ["run", "action"]
+
+
+@admin.register(EvidenceCopy)
+class EvidenceCopyAdmin(ReadOnlyAdmin):
+    list_display = ["run", "model_call", "input_bytes", "output_bytes", "truncated", "created_at"]
+    list_select_related = ["run"]
+
+
+@admin.register(CaptureGap)
+class CaptureGapAdmin(ReadOnlyAdmin):
+    list_display = ["run", "model_call", "reason", "count", "detail", "created_at"]
+    list_filter = ["reason"]
+    list_select_related = ["run"]
+
+
+@admin.register(CaptureStats)
+class CaptureStatsAdmin(ReadOnlyAdmin):
+    list_display = ["run", "captured", "lost"]
+
+
+class LockWaitInline(admin.TabularInline):
+    model = LockWait
+    extra = 0
+    can_delete = False
+    fields = ["waiter_pid", "waiter_role", "blocker_pid", "blocker_role", "mode", "locked"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(LockIncident)
+class LockIncidentAdmin(ReadOnlyAdmin):
+    list_display = ["id", "source", "started_at", "processes", "has_cycle", "summary"]
+    list_filter = ["source", "has_cycle"]
+    inlines = [LockWaitInline]

@@ -1,0 +1,278 @@
+"""Who waits for whom among Rundesk's connections.
+
+Every Rundesk connection names itself in `application_name`
+(`rundesk:<role>[:run-<id>]`), so a wait-for graph can say which role and
+which run each process serves.  The sampler (a thread of the executor, while
+runs are active) first takes a cheap look at pg_stat_activity for sessions
+waiting on a lock, and only for those asks pg_blocking_pids(), which takes
+the lock manager's locks and is never polled hot.  Waits seen in
+consecutive samples form one incident; incidents from the sampler, from
+`reproduce_contention` and from imported server logs are stored alike, with
+their cycle if they hold one.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from django.conf import settings
+from django.db import DatabaseError, connection, transaction
+from django.utils import timezone
+
+from evidence.models import IncidentSource, LockIncident, LockWait
+from runs.models import Run
+
+logger = logging.getLogger(__name__)
+
+APPLICATION = re.compile(r"^rundesk:(?P<role>[a-z_-]+)(?::run-(?P<run>\d+))?")
+
+
+@dataclass
+class Process:
+    pid: int
+    role: str = ""
+    run_id: int | None = None
+    query: str = ""
+
+
+@dataclass(frozen=True)
+class Edge:
+    """`waiter` waits for a lock of `mode` on `locked`, which `blocker` holds."""
+
+    waiter: int
+    blocker: int
+    mode: str = ""
+    lock_type: str = ""
+    locked: str = ""
+
+
+@dataclass
+class Graph:
+    processes: dict[int, Process] = field(default_factory=dict)
+    edges: list[Edge] = field(default_factory=list)
+
+    def cycle(self) -> list[int]:
+        """The pids of a wait-for cycle, in wait-for order, or []."""
+        following: dict[int, list[int]] = {}
+        for edge in self.edges:
+            following.setdefault(edge.waiter, []).append(edge.blocker)
+        visiting: set[int] = set()
+        done: set[int] = set()
+        path: list[int] = []
+
+        def visit(pid: int) -> list[int]:
+            visiting.add(pid)
+            path.append(pid)
+            for blocker in following.get(pid, []):
+                if blocker in visiting:
+                    return path[path.index(blocker) :]
+                if blocker not in done and (found := visit(blocker)):
+                    return found
+            visiting.discard(pid)
+            done.add(pid)
+            path.pop()
+            return []
+
+        for pid in sorted(following):
+            if pid not in done and (found := visit(pid)):
+                return found
+        return []
+
+
+# What a statement is part of, when its connection's role says less.
+STATEMENT_ROLES = [
+    ("runs_answerrevision", "publication"),
+    ("runs_checkpoint", "checkpoint"),
+    ("runs_receipt", "receipt"),
+    ("evidence_evidencecopy", "capture"),
+    ("UPDATE evidence_source", "source refresh"),
+]
+
+
+def describe_application(name: str) -> tuple[str, int | None]:
+    """`rundesk:capture:run-42` -> ("capture", 42); others keep their name."""
+    match = APPLICATION.match(name or "")
+    if not match:
+        return name or "", None
+    return match["role"], int(match["run"]) if match["run"] else None
+
+
+def role_of(application_name: str, query: str) -> tuple[str, int | None]:
+    """The role a process plays in a wait: its connection's role, made
+    precise by its statement (an executor publishing is "publication")."""
+    role, run_id = describe_application(application_name)
+    if role != "capture":
+        for marker, statement_role in STATEMENT_ROLES:
+            if marker in (query or ""):
+                return statement_role, run_id
+    return role, run_id
+
+
+# -- sampling ---------------------------------------------------------------------
+
+WAITING = """
+    SELECT pid FROM pg_stat_activity
+    WHERE wait_event_type = 'Lock' AND application_name LIKE 'rundesk:%'
+      AND pid <> pg_backend_pid()
+"""
+
+# For the waiting sessions only: who blocks them, and on what.
+BLOCKERS = """
+    SELECT w.pid, w.application_name, w.query, b.pid, b.application_name, b.query,
+           l.locktype, l.mode,
+           concat_ws(' ', l.relation::regclass::text,
+               CASE WHEN l.transactionid IS NOT NULL THEN 'transaction ' || l.transactionid END,
+               CASE WHEN l.tuple IS NOT NULL THEN 'tuple (' || l.page || ',' || l.tuple || ')' END,
+               CASE WHEN l.locktype = 'advisory' THEN 'advisory ' || l.objid END)
+    FROM pg_stat_activity w
+    CROSS JOIN LATERAL unnest(pg_blocking_pids(w.pid)) AS blocker(pid)
+    JOIN pg_stat_activity b ON b.pid = blocker.pid
+    LEFT JOIN LATERAL (
+        SELECT * FROM pg_locks WHERE pid = w.pid AND NOT granted LIMIT 1
+    ) l ON true
+    WHERE w.pid = ANY(%s)
+"""
+
+
+def sample() -> Graph:
+    """One look at who waits for whom among Rundesk's connections."""
+    graph = Graph()
+    with connection.cursor() as cursor:
+        cursor.execute(WAITING)
+        waiting = [pid for (pid,) in cursor.fetchall()]
+        if not waiting:
+            return graph
+        cursor.execute(BLOCKERS, [waiting])
+        rows = cursor.fetchall()
+    for waiter, w_app, w_query, blocker, b_app, b_query, lock_type, mode, locked in rows:
+        for pid, app, query in ((waiter, w_app, w_query), (blocker, b_app, b_query)):
+            role, run_id = role_of(app, query)
+            graph.processes.setdefault(pid, Process(pid, role, run_id, query or ""))
+        graph.edges.append(Edge(waiter, blocker, mode or "", lock_type or "", locked or ""))
+    return graph
+
+
+def store(
+    source: str,
+    graph: Graph,
+    *,
+    started_at: dt.datetime | None = None,
+    ended_at: dt.datetime | None = None,
+    summary: str = "",
+) -> LockIncident:
+    """Stores a wait-for graph as an incident, with its cycle if it has one."""
+    cycle = graph.cycle()
+    now = timezone.now()
+    runs = _known_runs(graph)
+    with transaction.atomic():
+        incident = LockIncident.objects.create(
+            source=source,
+            started_at=started_at or now,
+            ended_at=ended_at,
+            processes=len(graph.processes),
+            has_cycle=bool(cycle),
+            cycle=cycle,
+            summary=summary,
+        )
+        LockWait.objects.bulk_create(
+            _wait(incident, graph, edge, runs, incident.started_at, now) for edge in graph.edges
+        )
+    return incident
+
+
+def _known_runs(graph: Graph) -> set[int]:
+    """The runs named by the processes that still exist (a log may name others)."""
+    named = {p.run_id for p in graph.processes.values() if p.run_id}
+    return set(Run.objects.filter(pk__in=named).values_list("pk", flat=True)) if named else set()
+
+
+def _wait(
+    incident: LockIncident,
+    graph: Graph,
+    edge: Edge,
+    runs: set[int],
+    first_seen: dt.datetime,
+    last_seen: dt.datetime,
+) -> LockWait:
+    waiter = graph.processes.get(edge.waiter, Process(edge.waiter))
+    blocker = graph.processes.get(edge.blocker, Process(edge.blocker))
+    return LockWait(
+        incident=incident,
+        waiter_pid=waiter.pid,
+        waiter_role=waiter.role,
+        waiter_run_id=waiter.run_id if waiter.run_id in runs else None,
+        waiter_query=waiter.query,
+        blocker_pid=blocker.pid,
+        blocker_role=blocker.role,
+        blocker_run_id=blocker.run_id if blocker.run_id in runs else None,
+        blocker_query=blocker.query,
+        lock_type=edge.lock_type,
+        mode=edge.mode,
+        locked=edge.locked[:300],
+        first_seen=first_seen,
+        last_seen=last_seen,
+        waited_ms=int((last_seen - first_seen).total_seconds() * 1000),
+    )
+
+
+class LockSampler:
+    """Samples while `active()` says runs are active.  Waits seen in
+    consecutive samples belong to one incident; a sample with no waits
+    closes it."""
+
+    def __init__(self, active: Callable[[], bool], interval: float | None = None) -> None:
+        self.active = active
+        self.interval = interval or settings.RUNDESK_LOCK_SAMPLE_SECONDS
+        self.incident: LockIncident | None = None
+        self.seen: dict[tuple[int, int, str], LockWait] = {}
+
+    def serve(self, stop: threading.Event) -> None:
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SET application_name = 'rundesk:sampler'")
+            while not stop.wait(self.interval):
+                if self.active() or self.incident is not None:
+                    try:
+                        self.tick()
+                    except DatabaseError as error:
+                        logger.warning("lock sampler: %s", error)
+                        connection.close()
+        finally:
+            connection.close()
+
+    def tick(self) -> None:
+        graph = sample()
+        now = timezone.now()
+        if not graph.edges:
+            if self.incident is not None:
+                self.incident.ended_at = now
+                self.incident.save(update_fields=["ended_at"])
+                self.incident, self.seen = None, {}
+            return
+        if self.incident is None:
+            self.incident = LockIncident.objects.create(
+                source=IncidentSource.SAMPLER, started_at=now
+            )
+        runs = _known_runs(graph)
+        for edge in graph.edges:
+            key = (edge.waiter, edge.blocker, edge.locked)
+            wait = self.seen.get(key)
+            if wait is None:
+                self.seen[key] = _wait(self.incident, graph, edge, runs, now, now)
+                self.seen[key].save()
+            else:
+                wait.last_seen = now
+                wait.waited_ms = int((now - wait.first_seen).total_seconds() * 1000)
+                wait.save(update_fields=["last_seen", "waited_ms"])
+        seen = Graph(edges=[Edge(w.waiter_pid, w.blocker_pid) for w in self.seen.values()])
+        if cycle := seen.cycle():
+            self.incident.has_cycle, self.incident.cycle = True, cycle
+        self.incident.processes = len(
+            {w.waiter_pid for w in self.seen.values()} | {w.blocker_pid for w in self.seen.values()}
+        )
+        self.incident.save(update_fields=["processes", "has_cycle", "cycle"])

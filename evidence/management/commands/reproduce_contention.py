@@ -1,0 +1,273 @@
+"""Reproduces the lock cycle of the essay's first incident, on purpose.
+
+Three transactions, each in its own connection, through the real storage
+entry points:
+
+- capture (evidence/capture.py CopyTransaction): holds the source row, then
+  asks for the model record;
+- publication (Lease.publish_revision): holds the model record (it marks
+  the calls it used), then asks for the run row (its fence);
+- a source refresh (evidence/sources.py SourceRefresh): holds the run row,
+  then asks for the source row.
+
+Each trial arranges that order: capture takes the source, the refresh takes
+the run row, the publication takes the model record and waits for the run
+row; then capture and the refresh ask for their second lock at once.  Under
+`--policy wait` (the old capture) that closes a cycle and PostgreSQL's
+deadlock detector breaks it after deadlock_timeout; under `nowait` capture
+gives up at once, leaving a gap, and nothing waits for it.  Baseline trials,
+interleaved with them, run the same publications with capture switched off.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError, connection, transaction
+
+from evidence import locks
+from evidence.capture import POLICIES, Copy, CopyTransaction, lock_not_available, record_gaps
+from evidence.models import GapReason, IncidentSource
+from evidence.records import record_model_call, record_source
+from evidence.sources import SourceRefresh
+from runs.leases import Lease
+from runs.models import Run, RunStatus
+from runs.sql import backend_pid
+from runs.tools import TOOLS
+
+DEADLOCK = "40P01"
+DOCUMENT = "northwind-clean-energy.md"
+
+
+def sqlstate(error: BaseException) -> str | None:
+    return getattr(error.__cause__, "sqlstate", None)
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(samples)
+    return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 3)
+
+
+class Command(BaseCommand):
+    help = (
+        "Arranges the capture / publication / source-refresh lock cycle, with the old (wait) "
+        "or the repaired (nowait) capture, and reports publications, deadlocks and gaps."
+    )
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--policy", choices=POLICIES, required=True)
+        parser.add_argument("--trials", type=int, default=50)
+        parser.add_argument(
+            "--deadlock-timeout-ms",
+            type=int,
+            help="deadlock_timeout for the three connections (default: the server's)",
+        )
+        parser.add_argument("--json", action="store_true")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["trials"] < 1:
+            raise CommandError("--trials must be at least 1")
+        self.policy = options["policy"]
+        self.deadlock_timeout = options["deadlock_timeout_ms"]
+        self._set_up()
+        outcomes: Counter[str] = Counter()
+        publication_ms: list[float] = []
+        baseline_ms: list[float] = []
+        for trial in range(options["trials"]):
+            result = self._trial(number=2 * trial + 1, capture=True)
+            outcomes.update(result["outcomes"])
+            publication_ms.append(result["publication_ms"])
+            baseline_ms.append(self._trial(number=2 * trial + 2, capture=False)["publication_ms"])
+        self.lease.finish(RunStatus.COMPLETED, "contention reproduction")
+        report = {
+            "policy": self.policy,
+            "trials": options["trials"],
+            "publications_committed": outcomes["publication:committed"],
+            "publications_failed": options["trials"] - outcomes["publication:committed"],
+            "deadlocks": outcomes["deadlock"],
+            "capture_saved": outcomes["capture:saved"],
+            "capture_gaps": options["trials"] - outcomes["capture:saved"],
+            "publication_ms": {
+                "p50": percentile(publication_ms, 0.5),
+                "p99": percentile(publication_ms, 0.99),
+                "max": round(max(publication_ms), 3),
+            },
+            "baseline_publication_ms": {
+                "p50": percentile(baseline_ms, 0.5),
+                "p99": percentile(baseline_ms, 0.99),
+            },
+            "deadlock_timeout_ms": self._deadlock_timeout_ms(),
+            "run_id": self.run.pk,
+        }
+        if options["json"]:
+            self.stdout.write(json.dumps(report))
+        else:
+            for key, value in report.items():
+                self.stdout.write(f"{key}: {value}")
+
+    # -- set-up ------------------------------------------------------------
+
+    def _set_up(self) -> None:
+        """A run with one source and one model call, through the real paths."""
+        self.run = Run.objects.submit(
+            question=f"reproduce_contention --policy {self.policy}", documents=[DOCUMENT]
+        )
+        lease = Lease.claim(self.run.pk, "reproduce-contention")
+        if lease is None:
+            raise CommandError("could not claim the reproduction's run")
+        self.lease = lease
+        read_input = {"path": DOCUMENT}
+        read_id = lease.record_boundary(
+            step_key="read:0", kind="read_document", effect_class="read", input=read_input
+        )
+        read = TOOLS["read_document"].run(read_input, f"rundesk:run-{self.run.pk}:read:0")
+        lease.record_receipt(read_id, read)
+        source = record_source(self.run.pk, read_id, read)
+        call_input = {"messages": [{"role": "user", "content": read["text"]}]}
+        call_id = lease.record_boundary(
+            step_key="summarize:0", kind="model_call", effect_class="read", input=call_input
+        )
+        output = {"provider": "offline", "text": "A summary."}
+        lease.record_receipt(call_id, output)
+        model_call = record_model_call(self.run.pk, call_id, call_input, output, [DOCUMENT])
+        if source is None or model_call is None:
+            raise CommandError("could not record the reproduction's source and model call")
+        self.copy = Copy(self.run.pk, model_call, (source,), json.dumps(call_input), output["text"])
+
+    # -- one trial ---------------------------------------------------------
+
+    def _trial(self, *, number: int, capture: bool) -> dict[str, Any]:
+        self.lease.renew()
+        outcomes: Counter[str] = Counter()
+        go = threading.Event()
+        threads: list[threading.Thread] = []
+
+        def start(target: Callable[[threading.Event], None]) -> None:
+            ready = threading.Event()
+            thread = threading.Thread(target=self._connected, args=(target, ready, outcomes))
+            thread.start()
+            threads.append(thread)
+            ready.wait(10)
+
+        if capture:
+            start(lambda ready: self._capture(ready, go, outcomes))
+        start(lambda ready: self._refresh(ready, go))
+        timing: dict[str, float] = {}
+        publisher = threading.Thread(
+            target=self._connected,
+            args=(lambda ready: self._publish(ready, number, timing, outcomes), None, outcomes),
+        )
+        publisher.start()
+        self._wait_until_waiting(timing)
+        go.set()
+        if capture and self.policy == "wait":
+            self._record_cycle(publisher)
+        for thread in [*threads, publisher]:
+            thread.join(60)
+        return {"outcomes": outcomes, "publication_ms": timing["ms"]}
+
+    def _connected(
+        self,
+        target: Callable[[threading.Event], None],
+        ready: threading.Event | None,
+        outcomes: Counter[str],
+    ) -> None:
+        """Runs `target` on this thread's own connection, then closes it."""
+        ready = ready or threading.Event()
+        try:
+            if self.deadlock_timeout:
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT set_config('deadlock_timeout', %s, false)",
+                        [f"{self.deadlock_timeout}ms"],
+                    )
+            target(ready)
+        except DatabaseError as error:
+            if sqlstate(error) == DEADLOCK:
+                outcomes["deadlock"] += 1
+        finally:
+            ready.set()
+            connection.close()
+
+    def _capture(self, ready: threading.Event, go: threading.Event, outcomes: Counter[str]) -> None:
+        copy = CopyTransaction(self.copy, self.policy)
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                copy.begin(cursor)
+                copy.lock_sources(cursor)
+                ready.set()
+                go.wait(10)
+                copy.lock_model_record(cursor)
+                copy.insert(cursor)
+            outcomes["capture:saved"] += 1
+        except DatabaseError as error:
+            reason = (
+                GapReason.LOCK_NOT_AVAILABLE if lock_not_available(error) else GapReason.DB_ERROR
+            )
+            gap = (self.copy.run_id, self.copy.model_call_id, reason, str(error).strip()[:500])
+            record_gaps(Counter({gap: 1}))
+            raise
+
+    def _refresh(self, ready: threading.Event, go: threading.Event) -> None:
+        refresh = SourceRefresh(self.run.pk)
+        with transaction.atomic(), connection.cursor() as cursor:
+            refresh.lock_run(cursor)
+            ready.set()
+            go.wait(10)
+            refresh.mark_sources(cursor)
+
+    def _publish(
+        self, ready: threading.Event, number: int, timing: dict[str, float], outcomes: Counter[str]
+    ) -> None:
+        timing["pid"] = backend_pid()
+        ready.set()
+        start = time.perf_counter()
+        try:
+            self.lease.publish_revision(number, f"revision {number}", is_final=False)
+            outcomes["publication:committed"] += 1
+        finally:
+            timing["ms"] = (time.perf_counter() - start) * 1000
+
+    def _wait_until_waiting(self, timing: dict[str, float]) -> None:
+        """Until the publication waits for the run row (or is done)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "ms" not in timing:
+            if "pid" in timing:
+                with connection.cursor() as cursor:
+                    cursor.execute(
+                        "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
+                        [timing["pid"]],
+                    )
+                    row = cursor.fetchone()
+                if row and row[0]:
+                    return
+            time.sleep(0.0005)
+
+    def _record_cycle(self, publisher: threading.Thread) -> None:
+        """Samples the wait-for graph once the cycle has closed, and stores it."""
+        deadline = time.monotonic() + 10
+        while publisher.is_alive() and time.monotonic() < deadline:
+            graph = locks.sample()
+            if graph.cycle():
+                locks.store(
+                    IncidentSource.REPRODUCTION,
+                    graph,
+                    summary=f"reproduce_contention --policy {self.policy}: the cycle, as sampled",
+                )
+                return
+            time.sleep(0.005)
+
+    def _deadlock_timeout_ms(self) -> int:
+        if self.deadlock_timeout:
+            return self.deadlock_timeout
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT setting::int FROM pg_settings WHERE name = 'deadlock_timeout'")
+            return cursor.fetchone()[0]

@@ -1,0 +1,67 @@
+"""Source refresh: are a run's documents still what the run read?
+
+A resumed run's sources are checked against the corpus before it goes on:
+a document that changed since it was read is marked `changed`, and the
+timeline says so (the answer may cite a version that no longer exists).
+The refresh holds the run row while it marks the sources, so the run cannot
+publish an answer citing them halfway through.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from django.conf import settings
+from django.db import connection, transaction
+
+from runs.tools import ToolRefused, resolve_in_corpus
+
+
+class SourceRefresh:
+    """The refresh's statements, in their order.  `run()` runs them in one
+    transaction; `reproduce_contention` runs the same statements one at a
+    time."""
+
+    def __init__(self, run_id: int) -> None:
+        self.run_id = run_id
+        # Files are hashed before the transaction: no lock is held for I/O.
+        self.current = self._current()
+
+    def _current(self) -> dict[int, str]:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT id, path FROM evidence_source WHERE run_id = %s ORDER BY id", [self.run_id]
+            )
+            return {source_id: _digest_now(path) for source_id, path in cursor.fetchall()}
+
+    def lock_run(self, cursor: Any) -> None:
+        cursor.execute("SELECT 1 FROM runs_run WHERE id = %s FOR NO KEY UPDATE", [self.run_id])
+
+    def mark_sources(self, cursor: Any) -> list[str]:
+        """Marks each source checked, and changed if its file differs now.
+        Returns the paths that changed."""
+        cursor.execute(
+            """UPDATE evidence_source AS s
+               SET checked_at = now(), changed = (s.digest IS DISTINCT FROM now_.digest)
+               FROM unnest(%s::bigint[], %s::text[]) AS now_(id, digest)
+               WHERE s.id = now_.id AND s.run_id = %s
+               RETURNING s.path, s.changed""",
+            [list(self.current), list(self.current.values()), self.run_id],
+        )
+        return sorted(path for path, changed in cursor.fetchall() if changed)
+
+    def run(self) -> list[str]:
+        with transaction.atomic(), connection.cursor() as cursor:
+            self.lock_run(cursor)
+            return self.mark_sources(cursor)
+
+
+def _digest_now(path: str) -> str:
+    """The file's digest now, or '' when it can no longer be read."""
+    try:
+        return hashlib.sha256(
+            resolve_in_corpus(path, settings.RUNDESK_CORPUS_DIR).read_bytes()
+        ).hexdigest()
+    except (ToolRefused, OSError):
+        return ""

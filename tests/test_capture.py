@@ -1,0 +1,256 @@
+"""Evidence capture cannot block publication: it gives up at once on a lock
+it cannot get, leaves an honest gap, and never slows its caller.  Every
+lock behaviour here uses real concurrent connections."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+import pytest
+from django.db import DatabaseError, connection
+
+from evidence.capture import Capture, Copy, CopyTransaction
+from evidence.capture import capture as process_capture
+from evidence.models import CaptureGap, CaptureStats, EvidenceCopy, GapReason, ModelCall, Source
+from evidence.records import record_model_call, record_source
+from runs.executor import execute
+from runs.leases import Lease
+from runs.models import AnswerRevision, Run, RunStatus
+from tests.conftest import database_url
+from tests.faultruns import DOCS, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def evidence():
+    """A leased run with one source and one model call."""
+    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    lease = Lease.claim(run.pk, "owner")
+    read = {"path": DOCS[0], "sha256": "ab" * 32, "bytes": 10, "text": "x"}
+    read_id = lease.record_boundary(
+        step_key="read:0", kind="read_document", effect_class="read", input={"path": DOCS[0]}
+    )
+    lease.record_receipt(read_id, read)
+    source = record_source(run.pk, read_id, read)
+    call_id = lease.record_boundary(
+        step_key="summarize:0", kind="model_call", effect_class="read", input={"m": 1}
+    )
+    lease.record_receipt(call_id, {"provider": "offline", "text": "summary"})
+    model_call = record_model_call(run.pk, call_id, {"m": 1}, {"text": "summary"}, [DOCS[0]])
+    return run, lease, Copy(run.pk, model_call, (source,), "input", "output")
+
+
+@pytest.fixture
+def writer():
+    capture = Capture(capacity=5)
+    yield capture
+    capture.stop()
+
+
+@contextmanager
+def holding(sql: str, *params: object) -> Iterator[psycopg.Connection]:
+    """Another session holds the locks `sql` takes, in an open transaction."""
+    with psycopg.connect(database_url()) as other:
+        other.execute(sql, params)
+        yield other
+        other.rollback()
+
+
+def submit(capture: Capture, copy: Copy) -> bool:
+    return capture.submit(
+        run_id=copy.run_id,
+        model_call_id=copy.model_call_id,
+        source_ids=list(copy.source_ids),
+        input=copy.input,
+        output=copy.output,
+    )
+
+
+def gaps(run: Run) -> list[tuple[str, int]]:
+    return list(CaptureGap.objects.filter(run=run).order_by("id").values_list("reason", "count"))
+
+
+def test_capture_saves_a_bounded_copy_with_its_sources(evidence, writer):
+    run, _, copy = evidence
+    assert submit(writer, copy) and writer.flush()
+    saved = EvidenceCopy.objects.get(run=run)
+    assert (saved.input, saved.output, saved.truncated) == ("input", "output", False)
+    assert list(saved.sources.values_list("path", flat=True)) == [DOCS[0]]
+    assert CaptureStats.objects.get(run=run).captured == 1
+
+
+def test_locked_model_record_gives_a_gap_and_a_later_capture_succeeds(evidence, writer):
+    run, _, copy = evidence
+    # What a publication's UPDATE of the model record holds.
+    with holding(
+        "SELECT 1 FROM evidence_modelcall WHERE id = %s FOR NO KEY UPDATE", copy.model_call_id
+    ):
+        assert submit(writer, copy) and writer.flush()
+        assert gaps(run) == [(GapReason.LOCK_NOT_AVAILABLE, 1)]
+        assert not EvidenceCopy.objects.filter(run=run).exists()
+    # The failed capture released what it held and is not retried; the next
+    # independent capture saves.
+    assert submit(writer, copy) and writer.flush()
+    assert EvidenceCopy.objects.filter(run=run).count() == 1
+    stats = CaptureStats.objects.get(run=run)
+    assert (stats.captured, stats.lost) == (1, 1)
+
+
+def test_capture_fails_fast_behind_an_access_exclusive_table_lock(evidence, settings):
+    settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS = 100
+    _, _, copy = evidence
+    outcome: list[object] = []
+
+    def save() -> None:
+        started = time.monotonic()
+        try:
+            CopyTransaction(copy).save()
+        except DatabaseError as error:
+            outcome.append((error, time.monotonic() - started))
+        finally:
+            connection.close()
+
+    with holding("LOCK TABLE evidence_modelcall IN ACCESS EXCLUSIVE MODE"):
+        saver = threading.Thread(target=save)
+        saver.start()
+        saver.join(10)
+    ((error, seconds),) = outcome
+    assert error.__cause__.sqlstate == "55P03"  # lock_timeout, not a wait
+    assert seconds < 0.1 + 1.0
+
+
+def test_publication_commits_and_reads_back_while_capture_is_blocked(evidence, settings):
+    # Capture waits (here up to 5 s) for a source row another session is
+    # updating.  It has taken nothing yet: sources come first.
+    settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS = 5000
+    run, lease, copy = evidence
+    blocked = threading.Event()
+
+    def save() -> None:
+        try:
+            CopyTransaction(copy).save()
+        finally:
+            blocked.set()
+            connection.close()
+
+    with holding("UPDATE evidence_source SET changed = false WHERE id = %s", copy.source_ids[0]):
+        saver = threading.Thread(target=save)
+        saver.start()
+        wait_for(lambda: _waiting("rundesk:capture"))
+        assert lease.publish_revision(1, "# Answer", is_final=False) is True
+        assert AnswerRevision.objects.get(run=run, number=1).content == "# Answer"
+        assert ModelCall.objects.get(pk=copy.model_call_id).published_revision == 1
+        assert not blocked.is_set()
+    saver.join(10)
+    assert EvidenceCopy.objects.filter(run=run).count() == 1
+
+
+def _waiting(role: str) -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND application_name LIKE %s)",
+            [f"{role}%"],
+        )
+        return cursor.fetchone()[0]
+
+
+def test_full_queue_gives_gaps_and_never_makes_the_caller_wait(evidence, settings):
+    settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS = 30_000
+    run, _, copy = evidence
+    small = Capture(capacity=3)
+    try:
+        # The database is stalled for capture: its first write waits.
+        with holding("LOCK TABLE evidence_source IN ACCESS EXCLUSIVE MODE") as stall:
+            accepted = [submit(small, copy) for _ in range(10)]
+            wait_for(lambda: _waiting("rundesk:capture"))
+            # Every submit returned while the database was still stalled.
+            assert stall.execute("SELECT 1").fetchone() == (1,)
+        assert small.flush()
+    finally:
+        small.stop()
+    saved = EvidenceCopy.objects.filter(run=run).count()
+    lost = sum(count for reason, count in gaps(run) if reason == GapReason.QUEUE_FULL)
+    assert accepted.count(False) == lost >= 6
+    assert saved + lost == 10
+    stats = CaptureStats.objects.get(run=run)
+    assert (stats.captured, stats.lost) == (saved, lost)
+
+
+def test_oversized_copy_is_a_gap_and_a_large_one_is_truncated_and_marked(
+    evidence, writer, settings
+):
+    settings.RUNDESK_CAPTURE_MAX_BYTES = 1024
+    run, _, copy = evidence
+    assert not writer.submit(
+        run_id=run.pk,
+        model_call_id=copy.model_call_id,
+        source_ids=[],
+        input="x" * 20_000,
+        output="",
+    )
+    assert writer.submit(
+        run_id=run.pk,
+        model_call_id=copy.model_call_id,
+        source_ids=[],
+        input="é" * 1000,
+        output="ok",
+    )
+    assert writer.flush()
+    assert gaps(run) == [(GapReason.TOO_LARGE, 1)]
+    saved = EvidenceCopy.objects.get(run=run)
+    assert saved.truncated and saved.input_bytes == 2000 and len(saved.input.encode()) <= 1024
+
+
+def test_a_database_error_is_a_gap_not_a_save(evidence, writer):
+    run, _, _ = evidence
+    assert writer.submit(run_id=run.pk, model_call_id=987_654, source_ids=[], input="i", output="o")
+    assert writer.flush()
+    assert gaps(run) == [(GapReason.DB_ERROR, 1)]
+    gap = CaptureGap.objects.get(run=run)
+    assert gap.model_call is None and gap.detail.startswith("model call 987654: ")
+    assert not EvidenceCopy.objects.exists()
+
+
+def test_copies_still_queued_at_shutdown_become_gaps(evidence, settings):
+    settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS = 2000
+    run, _, copy = evidence
+    writer = Capture(capacity=10)
+    with holding("LOCK TABLE evidence_source IN ACCESS EXCLUSIVE MODE"):
+        for _ in range(4):
+            submit(writer, copy)
+        writer.stop(grace=0.2)
+    # The copy in flight failed on its lock; the rest were still queued.
+    assert GapReason.SHUTDOWN in [reason for reason, _ in gaps(run)]
+    assert sum(count for _, count in gaps(run)) == 4
+    assert not EvidenceCopy.objects.exists()
+
+
+def test_a_run_records_its_sources_model_calls_and_copies(journal):
+    run = Run.objects.submit(question="Compare", documents=DOCS)
+    assert execute(run.pk) == RunStatus.COMPLETED
+    assert process_capture.flush()
+    assert list(Source.objects.filter(run=run).values_list("path", flat=True)) == DOCS
+    calls = ModelCall.objects.filter(run=run).order_by("id")
+    assert [c.action.step_key for c in calls] == [
+        "summarize:0",
+        "summarize:1",
+        "summarize:2",
+        "compose",
+    ]
+    # The final publication marked every call it used.
+    assert {c.published_revision for c in calls} == {2}
+    assert [sorted(c.sources.values_list("path", flat=True)) for c in calls][-1] == sorted(DOCS)
+    # Each model call was captured, or (if a publication held its model
+    # record at that moment) is an honest gap.
+    stats = CaptureStats.objects.get(run=run)
+    assert stats.captured + stats.lost == 4 and stats.captured >= 1
+    assert EvidenceCopy.objects.filter(run=run).count() == stats.captured
+    assert (
+        CaptureGap.objects.filter(run=run).exclude(reason=GapReason.LOCK_NOT_AVAILABLE).count() == 0
+    )
