@@ -118,7 +118,7 @@ def role_of(application_name: str, query: str) -> tuple[str, int | None]:
 WAITING = """
     SELECT pid FROM pg_stat_activity
     WHERE wait_event_type = 'Lock' AND application_name LIKE 'rundesk:%'
-      AND pid <> pg_backend_pid()
+      AND datname = current_database() AND pid <> pg_backend_pid()
 """
 
 # For the waiting sessions only: who blocks them, and on what.

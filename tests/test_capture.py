@@ -254,3 +254,17 @@ def test_a_run_records_its_sources_model_calls_and_copies(journal):
     assert (
         CaptureGap.objects.filter(run=run).exclude(reason=GapReason.LOCK_NOT_AVAILABLE).count() == 0
     )
+
+
+def test_a_lost_database_connection_is_a_gap_and_the_writer_reconnects(evidence, writer):
+    run, _, copy = evidence
+    assert submit(writer, copy) and writer.flush()
+    with psycopg.connect(database_url(), autocommit=True) as other:
+        other.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = 'rundesk:capture'"
+        )
+    assert submit(writer, copy) and writer.flush()
+    assert submit(writer, copy) and writer.flush()
+    assert gaps(run) == [(GapReason.DB_ERROR, 1)]
+    assert EvidenceCopy.objects.filter(run=run).count() == 2

@@ -27,6 +27,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
@@ -78,14 +79,27 @@ class Command(BaseCommand):
         self.policy = options["policy"]
         self.deadlock_timeout = options["deadlock_timeout_ms"]
         self._set_up()
+        self.gaps: Counter[tuple[int, int | None, str, str]] = Counter()
+        # One long-lived thread, with its own connection, per transaction of
+        # the cycle, as in a running system (a first statement on a new
+        # connection costs several milliseconds of catalog loading).
+        self.workers = {role: ThreadPoolExecutor(1) for role in ("capture", "refresh", "publish")}
+        for worker in self.workers.values():
+            worker.submit(self._configure_connection).result()
         outcomes: Counter[str] = Counter()
         publication_ms: list[float] = []
         baseline_ms: list[float] = []
-        for trial in range(options["trials"]):
-            result = self._trial(number=2 * trial + 1, capture=True)
+        self.numbers = iter(range(1, 10**9))
+        # A first trial warms the connections up; it is not counted.
+        self._trial(capture=False)
+        for _ in range(options["trials"]):
+            result = self._trial(capture=True)
             outcomes.update(result["outcomes"])
             publication_ms.append(result["publication_ms"])
-            baseline_ms.append(self._trial(number=2 * trial + 2, capture=False)["publication_ms"])
+            baseline_ms.append(self._trial(capture=False)["publication_ms"])
+        for worker in self.workers.values():
+            worker.submit(lambda: connection.close()).result()  # in its own thread
+            worker.shutdown()
         self.lease.finish(RunStatus.COMPLETED, "contention reproduction")
         report = {
             "policy": self.policy,
@@ -144,58 +158,57 @@ class Command(BaseCommand):
 
     # -- one trial ---------------------------------------------------------
 
-    def _trial(self, *, number: int, capture: bool) -> dict[str, Any]:
+    def _trial(self, *, capture: bool) -> dict[str, Any]:
         self.lease.renew()
         outcomes: Counter[str] = Counter()
         go = threading.Event()
-        threads: list[threading.Thread] = []
+        running: list[Future[None]] = []
 
-        def start(target: Callable[[threading.Event], None]) -> None:
+        def start(role: str, target: Callable[[threading.Event], None]) -> None:
             ready = threading.Event()
-            thread = threading.Thread(target=self._connected, args=(target, ready, outcomes))
-            thread.start()
-            threads.append(thread)
+            running.append(self.workers[role].submit(self._guarded, target, ready, outcomes))
             ready.wait(10)
 
         if capture:
-            start(lambda ready: self._capture(ready, go, outcomes))
-        start(lambda ready: self._refresh(ready, go))
+            start("capture", lambda ready: self._capture(ready, go, outcomes))
+        start("refresh", lambda ready: self._refresh(ready, go))
         timing: dict[str, float] = {}
-        publisher = threading.Thread(
-            target=self._connected,
-            args=(lambda ready: self._publish(ready, number, timing, outcomes), None, outcomes),
-        )
-        publisher.start()
+        number = next(self.numbers)
+        start("publish", lambda ready: self._publish(ready, number, timing, outcomes))
         self._wait_until_waiting(timing)
         go.set()
         if capture and self.policy == "wait":
-            self._record_cycle(publisher)
-        for thread in [*threads, publisher]:
-            thread.join(60)
+            self._record_cycle(running[-1])
+        for future in running:
+            future.result(60)
+        if self.gaps:
+            record_gaps(self.gaps)
+            self.gaps.clear()
         return {"outcomes": outcomes, "publication_ms": timing["ms"]}
 
-    def _connected(
+    def _configure_connection(self) -> None:
+        with connection.cursor() as cursor:
+            if self.deadlock_timeout:
+                cursor.execute(
+                    "SELECT set_config('deadlock_timeout', %s, false)",
+                    [f"{self.deadlock_timeout}ms"],
+                )
+            cursor.execute("SELECT FROM evidence_source, evidence_modelcall, runs_run LIMIT 0")
+
+    def _guarded(
         self,
         target: Callable[[threading.Event], None],
-        ready: threading.Event | None,
+        ready: threading.Event,
         outcomes: Counter[str],
     ) -> None:
-        """Runs `target` on this thread's own connection, then closes it."""
-        ready = ready or threading.Event()
+        """Runs `target`; a deadlock it meets is counted, not raised."""
         try:
-            if self.deadlock_timeout:
-                with connection.cursor() as cursor:
-                    cursor.execute(
-                        "SELECT set_config('deadlock_timeout', %s, false)",
-                        [f"{self.deadlock_timeout}ms"],
-                    )
             target(ready)
         except DatabaseError as error:
             if sqlstate(error) == DEADLOCK:
                 outcomes["deadlock"] += 1
         finally:
             ready.set()
-            connection.close()
 
     def _capture(self, ready: threading.Event, go: threading.Event, outcomes: Counter[str]) -> None:
         copy = CopyTransaction(self.copy, self.policy)
@@ -212,8 +225,11 @@ class Command(BaseCommand):
             reason = (
                 GapReason.LOCK_NOT_AVAILABLE if lock_not_available(error) else GapReason.DB_ERROR
             )
-            gap = (self.copy.run_id, self.copy.model_call_id, reason, str(error).strip()[:500])
-            record_gaps(Counter({gap: 1}))
+            # Recorded after the trial, as the capture writer records its gaps
+            # after the failed transaction: never inside the contention.
+            self.gaps[
+                (self.copy.run_id, self.copy.model_call_id, reason, str(error).strip()[:500])
+            ] += 1
             raise
 
     def _refresh(self, ready: threading.Event, go: threading.Event) -> None:
@@ -251,10 +267,10 @@ class Command(BaseCommand):
                     return
             time.sleep(0.0005)
 
-    def _record_cycle(self, publisher: threading.Thread) -> None:
+    def _record_cycle(self, publication: Future[None]) -> None:
         """Samples the wait-for graph once the cycle has closed, and stores it."""
         deadline = time.monotonic() + 10
-        while publisher.is_alive() and time.monotonic() < deadline:
+        while not publication.done() and time.monotonic() < deadline:
             graph = locks.sample()
             if graph.cycle():
                 locks.store(

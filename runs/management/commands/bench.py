@@ -6,8 +6,11 @@ import threading
 import time
 from typing import Any
 
+import psycopg
 from django.core.management.base import BaseCommand, CommandError
+from django.db import connection
 
+from evidence.capture import Capture
 from runs.dispatch import Dispatcher
 from runs.leases import Lease, new_owner_name
 from runs.models import Run, RunStatus
@@ -22,29 +25,63 @@ def p50(samples: list[float]) -> float:
 class Command(BaseCommand):
     help = (
         "Measures one executor step (boundary + no-op read + receipt) against a single-row "
-        "INSERT + COMMIT on the same database."
+        "INSERT + COMMIT on the same database; with --capture, the cost of handing a copy "
+        "to evidence capture while the database is stalled for it."
     )
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--steps", type=int, default=500)
+        parser.add_argument("--capture", action="store_true")
         parser.add_argument("--json", action="store_true")
 
     def handle(self, *args: Any, **options: Any) -> None:
         steps = options["steps"]
         if steps < 1:
             raise CommandError("--steps must be at least 1")
-        step_ms, commit_ms = self._measure(steps)
-        report = {
-            "steps": steps,
-            "step_ms_p50": p50(step_ms),
-            "commit_ms_p50": p50(commit_ms),
-            "step_over_commit": round(statistics.median(step_ms) / statistics.median(commit_ms), 2),
-        }
+        report = self._capture(steps) if options["capture"] else self._step_report(steps)
         if options["json"]:
             self.stdout.write(json.dumps(report))
         else:
             for key, value in report.items():
                 self.stdout.write(f"{key}: {value}")
+
+    def _step_report(self, steps: int) -> dict[str, Any]:
+        step_ms, commit_ms = self._measure(steps)
+        return {
+            "steps": steps,
+            "step_ms_p50": p50(step_ms),
+            "commit_ms_p50": p50(commit_ms),
+            "step_over_commit": round(statistics.median(step_ms) / statistics.median(commit_ms), 2),
+        }
+
+    def _capture(self, copies: int) -> dict[str, Any]:
+        """Hands `copies` copies to a capture writer while another session
+        holds an ACCESS EXCLUSIVE lock on the evidence tables: the writer is
+        stuck on its first copy, the queue fills, the rest become gaps.  What
+        the caller pays is the time of each submit()."""
+        run = Run.objects.submit(question="bench: capture", documents=["(none)"])
+        writer = Capture(capacity=max(1, copies // 4))
+        writer.flush()  # the writer thread is running, as in a live executor
+        params = connection.get_connection_params()
+        samples = []
+        with psycopg.connect(**params) as stall:
+            stall.execute("LOCK TABLE evidence_source, evidence_modelcall IN ACCESS EXCLUSIVE MODE")
+            for i in range(copies):
+                start = time.perf_counter()
+                writer.submit(
+                    run_id=run.pk, model_call_id=i, source_ids=[i], input="x" * 4096, output="y"
+                )
+                samples.append((time.perf_counter() - start) * 1000)
+            stall.rollback()
+        writer.stop()
+        ordered = sorted(samples)
+        return {
+            "copies": copies,
+            "enqueue_ms_p50": p50(samples),
+            "enqueue_ms_p99": round(ordered[int(0.99 * (len(ordered) - 1))], 4),
+            "enqueue_ms_max": round(ordered[-1], 4),
+            "queue_capacity": writer.capacity,
+        }
 
     def _measure(self, steps: int) -> tuple[list[float], list[float]]:
         """Steps through the real executor path (lease, Dispatcher.step:
