@@ -6,6 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
+from evidence.capture import capture
 from runs.executor import Executor, execute
 from runs.models import Run
 
@@ -32,12 +33,16 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
 
-        if options["run"] is not None:
-            if not Run.objects.filter(pk=options["run"]).exists():
-                raise CommandError(f"no run {options['run']}")
-            results = [(options["run"], execute(options["run"], stop=stop))]
-        else:
-            results = executor.serve(once=options["once"])
+        try:
+            if options["run"] is not None:
+                if not Run.objects.filter(pk=options["run"]).exists():
+                    raise CommandError(f"no run {options['run']}")
+                results = [(options["run"], execute(options["run"], stop=stop))]
+            else:
+                results = executor.serve(once=options["once"])
+        finally:
+            # What capture could not save in time becomes `shutdown` gaps.
+            capture.stop()
         for run_id, outcome in results:
             if options["json"]:
                 self.stdout.write(json.dumps({"run_id": run_id, "outcome": outcome}))
