@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import dj_database_url
+import plotly
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -144,6 +145,7 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "dashboard.security.ContentSecurityPolicyMiddleware",
 ]
 
 ROOT_URLCONF = "dashboard.urls"
@@ -192,12 +194,24 @@ USE_I18N = False
 USE_TZ = True
 
 STATIC_URL = "static/"
-STATICFILES_DIRS = [BASE_DIR / "static"]
+# plotly.js is served from the installed plotly package, not a CDN.
+STATICFILES_DIRS = [
+    BASE_DIR / "static",
+    ("plotly", Path(plotly.__file__).parent / "package_data"),
+]
 STATIC_ROOT = VAR_DIR / "static"
 
 SESSION_COOKIE_HTTPONLY = True
 CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", not DEBUG)
 X_FRAME_OPTIONS = "DENY"
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
+# Behind TLS in production (check --deploy): HSTS and HTTPS redirects.
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
+SECURE_HSTS_SECONDS = int(env_float("SECURE_HSTS_SECONDS", 0 if DEBUG else 31_536_000))
+SECURE_HSTS_INCLUDE_SUBDOMAINS = SECURE_HSTS_SECONDS > 0
+SECURE_HSTS_PRELOAD = SECURE_HSTS_SECONDS > 0
+DATA_UPLOAD_MAX_MEMORY_SIZE = 6 * 1024 * 1024
 
 LOGGING = {
     "version": 1,

@@ -9,6 +9,11 @@ from dashboard import views
 urlpatterns = [
     path("", views.runs_list, name="runs-list"),
     path("runs/<int:run_id>/", views.run_detail, name="run-detail"),
+    path("runs/<int:run_id>/cancel/", views.run_cancel, name="run-cancel"),
+    path("locks/", views.locks_list, name="locks"),
+    path("locks/import/", views.locks_import, name="locks-import"),
+    path("locks/<int:incident_id>/", views.lock_detail, name="lock-detail"),
+    path("gaps/", views.gaps, name="gaps"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

@@ -1,34 +1,259 @@
-"""Operator pages.  Login is required everywhere (LoginRequiredMiddleware)."""
+"""Operator pages.  Login is required everywhere (LoginRequiredMiddleware);
+actions need the operate_run permission, checked here, in the view."""
 
 from __future__ import annotations
 
-from django.core.paginator import Paginator
-from django.http import HttpRequest, HttpResponse
-from django.shortcuts import get_object_or_404, render
-from django.views.decorators.http import require_GET
+import datetime as dt
+import json
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
 
-from runs.models import Run
+import markdown
+import nh3
+from django.contrib import messages
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count, Q, Sum
+from django.db.models.functions import TruncHour
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.utils.safestring import SafeString, mark_safe
+from django.views.decorators.http import require_GET, require_POST
+from django_htmx.http import HttpResponseStopPolling
+
+from dashboard import charts
+from evidence import locks, pglog
+from evidence.models import (
+    CaptureGap,
+    CaptureStats,
+    EvidenceCopy,
+    IncidentSource,
+    LockIncident,
+    LockWait,
+)
+from runs.models import OutcomeState, Run, RunEvent, RunStatus
+
+PAGE_SIZE = 50
+EVENTS_PAGE = 50
+LOG_UPLOAD_LIMIT = 5 * 1024 * 1024
+
+
+def operator_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    @wraps(view)
+    def checked(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        if not request.user.has_perm("runs.operate_run"):
+            raise PermissionDenied("operators only")
+        return view(request, *args, **kwargs)
+
+    return checked
+
+
+def _partial(request: HttpRequest, target: str) -> bool:
+    return bool(request.htmx) and request.htmx.target == target  # type: ignore[attr-defined]
+
+
+# -- runs -------------------------------------------------------------------------
 
 
 @require_GET
 def runs_list(request: HttpRequest) -> HttpResponse:
-    runs = Run.objects.only(
-        "id", "question", "status", "phase", "lease_epoch", "created_at", "finished_at"
+    filters = {
+        "status": request.GET.get("status", ""),
+        "unknown": request.GET.get("unknown") == "1",
+        "gaps": request.GET.get("gaps") == "1",
+        "q": request.GET.get("q", "").strip(),
+    }
+    runs = Run.objects.listing().only(
+        "id", "question", "status", "phase", "lease_owner", "lease_epoch", "created_at"
     )
-    status = request.GET.get("status", "")
-    if status:
-        runs = runs.filter(status=status)
-    page = Paginator(runs, 50).get_page(request.GET.get("page"))
-    return render(request, "runs_list.html", {"page": page, "status": status})
+    if filters["status"] in RunStatus.values:
+        runs = runs.filter(status=filters["status"])
+    if filters["unknown"]:
+        runs = runs.with_open_unknowns()
+    if filters["gaps"]:
+        runs = runs.with_capture_gaps()
+    if filters["q"]:
+        runs = runs.filter(question__icontains=filters["q"])
+    if cursor := request.GET.get("before"):
+        try:
+            runs = runs.before(cursor)
+        except ValueError as error:
+            return HttpResponseBadRequest(str(error))
+    page = list(runs.order_by("-created_at", "-id")[: PAGE_SIZE + 1])
+    more, page = len(page) > PAGE_SIZE, page[:PAGE_SIZE]
+    context = {
+        "runs": page,
+        "filters": filters,
+        "statuses": RunStatus.choices,
+        "next_cursor": page[-1].cursor() if more and page else "",
+        "live": any(run.is_active for run in page),
+        "now": timezone.now(),
+    }
+    if _partial(request, "run-rows"):
+        response = render(request, "runs_list.html#rows", context)
+        return response if context["live"] else HttpResponseStopPolling(response.content)
+    return render(request, "runs_list.html", context)
 
 
 @require_GET
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
-    context = {
-        "run": run,
-        "actions": run.actions.select_related("receipt").order_by("id"),
-        "revisions": run.revisions.order_by("number"),
-        "events": run.events.select_related("action").order_by("created_at", "id")[:500],
-    }
+    if before := request.GET.get("events_before"):
+        return render(request, "run_detail.html#events", _events(run, before))
+    context = {"run": run, **_live(run), **_events(run, "")}
+    if _partial(request, "run-live"):
+        response = render(request, "run_detail.html#live", context)
+        return response if run.is_active else HttpResponseStopPolling(response.content)
     return render(request, "run_detail.html", context)
+
+
+def _live(run: Run) -> dict[str, Any]:
+    """What changes while a run is active."""
+    revisions = list(run.revisions.order_by("number"))
+    for revision in revisions:
+        revision.html = _answer_html(revision.content) if revision.is_final else ""
+    stats = CaptureStats.objects.filter(run=run).first()
+    return {
+        "actions": run.actions.select_related("receipt").order_by("id"),
+        "checkpoints": run.checkpoints.select_related("after_action").order_by("id"),
+        "revisions": revisions,
+        "items": run.outcome_items.order_by("id"),
+        "open_items": run.outcome_items.filter(state=OutcomeState.OPEN).count(),
+        "copies": EvidenceCopy.objects.filter(run=run).order_by("id")[:50],
+        "gaps": CaptureGap.objects.filter(run=run).order_by("id")[:50],
+        "capture": stats,
+        "waits": LockWait.objects.filter(Q(waiter_run=run) | Q(blocker_run=run))
+        .select_related("incident")
+        .order_by("-first_seen")[:50],
+        "faults": json.dumps(run.faults, indent=1) if run.faults else "",
+        "timeline": json.loads(charts.timeline(run)),
+    }
+
+
+def _events(run: Run, before: str) -> dict[str, Any]:
+    """The event log, newest first, a page at a time from `before`
+    ("<created_at isoformat>|<id>")."""
+    events = run.events.select_related("action").order_by("-created_at", "-id")
+    if before:
+        created, _, pk = before.rpartition("|")
+        try:
+            events = events.filter(
+                Q(created_at__lt=dt.datetime.fromisoformat(created))
+                | Q(created_at=dt.datetime.fromisoformat(created), id__lt=int(pk))
+            )
+        except ValueError:
+            events = RunEvent.objects.none()
+    page = list(events[: EVENTS_PAGE + 1])
+    more, page = len(page) > EVENTS_PAGE, page[:EVENTS_PAGE]
+    last = page[-1] if page else None
+    return {
+        "run": run,
+        "events": page,
+        "events_cursor": f"{last.created_at.isoformat()}|{last.pk}" if more and last else "",
+    }
+
+
+def _answer_html(content: str) -> SafeString:
+    """Model output, rendered from markdown and sanitised: no script, no
+    event handler attribute survives."""
+    html = markdown.markdown(content, extensions=["tables"])
+    return mark_safe(nh3.clean(html))  # noqa: S308 (sanitised by nh3 just above)
+
+
+@require_POST
+@operator_required
+def run_cancel(request: HttpRequest, run_id: int) -> HttpResponse:
+    run = get_object_or_404(Run, pk=run_id)
+    if run.request_cancel():
+        messages.success(request, f"Cancel requested for run {run.pk}.")
+    else:
+        messages.info(request, f"Run {run.pk} had already ended or was being cancelled.")
+    run.refresh_from_db()
+    if request.htmx:  # type: ignore[attr-defined]
+        return render(request, "run_detail.html#live", {"run": run, **_live(run)})
+    return redirect("run-detail", run_id=run.pk)
+
+
+# -- locks ------------------------------------------------------------------------
+
+
+@require_GET
+def locks_list(request: HttpRequest) -> HttpResponse:
+    incidents = LockIncident.objects.order_by("-started_at", "-id")
+    source = request.GET.get("source", "")
+    if source in IncidentSource.values:
+        incidents = incidents.filter(source=source)
+    context = {
+        "incidents": incidents[:100],
+        "source": source,
+        "sources": IncidentSource.choices,
+        "upload_limit_mb": LOG_UPLOAD_LIMIT // (1024 * 1024),
+    }
+    return render(request, "locks.html", context)
+
+
+@require_GET
+def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
+    incident = get_object_or_404(LockIncident, pk=incident_id)
+    context = {
+        "incident": incident,
+        "waits": incident.waits.order_by("id"),
+        "graph": json.loads(charts.lock_graph(incident)),
+    }
+    return render(request, "lock_detail.html", context)
+
+
+@require_POST
+@operator_required
+def locks_import(request: HttpRequest) -> HttpResponse:
+    upload = request.FILES.get("log")
+    if upload is None:
+        messages.error(request, "Choose a PostgreSQL log file to import.")
+        return redirect("locks")
+    if upload.size > LOG_UPLOAD_LIMIT:
+        messages.error(
+            request, f"{upload.name} is {upload.size} bytes; the limit is {LOG_UPLOAD_LIMIT}."
+        )
+        return redirect("locks")
+    reports = pglog.parse(upload.read().decode(errors="replace"))
+    if not reports:
+        messages.error(request, f"No 'deadlock detected' report found in {upload.name}.")
+        return redirect("locks")
+    for report in reports:
+        locks.store(
+            IncidentSource.LOG,
+            report.graph,
+            summary=f"deadlock of {len(report.graph.processes)} processes from {upload.name}",
+        )
+    messages.success(request, f"{len(reports)} deadlock reports imported from {upload.name}.")
+    return redirect("locks")
+
+
+# -- capture gaps -----------------------------------------------------------------
+
+
+@require_GET
+def gaps(request: HttpRequest) -> HttpResponse:
+    since = timezone.now() - dt.timedelta(days=7)
+    recent = CaptureGap.objects.filter(created_at__gte=since)
+    hourly = (
+        recent.annotate(hour=TruncHour("created_at"))
+        .values_list("hour", "reason")
+        .annotate(n=Sum("count"))
+        .order_by("hour")
+    )
+    context = {
+        "chart": json.loads(
+            charts.gaps_over_time((hour.isoformat(), reason, n) for hour, reason, n in hourly)
+        ),
+        "by_reason": recent.values("reason")
+        .annotate(n=Sum("count"), rows=Count("id"))
+        .order_by("-n"),
+        "by_run": recent.values("run_id", "run__question", "run__status")
+        .annotate(n=Sum("count"))
+        .order_by("-n")[:50],
+        "latest": CaptureGap.objects.select_related("run").order_by("-created_at", "-id")[:50],
+        "since": since,
+    }
+    return render(request, "gaps.html", context)

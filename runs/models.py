@@ -17,8 +17,8 @@ from typing import Any
 
 from django.contrib.postgres.fields import ArrayField
 from django.db import models, transaction
-from django.db.models import Q
-from django.db.models.functions import Now
+from django.db.models import Count, Exists, OuterRef, Q, Subquery
+from django.db.models.functions import Coalesce, Now
 
 from runs.faults import FaultPlan
 
@@ -52,7 +52,59 @@ class Phase(models.TextChoices):
     DONE = "done"
 
 
+ACTIVE_STATUSES = [RunStatus.QUEUED, RunStatus.RUNNING]
+
+
 class RunQuerySet(models.QuerySet["Run"]):
+    def listing(self) -> RunQuerySet:
+        """The runs list's columns.  Correlated subqueries: PostgreSQL works
+        them out for the rows of the page only, whatever the table's size."""
+        from evidence.models import CaptureStats
+
+        return self.annotate(
+            actions_done=Coalesce(
+                Subquery(
+                    Action.objects.filter(run=OuterRef("pk"), state=ActionState.COMPLETED)
+                    .values("run")
+                    .annotate(n=Count("*"))
+                    .values("n")
+                ),
+                0,
+            ),
+            unknown_open=Coalesce(
+                Subquery(
+                    OutcomeItem.objects.filter(run=OuterRef("pk"), state=OutcomeState.OPEN)
+                    .values("run")
+                    .annotate(n=Count("*"))
+                    .values("n")
+                ),
+                0,
+            ),
+            gaps=Coalesce(
+                Subquery(CaptureStats.objects.filter(run=OuterRef("pk")).values("lost")), 0
+            ),
+        )
+
+    def with_open_unknowns(self) -> RunQuerySet:
+        return self.filter(
+            Exists(OutcomeItem.objects.filter(run=OuterRef("pk"), state=OutcomeState.OPEN))
+        )
+
+    def with_capture_gaps(self) -> RunQuerySet:
+        from evidence.models import CaptureGap
+
+        return self.filter(Exists(CaptureGap.objects.filter(run=OuterRef("pk"))))
+
+    def before(self, cursor: str) -> RunQuerySet:
+        """Keyset pagination, newest first: the runs after `cursor`
+        ("<created_at isoformat>|<id>") in (-created_at, -id) order."""
+        created, _, pk = cursor.rpartition("|")
+        try:
+            created_at, run_id = dt.datetime.fromisoformat(created), int(pk)
+        except ValueError:
+            raise ValueError(f"not a page cursor: {cursor!r}") from None
+        return self.filter(Q(created_at__lt=created_at) | Q(created_at=created_at, id__lt=run_id))
+
     def claimable(self) -> RunQuerySet:
         """Queued runs, and running runs whose owner stopped renewing its lease."""
         return self.filter(
@@ -141,6 +193,10 @@ class Run(models.Model):
             ),
         ]
         indexes = [
+            # Serves the runs list, newest first, keyset-paginated (before()).
+            models.Index(fields=["-created_at", "-id"], name="run_listing_idx"),
+            # The same, filtered by status.
+            models.Index(fields=["status", "-created_at", "-id"], name="run_status_listing_idx"),
             # Serves claimable(): the executor's claim of the oldest queued run.
             models.Index(
                 fields=["created_at"], name="run_queued_idx", condition=Q(status=RunStatus.QUEUED)
@@ -159,6 +215,36 @@ class Run(models.Model):
     @property
     def is_finished(self) -> bool:
         return self.status in TERMINAL_STATUSES
+
+    @property
+    def is_active(self) -> bool:
+        return self.status in ACTIVE_STATUSES
+
+    def cursor(self) -> str:
+        return f"{self.created_at.isoformat()}|{self.pk}"
+
+    def request_cancel(self) -> bool:
+        """An operator's cancel.  A run nobody owns (queued, or waiting for
+        an operator) ends at once; a running one's owner stops before its
+        next boundary (its fenced writes see the request).  False if the run
+        had already ended or the cancel was already asked."""
+        from runs.timeline import timeline
+
+        now = Now()
+        ended = Run.objects.filter(
+            pk=self.pk, status__in=[RunStatus.QUEUED, RunStatus.NEEDS_OPERATOR]
+        ).update(
+            status=RunStatus.CANCELLED,
+            status_reason="cancelled by an operator",
+            cancel_requested_at=now,
+            finished_at=now,
+        )
+        asked = ended or Run.objects.filter(
+            pk=self.pk, status=RunStatus.RUNNING, cancel_requested_at__isnull=True
+        ).update(cancel_requested_at=now)
+        if asked:
+            timeline.record(self.pk, EventKind.CANCEL_REQUESTED, "cancel requested by an operator")
+        return bool(asked)
 
 
 class EffectClass(models.TextChoices):
@@ -403,7 +489,8 @@ class EventKind(models.TextChoices):
     OUTCOME_SETTLED = "outcome_settled"  # by pg_xact_status or a probe
     OUTCOME_OPEN = "outcome_open"  # left for an operator
     FAULT_INJECTED = "fault_injected"
-    SOURCE_CHANGED = "source_changed"  # a document differs from what the run read
+    SOURCE_CHANGED = "source_changed"
+    CANCEL_REQUESTED = "cancel_requested"  # a document differs from what the run read
     EVENTS_LOST = "events_lost"  # an honest gap in this timeline
 
 

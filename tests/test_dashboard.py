@@ -1,0 +1,214 @@
+"""The operator pages: who may see and do what, htmx partials, CSP, and
+model output that is shown, never run."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from django.contrib.auth.models import Group, Permission, User
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.test import Client
+
+from evidence import locks, pglog
+from evidence.capture import record_gaps
+from evidence.models import IncidentSource, LockIncident
+from runs.executor import execute
+from runs.leases import Lease
+from runs.models import EventKind, Run, RunStatus
+from runs.timeline import timeline
+from tests.test_pglog import THREE_WAY
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PAGES = ["/", "/runs/{run}/", "/locks/", "/locks/{incident}/", "/gaps/"]
+
+
+@pytest.fixture
+def run() -> Run:
+    run = Run.objects.submit(question="Compare", documents=["northwind-clean-energy.md"])
+    execute(run.pk)
+    timeline.flush()
+    return run
+
+
+@pytest.fixture
+def incident() -> LockIncident:
+    (report,) = pglog.parse(THREE_WAY)
+    return locks.store(IncidentSource.LOG, report.graph, summary="imported")
+
+
+def signed_in(name: str, group: str, **client_options: object) -> Client:
+    """A user of `group` (viewers or operators, as migration 0005 makes them;
+    transactional tests empty the tables between tests, so made again here)."""
+    members, _ = Group.objects.get_or_create(name=group)
+    if group == "operators":
+        members.permissions.add(Permission.objects.get(codename="operate_run"))
+    user = User.objects.create_user(name, password="a-long-password-1")
+    user.groups.add(members)
+    client = Client(**client_options)
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def viewer() -> Client:
+    return signed_in("viewer", "viewers")
+
+
+@pytest.fixture
+def operator() -> Client:
+    return signed_in("operator", "operators")
+
+
+def urls(run: Run, incident: LockIncident) -> list[str]:
+    return [page.format(run=run.pk, incident=incident.pk) for page in PAGES]
+
+
+def test_every_page_needs_a_login(client, run, incident):
+    for url in urls(run, incident):
+        response = client.get(url)
+        assert response.status_code == 302 and response["Location"].startswith("/login/"), url
+
+
+def test_viewers_read_every_page_with_security_headers(viewer, run, incident):
+    for url in urls(run, incident):
+        response = viewer.get(url)
+        assert response.status_code == 200, url
+        policy = response["Content-Security-Policy"]
+        assert "script-src 'self'" in policy and "unsafe-eval" not in policy
+        assert response["X-Frame-Options"] == "DENY"
+        assert response["X-Content-Type-Options"] == "nosniff"
+        html = response.content.decode()
+        assert "<script>" not in html  # no inline script anywhere
+        assert "/static/plotly/plotly.min.js" in html and "/static/vendor/htmx" in html
+
+
+def test_pages_refuse_other_methods_and_unknown_ids(viewer, run, incident):
+    for url in urls(run, incident):
+        assert viewer.post(url).status_code == 405, url
+    assert viewer.get("/runs/987654/").status_code == 404
+    assert viewer.get("/locks/987654/").status_code == 404
+    assert viewer.get(f"/runs/{run.pk}/cancel/").status_code == 405
+
+
+def test_runs_list_columns_filters_and_keyset_pages(viewer, run):
+    Run.objects.submit(question="Another fund question", documents=["a.md"])
+    page = viewer.get("/").content.decode()
+    assert f'href="/runs/{run.pk}/"' in page and "Completed" in page
+    assert "Another fund question" in viewer.get("/?status=queued").content.decode()
+    assert "Another fund question" not in viewer.get("/?status=completed").content.decode()
+    assert "Another fund" in viewer.get("/?q=another+FUND").content.decode()
+    assert "No runs match" in viewer.get("/?unknown=1").content.decode()
+    assert "No runs match" in viewer.get("/?gaps=1").content.decode()
+    newest = Run.objects.order_by("-created_at", "-id").first()
+    older = viewer.get("/", {"before": newest.cursor()}).content.decode()
+    assert f'href="/runs/{newest.pk}/"' not in older and f'href="/runs/{run.pk}/"' in older
+    assert viewer.get("/", {"before": "not-a-cursor"}).status_code == 400
+
+
+def test_runs_list_rows_partial_polls_while_runs_are_active_then_stops(viewer, run):
+    queued = Run.objects.submit(question="waiting", documents=["a.md"])
+    headers = {"HX-Request": "true", "HX-Target": "run-rows"}
+    live = viewer.get("/", headers=headers)
+    assert live.status_code == 200
+    body = live.content.decode()
+    assert body.lstrip().startswith('<tbody id="run-rows"') and "<html" not in body
+    assert 'hx-trigger="every 2s"' in body
+    queued.request_cancel()
+    assert viewer.get("/", headers=headers).status_code == 286  # nothing active: stop polling
+
+
+def test_run_page_live_partial_and_event_log_pages(viewer, run):
+    for i in range(60):
+        timeline.record(run.pk, EventKind.FAULT_INJECTED, f"filler {i}")
+    timeline.flush()
+    page = viewer.get(f"/runs/{run.pk}/").content.decode()
+    assert 'id="chart-timeline-data"' in page and "load older events" in page
+    cursor = page.split("events_before=", 1)[1].split('"', 1)[0]
+    older = viewer.get(f"/runs/{run.pk}/?events_before={cursor}").content.decode()
+    assert "<html" not in older and "lease_acquired" in older
+    live = viewer.get(f"/runs/{run.pk}/", headers={"HX-Request": "true", "HX-Target": "run-live"})
+    assert live.status_code == 286  # the run is finished: the page stops polling
+    assert live.content.decode().lstrip().startswith('<section id="run-live"')
+
+
+def test_unknown_outcomes_are_shown_as_unknown(viewer):
+    run = Run.objects.submit(
+        question="q",
+        documents=["northwind-clean-energy.md"],
+        faults=[{"point": "delivery_timeout"}],
+    )
+    execute(run.pk)
+    page = viewer.get(f"/runs/{run.pk}/").content.decode()
+    assert "1 open</span> — not known to be saved, not known to be lost" in page
+    assert "unknown: not known to have happened, nor not" in page
+
+
+def test_model_output_is_shown_as_text_never_run(viewer, run):
+    hostile = Run.objects.submit(question="q", documents=["a.md"])
+    lease = Lease.claim(hostile.pk, "owner")
+    assert lease is not None
+    lease.publish_revision(
+        1,
+        "# Report\n\n<script>alert(1)</script>\n\n"
+        '<img src="x" onerror="alert(2)">\n\n| a | b |\n|---|---|\n| 1 | 2 |',
+        is_final=True,
+    )
+    page = viewer.get(f"/runs/{hostile.pk}/").content.decode()
+    assert "<script>alert(1)</script>" not in page
+    assert "onerror" not in page
+    assert "<table>" in page and "<h1>Report</h1>" in page
+
+
+def test_cancel_needs_the_operator_permission_and_csrf(viewer, run):
+    queued = Run.objects.submit(question="to cancel", documents=["a.md"])
+    assert viewer.post(f"/runs/{queued.pk}/cancel/").status_code == 403
+    strict = signed_in("strict", "operators", enforce_csrf_checks=True)
+    assert strict.post(f"/runs/{queued.pk}/cancel/").status_code == 403  # no CSRF token
+    queued.refresh_from_db()
+    assert queued.status == RunStatus.QUEUED
+
+
+def test_operator_cancels_a_queued_run_and_htmx_gets_the_fragment(operator):
+    queued = Run.objects.submit(question="to cancel", documents=["a.md"])
+    response = operator.post(f"/runs/{queued.pk}/cancel/")
+    assert response.status_code == 302 and response["Location"] == f"/runs/{queued.pk}/"
+    queued.refresh_from_db()
+    assert queued.status == RunStatus.CANCELLED and queued.cancel_requested_at is not None
+    other = Run.objects.submit(question="another", documents=["a.md"])
+    fragment = operator.post(f"/runs/{other.pk}/cancel/", headers={"HX-Request": "true"})
+    assert fragment.status_code == 200
+    assert fragment.content.decode().lstrip().startswith('<section id="run-live"')
+    assert operator.post("/runs/987654/cancel/").status_code == 404
+
+
+def test_lock_graph_page_draws_the_cycle(viewer, incident):
+    page = viewer.get(f"/locks/{incident.pk}/").content.decode()
+    assert 'id="chart-locks-data"' in page
+    assert "4102 → 4103 → 4104 → 4102" in page
+
+
+def test_log_upload_is_for_operators_with_a_size_limit_and_clear_errors(viewer, operator):
+    upload = SimpleUploadedFile("pg.log", THREE_WAY.encode())
+    assert viewer.post("/locks/import/", {"log": upload}).status_code == 403
+    response = operator.post(
+        "/locks/import/", {"log": SimpleUploadedFile("pg.log", THREE_WAY.encode())}, follow=True
+    )
+    assert "1 deadlock reports imported from pg.log" in response.content.decode()
+    assert LockIncident.objects.filter(source=IncidentSource.LOG).count() == 1
+    empty = operator.post(
+        "/locks/import/", {"log": SimpleUploadedFile("x.log", b"LOG: fine\n")}, follow=True
+    )
+    assert "No &#x27;deadlock detected&#x27; report found in x.log" in empty.content.decode()
+    huge = SimpleUploadedFile("big.log", b"x" * (5 * 1024 * 1024 + 1))
+    refused = operator.post("/locks/import/", {"log": huge}, follow=True).content.decode()
+    assert "the limit is 5242880" in refused
+    assert LockIncident.objects.filter(source=IncidentSource.LOG).count() == 1
+
+
+def test_gaps_page_shows_gaps_by_reason_and_run(viewer, run):
+    record_gaps(Counter({(run.pk, None, "queue_full", "capacity 5"): 3}))
+    page = viewer.get("/gaps/").content.decode()
+    assert 'id="chart-gaps-data"' in page and "queue_full" in page
+    assert f'href="/runs/{run.pk}/"' in page
