@@ -6,6 +6,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+# Browser tests drive Debian's Chromium (never a downloaded browser).
+CHROMIUM := /usr/bin/chromium
 
 # Local runs only: production sets DEBUG=0 and its own SECRET_KEY.
 export DEBUG ?= 1
@@ -21,10 +23,14 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+$(CHROMIUM):
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
 demo: install
 	$(PY) manage.py demo
 
-test: install
+test: install $(CHROMIUM)
 	$(PY) -m pytest
 
 lint: install

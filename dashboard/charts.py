@@ -156,7 +156,7 @@ def lock_graph(incident: LockIncident) -> str:
             arrowwidth=2.5 if in_cycle else 1.5,
             arrowcolor="#d9473b" if in_cycle else "#5b6570",
             text=f"{wait.mode} on {wait.locked or wait.lock_type}"
-            + (f" · {wait.waited_ms} ms" if wait.waited_ms else ""),
+            + (f" · seen {wait.waited_ms} ms" if wait.waited_ms else ""),
             font={"size": 11, "color": "#d9473b" if in_cycle else "#1d232a"},
         )
     figure.add_trace(

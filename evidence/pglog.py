@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from evidence.locks import Edge, Graph, Process
+from evidence.locks import Edge, Graph, Process, role_of
 
 REPORT = re.compile(r"deadlock detected")
 LEVEL = re.compile(
@@ -111,8 +111,9 @@ def _read(report: Report, line: str, level: re.Match[str] | None) -> None:
             report.graph.processes.setdefault(pid, Process(pid))
         report.graph.edges.append(Edge(waiter, blocker, mode, _lock_type(locked), locked))
     elif query := QUERY_OF.search(body):
-        pid = int(query[1])
-        report.graph.processes.setdefault(pid, Process(pid)).query = query[2].strip()
+        process = report.graph.processes.setdefault(int(query[1]), Process(int(query[1])))
+        process.query = query[2].strip()
+        process.role, _ = role_of("", process.query)
 
 
 LOCK_TYPES = ("virtual transaction", "transaction", "tuple", "advisory lock", "page", "relation")

@@ -1,0 +1,146 @@
+"""The dashboard in a real browser: Debian's Chromium driven by Playwright.
+
+Signs in, reads the runs list, opens a run and sees its timeline drawn,
+follows a run live until it completes, opens a lock incident's graph; no
+console error, nothing blocked by the Content-Security-Policy, and model
+output never runs.  Screenshots go to docs/screenshots/.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import Group, Permission, User
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from evidence import locks, pglog
+from evidence.models import IncidentSource
+from runs.executor import execute
+from runs.leases import Lease
+from runs.models import Run
+from runs.timeline import timeline
+from tests.conftest import ROOT
+from tests.test_pglog import THREE_WAY
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+CHROMIUM = "/usr/bin/chromium"
+SCREENSHOTS = ROOT / "docs" / "screenshots"
+DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md", "meridian-world-equity.md"]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium")
+    # Playwright's sync API keeps an event loop running on this thread; the
+    # ORM calls the tests make between browser steps are plain sync code.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            yield browser
+            browser.close()
+    finally:
+        del os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"]
+
+
+@pytest.fixture
+def page(browser: Browser, live_server) -> Iterator[Page]:
+    operators, _ = Group.objects.get_or_create(name="operators")
+    operators.permissions.add(Permission.objects.get(codename="operate_run"))
+    User.objects.create_user("operator", password="a-long-password-1").groups.add(operators)
+    context = browser.new_context(base_url=live_server.url, viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.problems = []  # type: ignore[attr-defined]
+    page.on(
+        "console",
+        lambda message: message.type == "error" and page.problems.append(message.text),  # type: ignore[attr-defined]
+    )
+    page.on("pageerror", lambda error: page.problems.append(str(error)))  # type: ignore[attr-defined]
+    page.goto("/login/")
+    page.fill("input[name=username]", "operator")
+    page.fill("input[name=password]", "a-long-password-1")
+    page.click("button[type=submit]")
+    expect(page.locator("h1")).to_have_text("Runs")
+    yield page
+    assert page.problems == []  # type: ignore[attr-defined]  # console errors, CSP refusals
+    context.close()
+
+
+def completed_run() -> Run:
+    run = Run.objects.submit(question="Which fund is cheapest to hold?", documents=DOCS)
+    execute(run.pk)
+    timeline.flush()
+    return run
+
+
+def test_runs_list_and_a_run_page_with_its_timeline_drawn(page: Page):
+    run = completed_run()
+    page.goto("/")
+    row = page.locator("#run-rows tr", has_text="Which fund is cheapest")
+    expect(row.locator(".status")).to_have_text("Completed")
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=SCREENSHOTS / "runs-list.png", full_page=True)
+
+    row.locator("a").first.click()
+    expect(page.locator("#run-live > h1")).to_contain_text(f"Run {run.pk}")
+    expect(page.locator("#chart-timeline svg.main-svg").first).to_be_visible()
+    expect(page.locator("#chart-timeline .bars path").first).to_be_attached()
+    expect(page.locator(".answer table")).to_be_visible()  # the final answer, rendered
+    page.screenshot(path=SCREENSHOTS / "run-page.png", full_page=True)
+
+
+def test_a_run_is_followed_live_until_it_completes(page: Page):
+    run = Run.objects.submit(
+        question="Follow me live", documents=DOCS[:2], faults=[{"point": "tool_delay", "ms": 400}]
+    )
+    page.goto(f"/runs/{run.pk}/")
+    expect(page.locator("#run-status")).to_have_text("Queued")
+    worker = threading.Thread(target=_execute_in_thread, args=(run.pk,))
+    worker.start()
+    expect(page.locator("#run-status")).to_have_text("Running", timeout=15_000)
+    expect(page.locator("#run-status")).to_have_text("Completed", timeout=30_000)
+    worker.join(30)
+    expect(page.locator("#chart-timeline svg.main-svg").first).to_be_visible()
+
+
+def _execute_in_thread(run_id: int) -> None:
+    from django.db import connection
+
+    try:
+        execute(run_id)
+    finally:
+        connection.close()
+
+
+def test_lock_incident_graph_is_drawn_with_its_cycle(page: Page):
+    (report,) = pglog.parse(THREE_WAY)
+    incident = locks.store(IncidentSource.LOG, report.graph, summary="imported deadlock")
+    page.goto("/locks/")
+    page.click(f"a[href='/locks/{incident.pk}/']")
+    expect(page.locator("main h1")).to_contain_text("cycle")
+    expect(page.locator("#chart-locks svg.main-svg").first).to_be_visible()
+    expect(page.locator("#chart-locks").get_by_text("ExclusiveLock on tuple").first).to_be_visible()
+    page.screenshot(path=SCREENSHOTS / "lock-graph.png", full_page=True)
+
+
+def test_model_output_with_script_is_shown_never_run(page: Page):
+    run = Run.objects.submit(question="hostile answer", documents=["a.md"])
+    lease = Lease.claim(run.pk, "owner")
+    assert lease is not None
+    lease.publish_revision(
+        1,
+        "# Answer\n\n<script>window.pwned = 1</script>\n\n"
+        '<img src="/nothing" onerror="window.pwned = 2">',
+        is_final=True,
+    )
+    page.goto(f"/runs/{run.pk}/")
+    expect(page.locator(".answer h1")).to_have_text("Answer")
+    assert page.evaluate("window.pwned") is None
+    assert page.locator(".answer script").count() == 0
+    page.problems.clear()  # type: ignore[attr-defined]  # the sanitised <img> 404s, harmlessly
