@@ -153,7 +153,13 @@ def record_gaps(gaps: Counter[tuple[int, int | None, str, str]]) -> None:
                    FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[], %s::int[])
                        AS g(run, call, reason, detail, count)
                    LEFT JOIN evidence_modelcall m ON m.id = g.call
-                   RETURNING run_id, count)
+                   RETURNING run_id, reason, count, created_at),
+               hourly AS (
+                   INSERT INTO evidence_capturegaphour (hour, reason, count)
+                   SELECT date_trunc('hour', created_at), reason, sum(count) FROM gap
+                   GROUP BY 1, 2
+                   ON CONFLICT (hour, reason) DO UPDATE
+                       SET count = evidence_capturegaphour.count + EXCLUDED.count)
                INSERT INTO evidence_capturestats (run_id, captured, lost)
                SELECT run_id, 0, sum(count) FROM gap GROUP BY run_id
                ON CONFLICT (run_id) DO UPDATE

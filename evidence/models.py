@@ -97,10 +97,28 @@ class CaptureGap(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
-        indexes = [models.Index(fields=["created_at"], name="gap_time_idx")]
+        # Serves the gaps page's latest gaps (a batch of gaps shares its time).
+        indexes = [models.Index(fields=["-created_at", "-id"], name="gap_time_idx")]
 
     def __str__(self) -> str:
         return f"run {self.run_id} gap ({self.reason})"
+
+
+class CaptureGapHour(models.Model):
+    """Lost copies per hour and reason, kept with the gaps: the gaps page
+    reads these, so its cost does not grow with the gap table."""
+
+    hour = models.DateTimeField()
+    reason = models.CharField(max_length=30, choices=GapReason)
+    count = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["hour", "reason"], name="gap_hour_reason_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H}h {self.reason}: {self.count}"
 
 
 class CaptureStats(models.Model):
@@ -109,6 +127,10 @@ class CaptureStats(models.Model):
     run = models.OneToOneField(Run, on_delete=models.CASCADE, primary_key=True, related_name="+")
     captured = models.PositiveIntegerField(default=0)
     lost = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        # Serves the gaps page's runs that lost the most copies.
+        indexes = [models.Index(fields=["-lost"], name="stats_lost_idx", condition=Q(lost__gt=0))]
 
     def __str__(self) -> str:
         return f"run {self.run_id}: {self.captured} captured, {self.lost} lost"

@@ -192,6 +192,10 @@ def test_lock_graph_page_draws_the_cycle(viewer, incident):
 def test_log_upload_is_for_operators_with_a_size_limit_and_clear_errors(viewer, operator):
     upload = SimpleUploadedFile("pg.log", THREE_WAY.encode())
     assert viewer.post("/locks/import/", {"log": upload}).status_code == 403
+    strict = signed_in("strict", "operators", enforce_csrf_checks=True)
+    no_token = SimpleUploadedFile("pg.log", THREE_WAY.encode())
+    assert strict.post("/locks/import/", {"log": no_token}).status_code == 403
+    assert viewer.get("/locks/import/").status_code == 405
     response = operator.post(
         "/locks/import/", {"log": SimpleUploadedFile("pg.log", THREE_WAY.encode())}, follow=True
     )

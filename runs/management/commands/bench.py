@@ -10,6 +10,7 @@ import psycopg
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 
+from dashboard import bench as dashboard_bench
 from evidence.capture import Capture
 from runs.dispatch import Dispatcher
 from runs.leases import Lease, new_owner_name
@@ -32,13 +33,23 @@ class Command(BaseCommand):
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--steps", type=int, default=500)
         parser.add_argument("--capture", action="store_true")
+        parser.add_argument(
+            "--dashboard",
+            action="store_true",
+            help="server time of the dashboard's pages at 100 and 100,000 runs (own databases)",
+        )
         parser.add_argument("--json", action="store_true")
 
     def handle(self, *args: Any, **options: Any) -> None:
         steps = options["steps"]
         if steps < 1:
             raise CommandError("--steps must be at least 1")
-        report = self._capture(steps) if options["capture"] else self._step_report(steps)
+        if options["dashboard"]:
+            report: Any = {"pages": dashboard_bench.measure()}
+        elif options["capture"]:
+            report = self._capture(steps)
+        else:
+            report = self._step_report(steps)
         if options["json"]:
             self.stdout.write(json.dumps(report))
         else:
