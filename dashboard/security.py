@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
 POLICY = "; ".join(
@@ -25,6 +26,27 @@ POLICY = "; ".join(
         "frame-ancestors 'none'",
     ]
 )
+
+
+class RequestSizeLimitMiddleware:
+    """Refuses a request body over MAX_REQUEST_BYTES before anything reads
+    it (the CSRF check parses uploads): nobody fills the disk with one."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        try:
+            length = int(request.META.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            return HttpResponse("bad Content-Length", status=400, content_type="text/plain")
+        if length > settings.MAX_REQUEST_BYTES:
+            return HttpResponse(
+                f"request body over {settings.MAX_REQUEST_BYTES} bytes",
+                status=413,
+                content_type="text/plain",
+            )
+        return self.get_response(request)
 
 
 class ContentSecurityPolicyMiddleware:

@@ -137,6 +137,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "dashboard.security.RequestSizeLimitMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -211,7 +212,9 @@ SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
 SECURE_HSTS_SECONDS = int(env_float("SECURE_HSTS_SECONDS", 0 if DEBUG else 31_536_000))
 SECURE_HSTS_INCLUDE_SUBDOMAINS = SECURE_HSTS_SECONDS > 0
 SECURE_HSTS_PRELOAD = SECURE_HSTS_SECONDS > 0
-DATA_UPLOAD_MAX_MEMORY_SIZE = 6 * 1024 * 1024
+# The largest request body accepted at all (a log upload: 5 MB and its form).
+MAX_REQUEST_BYTES = 6 * 1024 * 1024
+DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
 
 LOGGING = {
     "version": 1,

@@ -99,9 +99,10 @@ def runs_list(request: HttpRequest) -> HttpResponse:
 @require_GET
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
-    if before := request.GET.get("events_before"):
+    before = request.GET.get("events_before", "")
+    if before and request.htmx:  # type: ignore[attr-defined]
         return render(request, "run_detail.html#events", _events(run, before))
-    context = {"run": run, **_live(run), **_events(run, "")}
+    context = {"run": run, **_live(run), **_events(run, before)}
     if _partial(request, "run-live"):
         response = render(request, "run_detail.html#live", context)
         return response if run.is_active else HttpResponseStopPolling(response.content)
@@ -138,9 +139,9 @@ def _events(run: Run, before: str) -> dict[str, Any]:
     if before:
         created, _, pk = before.rpartition("|")
         try:
-            events = events.filter(
-                Q(created_at__lt=dt.datetime.fromisoformat(created))
-                | Q(created_at=dt.datetime.fromisoformat(created), id__lt=int(pk))
+            created_at, event_id = dt.datetime.fromisoformat(created), int(pk)
+            events = events.filter(created_at__lte=created_at).filter(
+                Q(created_at__lt=created_at) | Q(id__lt=event_id)
             )
         except ValueError:
             events = RunEvent.objects.none()
@@ -248,7 +249,7 @@ def gaps(request: HttpRequest) -> HttpResponse:
         "by_run": CaptureStats.objects.filter(lost__gt=0)
         .select_related("run")
         .order_by("-lost")[:50],
-        "latest": CaptureGap.objects.select_related("run").order_by("-created_at", "-id")[:50],
+        "latest": CaptureGap.objects.order_by("-created_at", "-id")[:50],
         "since": since,
     }
     return render(request, "gaps.html", context)

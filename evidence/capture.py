@@ -37,6 +37,7 @@ from evidence.models import GapReason
 logger = logging.getLogger(__name__)
 
 LOCK_NOT_AVAILABLE = "55P03"  # NOWAIT refusal and lock_timeout alike
+GAP_INTERVAL = 0.5  # seconds: how soon a counted gap is written, busy or idle
 POLICIES = ("nowait", "wait")
 
 
@@ -127,8 +128,11 @@ class CopyTransaction:
             self.insert(cursor)
 
 
-def lock_not_available(error: BaseException) -> bool:
-    return getattr(error.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE
+def gap_reason(error: BaseException) -> GapReason:
+    """Why a copy that raised `error` was not saved."""
+    if getattr(error.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+        return GapReason.LOCK_NOT_AVAILABLE
+    return GapReason.DB_ERROR
 
 
 def record_gaps(gaps: Counter[tuple[int, int | None, str, str]]) -> None:
@@ -187,14 +191,14 @@ class Capture:
         when it became a gap instead (queue full, too large)."""
         size = len(input.encode()) + len(output.encode())
         if size > settings.RUNDESK_CAPTURE_MAX_BYTES * 16:
-            self._gap(run_id, model_call_id, GapReason.TOO_LARGE, f"{size} bytes")
+            self.lose(run_id, model_call_id, GapReason.TOO_LARGE, f"{size} bytes")
             return False
         self._ensure_thread()
         try:
             self._queue.put_nowait(Copy(run_id, model_call_id, tuple(source_ids), input, output))
             return True
         except queue.Full:
-            self._gap(run_id, model_call_id, GapReason.QUEUE_FULL, f"capacity {self.capacity}")
+            self.lose(run_id, model_call_id, GapReason.QUEUE_FULL, f"capacity {self.capacity}")
             return False
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -222,7 +226,10 @@ class Capture:
         thread.join(grace + 5)
         self._stopping.clear()
 
-    def _gap(self, run_id: int, model_call_id: int | None, reason: str, detail: str) -> None:
+    def lose(self, run_id: int, model_call_id: int | None, reason: str, detail: str) -> None:
+        """Counts a copy that will not be made; the writer records the gap
+        within GAP_INTERVAL, busy or idle.  Never blocks, never raises."""
+        self._ensure_thread()
         with self._lock:
             self._gaps[(run_id, model_call_id, reason, detail)] += 1
 
@@ -234,30 +241,37 @@ class Capture:
 
     def _drain(self) -> None:
         with _own_connection():
+            written_at = time.monotonic()
             while True:
-                item = self._queue.get()
+                try:
+                    item = self._queue.get(timeout=GAP_INTERVAL)
+                except queue.Empty:
+                    item = threading.Event()  # idle: time to write the gaps
                 if item is None:
                     break
                 if isinstance(item, threading.Event):
                     self._write_gaps()
+                    written_at = time.monotonic()
                     item.set()
-                elif self._stopping.is_set():
-                    self._gap(item.run_id, item.model_call_id, GapReason.SHUTDOWN, "stopping")
+                    continue
+                if self._stopping.is_set():
+                    self.lose(item.run_id, item.model_call_id, GapReason.SHUTDOWN, "stopping")
                 else:
                     self._save(item)
-                if self._queue.empty():
+                if time.monotonic() - written_at >= GAP_INTERVAL or self._queue.empty():
                     self._write_gaps()
+                    written_at = time.monotonic()
             self._drain_as_shutdown()
             self._write_gaps()
 
     def _save(self, copy: Copy) -> None:
         try:
             CopyTransaction(copy).save()
-        except DatabaseError as error:
-            reason = (
-                GapReason.LOCK_NOT_AVAILABLE if lock_not_available(error) else GapReason.DB_ERROR
-            )
-            self._gap(copy.run_id, copy.model_call_id, reason, str(error).strip()[:500])
+        except Exception as error:  # the writer must outlive anything: a gap, never a crash
+            if not isinstance(error, DatabaseError):
+                logger.exception("capture: copy of model call %s failed", copy.model_call_id)
+            detail = str(error).strip()[:500]
+            self.lose(copy.run_id, copy.model_call_id, gap_reason(error), detail)
             if isinstance(error, OperationalError):
                 connection.close_if_unusable_or_obsolete()
 
@@ -268,7 +282,7 @@ class Capture:
             except queue.Empty:
                 return
             if isinstance(item, Copy):
-                self._gap(item.run_id, item.model_call_id, GapReason.SHUTDOWN, "stopping")
+                self.lose(item.run_id, item.model_call_id, GapReason.SHUTDOWN, "stopping")
             elif isinstance(item, threading.Event):
                 item.set()
 
@@ -279,7 +293,7 @@ class Capture:
             return
         try:
             record_gaps(gaps)
-        except DatabaseError as error:
+        except Exception as error:
             # Kept (counted) until the database answers again.
             logger.warning("capture: %s gaps not recorded yet: %s", sum(gaps.values()), error)
             connection.close_if_unusable_or_obsolete()

@@ -211,8 +211,8 @@ def _wait(
         blocker_role=blocker.role,
         blocker_run_id=blocker.run_id if blocker.run_id in runs else None,
         blocker_query=blocker.query,
-        lock_type=edge.lock_type,
-        mode=edge.mode,
+        lock_type=edge.lock_type[:40],
+        mode=edge.mode[:40],
         locked=edge.locked[:300],
         first_seen=first_seen,
         last_seen=last_seen,
@@ -269,8 +269,9 @@ class LockSampler:
                 wait.last_seen = now
                 wait.waited_ms = int((now - wait.first_seen).total_seconds() * 1000)
                 wait.save(update_fields=["last_seen", "waited_ms"])
-        seen = Graph(edges=[Edge(w.waiter_pid, w.blocker_pid) for w in self.seen.values()])
-        if cycle := seen.cycle():
+        # A cycle is one sample's: waits seen at different moments may
+        # point at each other without ever having been a deadlock.
+        if cycle := graph.cycle():
             self.incident.has_cycle, self.incident.cycle = True, cycle
         self.incident.processes = len(
             {w.waiter_pid for w in self.seen.values()} | {w.blocker_pid for w in self.seen.values()}

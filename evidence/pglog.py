@@ -32,7 +32,9 @@ LEVEL = re.compile(
 )
 # The levels that continue a report; any other level starts something else.
 CONTINUES = {"DETAIL", "HINT", "QUERY", "CONTEXT", "LOCATION", "STATEMENT"}
-WAITS = re.compile(r"Process (\d+) waits for (\w+) on (.+?); blocked by process (\d+)\.?\s*$")
+WAITS = re.compile(r"Process (\d+) waits for (\w+) on ([^;]*); blocked by process (\d+)")
+# Longer lines are not part of a deadlock report (and are not searched).
+MAX_LINE = 10_000
 QUERY_OF = re.compile(r"Process (\d+): (.*)$")
 PID_IN_PREFIX = re.compile(r"\[(\d+)\]|\bpid[=:]\s*(\d+)")
 
@@ -105,8 +107,12 @@ def _read(report: Report, line: str, level: re.Match[str] | None) -> None:
     if level and level[1] == "CONTEXT":
         report.context = body.strip()
         return
+    if len(body) > MAX_LINE:
+        return
     if waits := WAITS.search(body):
         waiter, mode, locked, blocker = int(waits[1]), waits[2], waits[3], int(waits[4])
+        if waiter == blocker:
+            return  # not a wait-for edge: a process never waits for itself
         for pid in (waiter, blocker):
             report.graph.processes.setdefault(pid, Process(pid))
         report.graph.edges.append(Edge(waiter, blocker, mode, _lock_type(locked), locked))

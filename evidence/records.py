@@ -22,11 +22,18 @@ def record_source(run_id: int, action_id: int, read: dict[str, Any]) -> int | No
                 """INSERT INTO evidence_source (run_id, path, read_action_id, digest, bytes,
                        created_at, changed)
                    VALUES (%s, %s, %s, %s, %s, now(), false)
-                   ON CONFLICT (run_id, path) DO UPDATE SET path = EXCLUDED.path
+                   ON CONFLICT (run_id, path) DO NOTHING
                    RETURNING id""",
                 [run_id, read["path"], action_id, read["sha256"], read["bytes"]],
             )
-            return cursor.fetchone()[0]
+            # Already recorded (a resumed run): read, never lock, so capture's
+            # share locks on the row never hold this up.
+            row = cursor.fetchone() or _first(
+                cursor,
+                "SELECT id FROM evidence_source WHERE run_id = %s AND path = %s",
+                [run_id, read["path"]],
+            )
+            return row[0]
     except DatabaseError as error:
         logger.warning("run %s: source %s not recorded: %s", run_id, read["path"], error)
         return None
@@ -42,11 +49,14 @@ def record_model_call(
                 """INSERT INTO evidence_modelcall (run_id, action_id, provider, input_digest,
                        output_digest, created_at)
                    VALUES (%s, %s, %s, %s, %s, now())
-                   ON CONFLICT (action_id) DO UPDATE SET provider = EXCLUDED.provider
+                   ON CONFLICT (action_id) DO NOTHING
                    RETURNING id""",
                 [run_id, action_id, output.get("provider", ""), digest(input), digest(output)],
             )
-            model_call_id = cursor.fetchone()[0]
+            row = cursor.fetchone() or _first(
+                cursor, "SELECT id FROM evidence_modelcall WHERE action_id = %s", [action_id]
+            )
+            model_call_id = row[0]
             cursor.execute(
                 """INSERT INTO evidence_modelcall_sources (modelcall_id, source_id)
                    SELECT %s, id FROM evidence_source WHERE run_id = %s AND path = ANY(%s)
@@ -57,3 +67,8 @@ def record_model_call(
     except DatabaseError as error:
         logger.warning("run %s: model call %s not recorded: %s", run_id, action_id, error)
         return None
+
+
+def _first(cursor: Any, sql: str, params: list[Any]) -> tuple[Any, ...]:
+    cursor.execute(sql, params)
+    return cursor.fetchone()

@@ -14,7 +14,7 @@ from typing import Any
 from django.utils import timezone
 
 from evidence.capture import capture
-from evidence.models import Source
+from evidence.models import GapReason, Source
 from evidence.records import record_model_call, record_source
 from runs.checkpoints import AgentState, Checkpointer
 from runs.dispatch import ActionFailed, Dispatcher
@@ -36,6 +36,20 @@ class ResearchAgent:
         self.copies: list[dict[str, Any]] = []
 
     def execute(self) -> None:
+        try:
+            self._execute()
+        finally:
+            # A copy never handed over (the run stopped first) is a gap, not
+            # a silence.
+            for copy in self.copies:
+                capture.lose(
+                    copy["run_id"],
+                    copy["model_call_id"],
+                    GapReason.SHUTDOWN,
+                    "the run stopped before the copy was handed to capture",
+                )
+
+    def _execute(self) -> None:
         state = self.checkpoints.resume_state() or AgentState()
         self.d.resume(state.steps, state.taken)
         documents = self.run.documents
@@ -90,7 +104,9 @@ class ResearchAgent:
         result = self.d.step(step_key, "model_call", input)
         if step_key in self.d.completed_now:
             call = record_model_call(self.run.pk, self.d.action_id(step_key), input, result, paths)
-            if call is not None:
+            if call is None:
+                capture.lose(self.run.pk, None, GapReason.DB_ERROR, f"{step_key}: no model record")
+            else:
                 self.copies.append(
                     {
                         "run_id": self.run.pk,

@@ -91,9 +91,9 @@ class RunQuerySet(models.QuerySet["Run"]):
         )
 
     def with_capture_gaps(self) -> RunQuerySet:
-        from evidence.models import CaptureGap
+        from evidence.models import CaptureStats
 
-        return self.filter(Exists(CaptureGap.objects.filter(run=OuterRef("pk"))))
+        return self.filter(Exists(CaptureStats.objects.filter(run=OuterRef("pk"), lost__gt=0)))
 
     def before(self, cursor: str) -> RunQuerySet:
         """Keyset pagination, newest first: the runs after `cursor`
@@ -103,7 +103,11 @@ class RunQuerySet(models.QuerySet["Run"]):
             created_at, run_id = dt.datetime.fromisoformat(created), int(pk)
         except ValueError:
             raise ValueError(f"not a page cursor: {cursor!r}") from None
-        return self.filter(Q(created_at__lt=created_at) | Q(created_at=created_at, id__lt=run_id))
+        # The first filter is the index condition; the second only sorts out
+        # the runs of the cursor's own instant.
+        return self.filter(created_at__lte=created_at).filter(
+            Q(created_at__lt=created_at) | Q(id__lt=run_id)
+        )
 
     def claimable(self) -> RunQuerySet:
         """Queued runs, and running runs whose owner stopped renewing its lease."""
@@ -489,8 +493,8 @@ class EventKind(models.TextChoices):
     OUTCOME_SETTLED = "outcome_settled"  # by pg_xact_status or a probe
     OUTCOME_OPEN = "outcome_open"  # left for an operator
     FAULT_INJECTED = "fault_injected"
-    SOURCE_CHANGED = "source_changed"
-    CANCEL_REQUESTED = "cancel_requested"  # a document differs from what the run read
+    SOURCE_CHANGED = "source_changed"  # a document differs from what the run read
+    CANCEL_REQUESTED = "cancel_requested"  # by an operator
     EVENTS_LOST = "events_lost"  # an honest gap in this timeline
 
 

@@ -268,3 +268,19 @@ def test_a_lost_database_connection_is_a_gap_and_the_writer_reconnects(evidence,
     assert submit(writer, copy) and writer.flush()
     assert gaps(run) == [(GapReason.DB_ERROR, 1)]
     assert EvidenceCopy.objects.filter(run=run).count() == 2
+
+
+def test_a_copy_never_handed_over_because_the_run_stopped_is_a_gap(journal, settings):
+    settings.RUNDESK_SETTLE_SECONDS = 1
+    # The draft's publication is still in flight when the runtime stops
+    # asking: the run waits for an operator before it hands its copies over.
+    fault = {"point": "drop_connection_at_commit", "write": "publication", "action": 1}
+    run = Run.objects.submit(
+        question="q", documents=DOCS[:1], faults=[{**fault, "outcome": "late", "stall_ms": 3000}]
+    )
+    assert execute(run.pk) == RunStatus.NEEDS_OPERATOR
+    assert process_capture.flush()
+    (gap,) = CaptureGap.objects.filter(run=run)
+    assert gap.reason == GapReason.SHUTDOWN and gap.model_call is not None
+    assert "before the copy was handed to capture" in gap.detail
+    assert not EvidenceCopy.objects.filter(run=run).exists()

@@ -126,8 +126,12 @@ def test_run_page_live_partial_and_event_log_pages(viewer, run):
     page = viewer.get(f"/runs/{run.pk}/").content.decode()
     assert 'id="chart-timeline-data"' in page and "load older events" in page
     cursor = page.split("events_before=", 1)[1].split('"', 1)[0]
-    older = viewer.get(f"/runs/{run.pk}/?events_before={cursor}").content.decode()
+    url = f"/runs/{run.pk}/?events_before={cursor}"
+    older = viewer.get(url, headers={"HX-Request": "true"}).content.decode()
     assert "<html" not in older and "lease_acquired" in older
+    # Without htmx (the link's fallback) the same page comes whole.
+    whole = viewer.get(url).content.decode()
+    assert "<html" in whole and "lease_acquired" in whole
     live = viewer.get(f"/runs/{run.pk}/", headers={"HX-Request": "true", "HX-Target": "run-live"})
     assert live.status_code == 286  # the run is finished: the page stops polling
     assert live.content.decode().lstrip().startswith('<section id="run-live"')
@@ -205,6 +209,8 @@ def test_log_upload_is_for_operators_with_a_size_limit_and_clear_errors(viewer, 
         "/locks/import/", {"log": SimpleUploadedFile("x.log", b"LOG: fine\n")}, follow=True
     )
     assert "No &#x27;deadlock detected&#x27; report found in x.log" in empty.content.decode()
+    oversized = SimpleUploadedFile("huge.log", b"x" * (7 * 1024 * 1024))
+    assert operator.post("/locks/import/", {"log": oversized}).status_code == 413  # unread
     huge = SimpleUploadedFile("big.log", b"x" * (5 * 1024 * 1024 + 1))
     refused = operator.post("/locks/import/", {"log": huge}, follow=True).content.decode()
     assert "the limit is 5242880" in refused

@@ -89,6 +89,14 @@ def test_prefix_without_pid_relation_and_advisory_locks():
     assert report.graph.processes[201].query == "SELECT pg_advisory_xact_lock(42)"
 
 
+def test_a_crafted_long_line_is_not_searched_at_length():
+    crafted = "deadlock detected\nDETAIL:  Process 1 waits for X on " + "a" * 200_000 + "\n"
+    assert pglog.parse(crafted) == []
+    assert (
+        pglog.parse("deadlock detected\nProcess 7 waits for X on y; blocked by process 7.\n") == []
+    )
+
+
 def test_several_reports_and_nothing_else_are_found():
     assert len(pglog.parse(THREE_WAY + NO_PID + THREE_WAY)) == 3
     assert pglog.parse("LOG:  no problems here\nERROR:  deadlock detected\n") == []

@@ -14,3 +14,9 @@ function drawCharts(root) {
 
 document.addEventListener("DOMContentLoaded", () => drawCharts(document));
 document.addEventListener("htmx:afterSettle", (event) => drawCharts(event.detail.elt));
+// A chart about to be swapped out lets go of plotly's resize handler.
+document.addEventListener("htmx:beforeCleanupElement", (event) => {
+  if (event.detail.elt.classList?.contains("chart") && typeof Plotly !== "undefined") {
+    Plotly.purge(event.detail.elt);
+  }
+});

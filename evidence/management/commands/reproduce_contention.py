@@ -34,8 +34,8 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError, connection, transaction
 
 from evidence import locks
-from evidence.capture import POLICIES, Copy, CopyTransaction, lock_not_available, record_gaps
-from evidence.models import GapReason, IncidentSource
+from evidence.capture import POLICIES, Copy, CopyTransaction, gap_reason, record_gaps
+from evidence.models import IncidentSource
 from evidence.records import record_model_call, record_source
 from evidence.sources import SourceRefresh
 from runs.leases import Lease
@@ -222,9 +222,7 @@ class Command(BaseCommand):
                 copy.insert(cursor)
             outcomes["capture:saved"] += 1
         except DatabaseError as error:
-            reason = (
-                GapReason.LOCK_NOT_AVAILABLE if lock_not_available(error) else GapReason.DB_ERROR
-            )
+            reason = gap_reason(error)
             # Recorded after the trial, as the capture writer records its gaps
             # after the failed transaction: never inside the contention.
             self.gaps[
