@@ -19,6 +19,7 @@ kept only so `reproduce_contention` can show what it did.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -296,9 +297,10 @@ class Capture:
         except Exception as error:
             # Kept (counted) until the database answers again.
             logger.warning("capture: %s gaps not recorded yet: %s", sum(gaps.values()), error)
-            connection.close_if_unusable_or_obsolete()
             with self._lock:
                 self._gaps.update(gaps)
+            with contextlib.suppress(Exception):
+                connection.close_if_unusable_or_obsolete()
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.db.models import F
 from django.db.models.functions import Coalesce, Now
 from psycopg.types.json import Jsonb
@@ -44,20 +44,24 @@ OWNED_NOT_CANCELLED = f"SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED} FOR SH
 # model calls with the revision (the model records it used: their row
 # locks), then inserts the revision, fenced by the run row FOR SHARE: the
 # uncorrelated subquery on `marked` is a one-time filter, evaluated before
-# the run row is locked.  A stale owner marks nothing.
+# the run row is locked.  Fenced out, it raises (rundesk_fenced_out), which
+# rolls the marks back too: a stale owner changes nothing.
+FENCED_OUT = "RDF01"
 PUBLISH = f"""
     WITH marked AS (
         UPDATE evidence_modelcall SET published_revision = %(number)s
         WHERE run_id = %(run)s
-          AND EXISTS (SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED})
-        RETURNING 1)
+        RETURNING 1),
+    owned AS (
+        SELECT 1 AS held FROM runs_run
+        WHERE {HELD_NOT_CANCELLED} AND (SELECT count(*) FROM marked) >= 0
+        FOR SHARE)
     INSERT INTO runs_answerrevision (run_id, number, content, content_digest, is_final, epoch,
         xid, committed_at)
     SELECT %(run)s, %(number)s, %(content)s, %(content_digest)s, %(is_final)s, %(epoch)s,
         rundesk_xid(true), now()
-    FROM (SELECT 1 FROM runs_run
-          WHERE {HELD_NOT_CANCELLED} AND (SELECT count(*) FROM marked) >= 0
-          FOR SHARE) AS owned
+    FROM (SELECT 1) AS one LEFT JOIN owned ON true
+    WHERE CASE WHEN owned.held IS NULL THEN rundesk_fenced_out() ELSE true END
     ON CONFLICT (run_id, number) DO NOTHING
     RETURNING id
 """
@@ -229,14 +233,19 @@ class Lease:
         this revision was already published (a resumed run), with the same
         content; a different content under the same number is an error.
         A lost connection raises CommitUnanswered."""
-        with unanswered_as(f"publication of revision {number}"):
-            row = self._fetch(
-                PUBLISH,
-                number=number,
-                content=content,
-                content_digest=digest(content),
-                is_final=is_final,
-            )
+        try:
+            with unanswered_as(f"publication of revision {number}"):
+                row = self._fetch(
+                    PUBLISH,
+                    number=number,
+                    content=content,
+                    content_digest=digest(content),
+                    is_final=is_final,
+                )
+        except DatabaseError as error:
+            if getattr(error.__cause__, "sqlstate", None) == FENCED_OUT:
+                raise LeaseLost(f"publication of revision {number} refused") from error
+            raise
         if row:
             return True
         existing = self._fetch(

@@ -29,10 +29,11 @@ def _stop_timeline(django_db_setup: None, django_db_blocker: object) -> Iterator
 
 @pytest.fixture(autouse=True)
 def _timeline_written() -> Iterator[None]:
-    """Each test's events are written before the next test starts (the next
-    one may not be allowed to touch the database)."""
+    """Each test's events and capture gaps are written before the next test
+    starts (the next one may not be allowed to touch the database)."""
     yield
     timeline.flush()
+    capture.flush()
 
 
 @pytest.fixture
