@@ -81,7 +81,21 @@ def completed_run() -> Run:
 
 def test_runs_list_and_a_run_page_with_its_timeline_drawn(page: Page):
     run = completed_run()
+    lost = Run.objects.submit(
+        question="Deliver the bond comparison (its delivery answer is lost)",
+        documents=DOCS[1:],
+        faults=[{"point": "delivery_timeout"}],
+    )
+    execute(lost.pk)
+    Run.objects.submit(
+        question="Compare all five funds (cancelled)", documents=DOCS
+    ).request_cancel()
+    Run.objects.submit(question="Which fund pays the most income? (waiting)", documents=DOCS)
+    timeline.flush()
     page.goto("/")
+    lost_row = page.locator("#run-rows tr", has_text="delivery answer is lost")
+    expect(lost_row.locator(".status")).to_have_text("Needs Operator")
+    expect(lost_row.locator(".state.unknown")).to_have_text("1")
     row = page.locator("#run-rows tr", has_text="Which fund is cheapest")
     expect(row.locator(".status")).to_have_text("Completed")
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
