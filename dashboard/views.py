@@ -32,7 +32,7 @@ from evidence.models import (
     LockIncident,
     LockWait,
 )
-from runs.models import OutcomeState, Run, RunEvent, RunStatus
+from runs.models import OutcomeState, Run, RunEvent, RunStatus, older_than, page_cursor
 
 PAGE_SIZE = 50
 EVENTS_PAGE = 50
@@ -77,7 +77,7 @@ def runs_list(request: HttpRequest) -> HttpResponse:
         runs = runs.filter(question__icontains=filters["q"])
     if cursor := request.GET.get("before"):
         try:
-            runs = runs.before(cursor)
+            runs = older_than(runs, cursor)
         except ValueError as error:
             return HttpResponseBadRequest(str(error))
     page = list(runs.order_by("-created_at", "-id")[: PAGE_SIZE + 1])
@@ -86,7 +86,7 @@ def runs_list(request: HttpRequest) -> HttpResponse:
         "runs": page,
         "filters": filters,
         "statuses": RunStatus.choices,
-        "next_cursor": page[-1].cursor() if more and page else "",
+        "next_cursor": page_cursor(page[-1]) if more and page else "",
         "live": any(run.is_active for run in page),
         "now": timezone.now(),
     }
@@ -115,12 +115,13 @@ def _live(run: Run) -> dict[str, Any]:
     for revision in revisions:
         revision.html = _answer_html(revision.content) if revision.is_final else ""
     stats = CaptureStats.objects.filter(run=run).first()
+    items = list(run.outcome_items.order_by("id"))
     return {
         "actions": run.actions.select_related("receipt").order_by("id"),
         "checkpoints": run.checkpoints.select_related("after_action").order_by("id"),
         "revisions": revisions,
-        "items": run.outcome_items.order_by("id"),
-        "open_items": run.outcome_items.filter(state=OutcomeState.OPEN).count(),
+        "items": items,
+        "open_items": sum(item.state == OutcomeState.OPEN for item in items),
         "copies": EvidenceCopy.objects.filter(run=run).order_by("id")[:50],
         "gaps": CaptureGap.objects.filter(run=run).order_by("id")[:50],
         "capture": stats,
@@ -134,24 +135,19 @@ def _live(run: Run) -> dict[str, Any]:
 
 def _events(run: Run, before: str) -> dict[str, Any]:
     """The event log, newest first, a page at a time from `before`
-    ("<created_at isoformat>|<id>")."""
+    (a page_cursor)."""
     events = run.events.select_related("action").order_by("-created_at", "-id")
     if before:
-        created, _, pk = before.rpartition("|")
         try:
-            created_at, event_id = dt.datetime.fromisoformat(created), int(pk)
-            events = events.filter(created_at__lte=created_at).filter(
-                Q(created_at__lt=created_at) | Q(id__lt=event_id)
-            )
+            events = older_than(events, before)
         except ValueError:
             events = RunEvent.objects.none()
     page = list(events[: EVENTS_PAGE + 1])
     more, page = len(page) > EVENTS_PAGE, page[:EVENTS_PAGE]
-    last = page[-1] if page else None
     return {
         "run": run,
         "events": page,
-        "events_cursor": f"{last.created_at.isoformat()}|{last.pk}" if more and last else "",
+        "events_cursor": page_cursor(page[-1]) if more else "",
     }
 
 

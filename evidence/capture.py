@@ -34,6 +34,7 @@ from django.conf import settings
 from django.db import DatabaseError, OperationalError, connection, transaction
 
 from evidence.models import GapReason
+from evidence.records import bound_lock_waits, bounded
 
 logger = logging.getLogger(__name__)
 
@@ -44,9 +45,10 @@ POLICIES = ("nowait", "wait")
 
 @dataclass(frozen=True)
 class Copy:
+    """A copy of a model call; its sources are the model record's."""
+
     run_id: int
     model_call_id: int
-    source_ids: tuple[int, ...]
     input: str
     output: str
 
@@ -77,13 +79,14 @@ class CopyTransaction:
             [f"rundesk:capture:run-{self.copy.run_id}"],
         )
         if self.policy == "nowait":
-            timeout = f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"
-            cursor.execute("SELECT set_config('lock_timeout', %s, true)", [timeout])
+            bound_lock_waits(cursor)
 
     def lock_sources(self, cursor: Any) -> None:
         cursor.execute(
-            "SELECT id FROM evidence_source WHERE id = ANY(%s) ORDER BY id FOR SHARE",
-            [list(self.copy.source_ids)],
+            """SELECT id FROM evidence_source WHERE id IN (
+                   SELECT source_id FROM evidence_modelcall_sources WHERE modelcall_id = %s)
+               ORDER BY id FOR SHARE""",
+            [self.copy.model_call_id],
         )
 
     def lock_model_record(self, cursor: Any) -> None:
@@ -104,7 +107,8 @@ class CopyTransaction:
                    VALUES (%s, %s, %s, %s, %s, %s, %s, now()) RETURNING id),
                linked AS (
                    INSERT INTO evidence_evidencecopy_sources (evidencecopy_id, source_id)
-                   SELECT copy.id, source FROM copy, unnest(%s::bigint[]) AS source)
+                   SELECT copy.id, link.source_id FROM copy, evidence_modelcall_sources link
+                   WHERE link.modelcall_id = %s)
                INSERT INTO evidence_capturestats (run_id, captured, lost) VALUES (%s, 1, 0)
                ON CONFLICT (run_id) DO UPDATE
                    SET captured = evidence_capturestats.captured + 1""",
@@ -116,7 +120,7 @@ class CopyTransaction:
                 input_bytes,
                 output_bytes,
                 cut_input or cut_output,
-                list(self.copy.source_ids),
+                self.copy.model_call_id,
                 self.copy.run_id,
             ],
         )
@@ -144,9 +148,7 @@ def record_gaps(gaps: Counter[tuple[int, int | None, str, str]]) -> None:
     rows = [
         (run, call, reason, detail, count) for (run, call, reason, detail), count in gaps.items()
     ]
-    timeout = f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute("SELECT set_config('lock_timeout', %s, true)", [timeout])
+    with bounded() as cursor:
         cursor.execute(
             """WITH gap AS (
                    INSERT INTO evidence_capturegap (run_id, model_call_id, reason, detail, count,
@@ -185,9 +187,7 @@ class Capture:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
-    def submit(
-        self, *, run_id: int, model_call_id: int, source_ids: list[int], input: str, output: str
-    ) -> bool:
+    def submit(self, *, run_id: int, model_call_id: int, input: str, output: str) -> bool:
         """Hands a copy to the writer.  Never blocks, never raises; False
         when it became a gap instead (queue full, too large)."""
         size = len(input.encode()) + len(output.encode())
@@ -196,7 +196,7 @@ class Capture:
             return False
         self._ensure_thread()
         try:
-            self._queue.put_nowait(Copy(run_id, model_call_id, tuple(source_ids), input, output))
+            self._queue.put_nowait(Copy(run_id, model_call_id, input, output))
             return True
         except queue.Full:
             self.lose(run_id, model_call_id, GapReason.QUEUE_FULL, f"capacity {self.capacity}")

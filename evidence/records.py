@@ -1,23 +1,42 @@
 """The evidence a run leaves on its main path: a Source row for each
 document it read, a ModelCall row for each model call.  Both are
-observations: a failure to write one is logged and the run goes on."""
+observations: a failure to write one is logged and the run goes on, and
+no lock wait of theirs lasts longer than capture's lock timeout."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from django.db import DatabaseError, connection
+from django.conf import settings
+from django.db import DatabaseError, connection, transaction
 
 from runs.models import digest
 
 logger = logging.getLogger(__name__)
 
 
+def bound_lock_waits(cursor: Any) -> None:
+    """For the rest of this transaction, a lock not granted within
+    RUNDESK_CAPTURE_LOCK_TIMEOUT_MS fails the statement (55P03)."""
+    timeout = f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"
+    cursor.execute("SELECT set_config('lock_timeout', %s, true)", [timeout])
+
+
+@contextmanager
+def bounded() -> Iterator[Any]:
+    """An evidence write's transaction: it can fail, never hold anyone up."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        bound_lock_waits(cursor)
+        yield cursor
+
+
 def record_source(run_id: int, action_id: int, read: dict[str, Any]) -> int | None:
     """The document `read` (a read_document result) as it was when read."""
     try:
-        with connection.cursor() as cursor:
+        with bounded() as cursor:
             cursor.execute(
                 """INSERT INTO evidence_source (run_id, path, read_action_id, digest, bytes,
                        created_at, changed)
@@ -44,7 +63,7 @@ def record_model_call(
 ) -> int | None:
     """The model record of one model-call action, linked to its sources."""
     try:
-        with connection.cursor() as cursor:
+        with bounded() as cursor:
             cursor.execute(
                 """INSERT INTO evidence_modelcall (run_id, action_id, provider, input_digest,
                        output_digest, created_at)
@@ -57,16 +76,22 @@ def record_model_call(
                 cursor, "SELECT id FROM evidence_modelcall WHERE action_id = %s", [action_id]
             )
             model_call_id = row[0]
+    except DatabaseError as error:
+        logger.warning("run %s: model call %s not recorded: %s", run_id, action_id, error)
+        return None
+    try:
+        with bounded() as cursor:
             cursor.execute(
                 """INSERT INTO evidence_modelcall_sources (modelcall_id, source_id)
                    SELECT %s, id FROM evidence_source WHERE run_id = %s AND path = ANY(%s)
                    ON CONFLICT DO NOTHING""",
                 [model_call_id, run_id, paths],
             )
-            return model_call_id
     except DatabaseError as error:
-        logger.warning("run %s: model call %s not recorded: %s", run_id, action_id, error)
-        return None
+        # The model record stands without its links: a copy of it then
+        # names no source.
+        logger.warning("run %s: sources of model call %s not linked: %s", run_id, action_id, error)
+    return model_call_id
 
 
 def _first(cursor: Any, sql: str, params: list[Any]) -> tuple[Any, ...]:

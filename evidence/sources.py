@@ -13,8 +13,8 @@ import hashlib
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
 
+from evidence.records import bounded
 from runs.tools import ToolRefused, resolve_in_corpus
 
 
@@ -29,11 +29,12 @@ class SourceRefresh:
         self.current = self._current()
 
     def _current(self) -> dict[int, str]:
-        with connection.cursor() as cursor:
+        with bounded() as cursor:
             cursor.execute(
                 "SELECT id, path FROM evidence_source WHERE run_id = %s ORDER BY id", [self.run_id]
             )
-            return {source_id: _digest_now(path) for source_id, path in cursor.fetchall()}
+            sources = cursor.fetchall()
+        return {source_id: _digest_now(path) for source_id, path in sources}
 
     def lock_run(self, cursor: Any) -> None:
         cursor.execute("SELECT 1 FROM runs_run WHERE id = %s FOR NO KEY UPDATE", [self.run_id])
@@ -52,7 +53,8 @@ class SourceRefresh:
         return sorted(path for path, changed in cursor.fetchall() if changed)
 
     def run(self) -> list[str]:
-        with transaction.atomic(), connection.cursor() as cursor:
+        """An observation: its lock waits are bounded like capture's."""
+        with bounded() as cursor:
             self.lock_run(cursor)
             return self.mark_sources(cursor)
 

@@ -14,7 +14,7 @@ from typing import Any
 from django.utils import timezone
 
 from evidence.capture import capture
-from evidence.models import GapReason, Source
+from evidence.models import GapReason
 from evidence.records import record_model_call, record_source
 from runs.checkpoints import AgentState, Checkpointer
 from runs.dispatch import ActionFailed, Dispatcher
@@ -79,10 +79,10 @@ class ResearchAgent:
             if "refused" in read:
                 state.notes.append(f"{path}: {read['refused']}")
                 return
-            source = record_source(self.run.pk, self.d.action_id(read_key), read)
+            record_source(self.run.pk, self.d.action_id(read_key), read)
             prompt = f"Question: {self.run.question}\n\n" + document_block(path, read["text"])
             summary = self._model_call(
-                summary_key, _messages(SUMMARIZE_INSTRUCTIONS, prompt), [path], [source]
+                summary_key, _messages(SUMMARIZE_INSTRUCTIONS, prompt), [path]
             )
         except ActionFailed as failure:
             state.notes.append(f"{path}: not included ({failure})")
@@ -96,7 +96,7 @@ class ResearchAgent:
         self.checkpoints.after(summary_key, state)
 
     def _model_call(
-        self, step_key: str, messages: list[dict[str, str]], paths: list[str], sources: list
+        self, step_key: str, messages: list[dict[str, str]], paths: list[str]
     ) -> dict[str, Any]:
         """A model call, its model record, and (when it ran now) a copy of it
         for evidence capture, handed over by `_hand_over_copies()`."""
@@ -111,7 +111,6 @@ class ResearchAgent:
                     {
                         "run_id": self.run.pk,
                         "model_call_id": call,
-                        "source_ids": [source for source in sources if source is not None],
                         "input": json.dumps(messages, ensure_ascii=False),
                         "output": result["text"],
                     }
@@ -151,11 +150,8 @@ class ResearchAgent:
                 document_block(path, text) for path, text in state.summaries
             )
             paths = [path for path, _ in state.summaries]
-            sources = list(
-                Source.objects.filter(run=self.run, path__in=paths).values_list("id", flat=True)
-            )
             messages = _messages(COMPARE_INSTRUCTIONS, prompt)
-            report = self._model_call("compose", messages, paths, sources)["text"]
+            report = self._model_call("compose", messages, paths)["text"]
             self.checkpoints.after("compose", state)
         else:
             report = (

@@ -77,10 +77,7 @@ def drive(lease: Lease, stop: threading.Event) -> str:
                     EventKind.RESUMED,
                     f"resumed by epoch {lease.epoch} from {len(dispatcher.known)} actions",
                 )
-                for path in SourceRefresh(run_id).run():
-                    timeline.record(
-                        run_id, EventKind.SOURCE_CHANGED, f"{path} changed since it was read"
-                    )
+                _check_sources(run_id)
             ResearchAgent(dispatcher).execute()
             return RunStatus.COMPLETED
     except Stopping:
@@ -112,6 +109,18 @@ def drive(lease: Lease, stop: threading.Event) -> str:
         with contextlib.suppress(DatabaseError):
             if connection.connection is not None:
                 name_connection(settings.PROCESS_ROLE)
+
+
+def _check_sources(run_id: int) -> None:
+    """Says on the timeline which documents changed since the run read them.
+    An observation: if it cannot be made, the run goes on without it."""
+    try:
+        changed = SourceRefresh(run_id).run()
+    except DatabaseError as error:
+        logger.warning("run %s: sources not checked: %s", run_id, error)
+        return
+    for path in changed:
+        timeline.record(run_id, EventKind.SOURCE_CHANGED, f"{path} changed since it was read")
 
 
 def _after_refused_write(lease: Lease, refused: LeaseLost) -> str:

@@ -55,6 +55,33 @@ class Phase(models.TextChoices):
 ACTIVE_STATUSES = [RunStatus.QUEUED, RunStatus.RUNNING]
 
 
+def page_cursor(row: models.Model) -> str:
+    """Where a page newest first (by created_at, id) stops: the next page
+    starts after this row."""
+    return f"{row.created_at.isoformat()}|{row.pk}"  # type: ignore[attr-defined]
+
+
+def older_than(queryset: models.QuerySet, cursor: str) -> models.QuerySet:
+    """The rows after `cursor` (page_cursor) in (-created_at, -id) order;
+    ValueError when it is not one.  The first filter is the index condition;
+    the second only sorts out the rows of the cursor's own instant."""
+    created, _, pk = cursor.rpartition("|")
+    try:
+        created_at, row_id = dt.datetime.fromisoformat(created), int(pk)
+    except ValueError:
+        raise ValueError(f"not a page cursor: {cursor!r}") from None
+    return queryset.filter(created_at__lte=created_at).filter(
+        Q(created_at__lt=created_at) | Q(id__lt=row_id)
+    )
+
+
+def _count_per_run(rows: models.QuerySet) -> Coalesce:
+    """How many of `rows` belong to the outer query's run, as a correlated
+    subquery (worked out for the rows of a page only)."""
+    per_run = rows.filter(run=OuterRef("pk")).values("run").annotate(n=Count("*")).values("n")
+    return Coalesce(Subquery(per_run), 0)
+
+
 class RunQuerySet(models.QuerySet["Run"]):
     def listing(self) -> RunQuerySet:
         """The runs list's columns.  Correlated subqueries: PostgreSQL works
@@ -62,24 +89,8 @@ class RunQuerySet(models.QuerySet["Run"]):
         from evidence.models import CaptureStats
 
         return self.annotate(
-            actions_done=Coalesce(
-                Subquery(
-                    Action.objects.filter(run=OuterRef("pk"), state=ActionState.COMPLETED)
-                    .values("run")
-                    .annotate(n=Count("*"))
-                    .values("n")
-                ),
-                0,
-            ),
-            unknown_open=Coalesce(
-                Subquery(
-                    OutcomeItem.objects.filter(run=OuterRef("pk"), state=OutcomeState.OPEN)
-                    .values("run")
-                    .annotate(n=Count("*"))
-                    .values("n")
-                ),
-                0,
-            ),
+            actions_done=_count_per_run(Action.objects.filter(state=ActionState.COMPLETED)),
+            unknown_open=_count_per_run(OutcomeItem.objects.filter(state=OutcomeState.OPEN)),
             gaps=Coalesce(
                 Subquery(CaptureStats.objects.filter(run=OuterRef("pk")).values("lost")), 0
             ),
@@ -94,20 +105,6 @@ class RunQuerySet(models.QuerySet["Run"]):
         from evidence.models import CaptureStats
 
         return self.filter(Exists(CaptureStats.objects.filter(run=OuterRef("pk"), lost__gt=0)))
-
-    def before(self, cursor: str) -> RunQuerySet:
-        """Keyset pagination, newest first: the runs after `cursor`
-        ("<created_at isoformat>|<id>") in (-created_at, -id) order."""
-        created, _, pk = cursor.rpartition("|")
-        try:
-            created_at, run_id = dt.datetime.fromisoformat(created), int(pk)
-        except ValueError:
-            raise ValueError(f"not a page cursor: {cursor!r}") from None
-        # The first filter is the index condition; the second only sorts out
-        # the runs of the cursor's own instant.
-        return self.filter(created_at__lte=created_at).filter(
-            Q(created_at__lt=created_at) | Q(id__lt=run_id)
-        )
 
     def claimable(self) -> RunQuerySet:
         """Queued runs, and running runs whose owner stopped renewing its lease."""
@@ -223,9 +220,6 @@ class Run(models.Model):
     @property
     def is_active(self) -> bool:
         return self.status in ACTIVE_STATUSES
-
-    def cursor(self) -> str:
-        return f"{self.created_at.isoformat()}|{self.pk}"
 
     def request_cancel(self) -> bool:
         """An operator's cancel.  A run nobody owns (queued, or waiting for

@@ -15,7 +15,7 @@ from evidence.capture import record_gaps
 from evidence.models import IncidentSource, LockIncident
 from runs.executor import execute
 from runs.leases import Lease
-from runs.models import EventKind, Run, RunStatus
+from runs.models import EventKind, Run, RunStatus, page_cursor
 from runs.timeline import timeline
 from tests.test_pglog import THREE_WAY
 
@@ -102,7 +102,7 @@ def test_runs_list_columns_filters_and_keyset_pages(viewer, run):
     assert "No runs match" in viewer.get("/?unknown=1").content.decode()
     assert "No runs match" in viewer.get("/?gaps=1").content.decode()
     newest = Run.objects.order_by("-created_at", "-id").first()
-    older = viewer.get("/", {"before": newest.cursor()}).content.decode()
+    older = viewer.get("/", {"before": page_cursor(newest)}).content.decode()
     assert f'href="/runs/{newest.pk}/"' not in older and f'href="/runs/{run.pk}/"' in older
     assert viewer.get("/", {"before": "not-a-cursor"}).status_code == 400
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-import time
 
 import pytest
 from django.db import connection
@@ -15,6 +14,7 @@ from evidence.records import record_model_call
 from runs.executor import drive
 from runs.leases import Lease, LeaseLost
 from runs.models import Action, ActionState, AnswerRevision, Receipt, Run, RunStatus
+from tests.faultruns import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -38,13 +38,6 @@ def in_thread(target, *args):
     thread = threading.Thread(target=work)
     thread.start()
     return thread, out
-
-
-def wait_for(predicate, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.02)
 
 
 def test_two_executors_race_for_one_run_and_exactly_one_owns_it():

@@ -5,24 +5,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import pytest
 
 from runs.models import Action, AnswerRevision, EventKind, OutcomeItem, Receipt, Run, RunStatus
 from tests.conftest import manage
+from tests.faultruns import wait_for
 from tests.receivers import LocalServer, status
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md", "meridian-world-equity.md"]
-
-
-def wait_for(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.05)
 
 
 def finish(proc) -> str:

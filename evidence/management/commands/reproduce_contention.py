@@ -22,7 +22,6 @@ interleaved with them, run the same publications with capture switched off.
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections import Counter
@@ -40,6 +39,7 @@ from evidence.records import record_model_call, record_source
 from evidence.sources import SourceRefresh
 from runs.leases import Lease
 from runs.models import Run, RunStatus
+from runs.percentiles import percentile
 from runs.sql import backend_pid
 from runs.tools import TOOLS
 
@@ -49,12 +49,6 @@ DOCUMENT = "northwind-clean-energy.md"
 
 def sqlstate(error: BaseException) -> str | None:
     return getattr(error.__cause__, "sqlstate", None)
-
-
-def percentile(samples: list[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(samples)
-    return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 3)
 
 
 class Command(BaseCommand):
@@ -110,13 +104,13 @@ class Command(BaseCommand):
             "capture_saved": outcomes["capture:saved"],
             "capture_gaps": options["trials"] - outcomes["capture:saved"],
             "publication_ms": {
-                "p50": percentile(publication_ms, 0.5),
-                "p99": percentile(publication_ms, 0.99),
+                "p50": round(percentile(publication_ms, 0.5), 3),
+                "p99": round(percentile(publication_ms, 0.99), 3),
                 "max": round(max(publication_ms), 3),
             },
             "baseline_publication_ms": {
-                "p50": percentile(baseline_ms, 0.5),
-                "p99": percentile(baseline_ms, 0.99),
+                "p50": round(percentile(baseline_ms, 0.5), 3),
+                "p99": round(percentile(baseline_ms, 0.99), 3),
             },
             "deadlock_timeout_ms": self._deadlock_timeout_ms(),
             "run_id": self.run.pk,
@@ -154,7 +148,7 @@ class Command(BaseCommand):
         model_call = record_model_call(self.run.pk, call_id, call_input, output, [DOCUMENT])
         if source is None or model_call is None:
             raise CommandError("could not record the reproduction's source and model call")
-        self.copy = Copy(self.run.pk, model_call, (source,), json.dumps(call_input), output["text"])
+        self.copy = Copy(self.run.pk, model_call, json.dumps(call_input), output["text"])
 
     # -- one trial ---------------------------------------------------------
 
