@@ -72,5 +72,11 @@ def test_bench_reports_step_and_commit_times():
     assert report["step_ms_p50"] > 0 and report["commit_ms_p50"] > 0
     ratio = report["step_ms_p50"] / report["commit_ms_p50"]
     assert report["step_over_commit"] == pytest.approx(ratio, rel=0.02)
+    writes = report["writes_ms_p50"] / report["commit_ms_p50"]
+    assert report["writes_over_commit"] == pytest.approx(writes, rel=0.02)
+    assert 0 < report["roundtrip_ms_p50"] < report["writes_ms_p50"]
     bench_run = Run.objects.get(question__startswith="bench:")
-    assert bench_run.status == RunStatus.COMPLETED and bench_run.receipts.count() == 20
+    # Each round made a step and the two writes alone: 20 receipts each.
+    assert bench_run.status == RunStatus.COMPLETED
+    assert bench_run.receipts.filter(step_key__startswith="noop:").count() == 20
+    assert bench_run.receipts.filter(step_key__startswith="writes:").count() == 20

@@ -4,6 +4,7 @@ import json
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -58,12 +59,18 @@ class Command(BaseCommand):
                 self.stdout.write(f"{key}: {value}")
 
     def _step_report(self, steps: int) -> dict[str, Any]:
-        step_ms, commit_ms = self._measure(steps)
+        samples = self._measure(steps)
+        commit = statistics.median(samples["commit"])
         return {
             "steps": steps,
-            "step_ms_p50": p50(step_ms),
-            "commit_ms_p50": p50(commit_ms),
-            "step_over_commit": round(statistics.median(step_ms) / statistics.median(commit_ms), 2),
+            "step_ms_p50": p50(samples["step"]),
+            "commit_ms_p50": p50(samples["commit"]),
+            "step_over_commit": round(statistics.median(samples["step"]) / commit, 2),
+            # Where a step's time goes: its two fenced writes alone, and a
+            # round trip that writes nothing.
+            "writes_ms_p50": p50(samples["writes"]),
+            "writes_over_commit": round(statistics.median(samples["writes"]) / commit, 2),
+            "roundtrip_ms_p50": p50(samples["roundtrip"]),
         }
 
     def _capture(self, copies: int) -> dict[str, Any]:
@@ -92,32 +99,44 @@ class Command(BaseCommand):
             "queue_capacity": writer.capacity,
         }
 
-    def _measure(self, steps: int) -> tuple[list[float], list[float]]:
+    def _measure(self, steps: int) -> dict[str, list[float]]:
         """Steps through the real executor path (lease, Dispatcher.step:
         boundary, tool, receipt; timeline), each followed by a single-row
         INSERT + COMMIT (autocommit: one round trip) on a logged table, on the
-        same connection: both see the same machine at the same moment."""
+        same connection: both see the same machine at the same moment.  Each
+        round also times the step's two fenced writes made through the lease
+        alone (no dispatcher, timeline or tool) and a `SELECT 1`."""
         run = Run.objects.submit(
-            question=f"bench: {steps} no-op reads", documents=["(none)"], action_budget=steps
+            question=f"bench: {steps} no-op reads", documents=["(none)"], action_budget=2 * steps
         )
         lease = Lease.claim(run.pk, new_owner_name())
         if lease is None:
             raise CommandError(f"could not claim bench run {run.pk}")
         dispatcher = Dispatcher(lease, stop=threading.Event(), lease_lost=threading.Event())
-        step_ms, commit_ms = [], []
+        samples: dict[str, list[float]] = {"step": [], "commit": [], "writes": [], "roundtrip": []}
+
+        def timed(name: str, work: Callable[..., object], *args: Any) -> None:
+            start = time.perf_counter()
+            work(*args)
+            samples[name].append((time.perf_counter() - start) * 1000)
+
+        def writes(i: int) -> None:
+            action = lease.record_boundary(
+                step_key=f"writes:{i}", kind="noop", effect_class="read", input={"i": i}
+            )
+            lease.record_receipt(action, {"ok": True})
+
         with server_cursor() as cursor:
             cursor.execute(
                 "CREATE TABLE IF NOT EXISTS rundesk_bench_commit "
                 "(id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT now())"
             )
             for i in range(steps):
-                start = time.perf_counter()
-                dispatcher.step(f"noop:{i}", "noop", {"i": i})
-                step_ms.append((time.perf_counter() - start) * 1000)
-                start = time.perf_counter()
-                cursor.execute("INSERT INTO rundesk_bench_commit DEFAULT VALUES")
-                commit_ms.append((time.perf_counter() - start) * 1000)
+                timed("step", dispatcher.step, f"noop:{i}", "noop", {"i": i})
+                timed("commit", cursor.execute, "INSERT INTO rundesk_bench_commit DEFAULT VALUES")
+                timed("writes", writes, i)
+                timed("roundtrip", cursor.execute, "SELECT 1")
             cursor.execute("DROP TABLE rundesk_bench_commit")
         lease.finish(RunStatus.COMPLETED, "bench")
         timeline.flush()
-        return step_ms, commit_ms
+        return samples
