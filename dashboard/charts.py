@@ -115,6 +115,9 @@ def timeline(run: Run) -> str:
             "automargin": True,
         },
         legend={"orientation": "h", "y": -0.15},
+        # The run page redraws this chart as the run goes on: the reader's
+        # zoom and pan stay.
+        uirevision=f"run-{run.pk}",
     )
     return figure.to_json()
 
