@@ -3,9 +3,10 @@
 Checkpoints and answer revisions announce their transaction id before they
 commit (migration 0004).  If the connection is lost before the answer comes,
 the outcome is unknown: `CommitUnanswered` carries the xid and the writer's
-backend pid.  A receipt does not announce (it is on every step's path): its
-xid is read from the writer's old backend while that still runs, which is
-while it matters.  Once the database answers again, `settle()` asks it:
+backend (pid and start time: a later backend may reuse the pid).  A receipt
+does not announce (it is on every step's path): its xid is read from the
+writer's old backend while that still runs, which is while it matters.
+Once the database answers again, `settle()` asks it:
 
 - pg_xact_status(xid) = committed: committed, once a probe reads the row back;
 - aborted: known not written;
@@ -43,7 +44,13 @@ from runs.models import (
     OutcomeState,
     Receipt,
 )
-from runs.sql import announced_xid, backend_pid, connection_lost, forget_announced_xid
+from runs.sql import (
+    Backend,
+    announced_xid,
+    connection_lost,
+    forget_announced_xid,
+    this_backend,
+)
 from runs.timeline import timeline
 
 T = TypeVar("T")
@@ -56,9 +63,9 @@ class NeedsOperator(Exception):
 class CommitUnanswered(OperationalError):
     """A write was sent and no answer came: it may or may not have committed."""
 
-    def __init__(self, what: str, xid: int | None, pid: int | None, error: str) -> None:
+    def __init__(self, what: str, xid: int | None, backend: Backend | None, error: str) -> None:
         super().__init__(f"{what}: no answer from the database ({error})")
-        self.what, self.xid, self.pid, self.error = what, xid, pid, error
+        self.what, self.xid, self.backend, self.error = what, xid, backend, error
 
 
 @contextmanager
@@ -67,7 +74,7 @@ def unanswered_as(what: str) -> Iterator[None]:
     (with the xid the write announced, if it got that far).  An error the
     database answered with is re-raised as it is."""
     forget_announced_xid()
-    pid = backend_pid()
+    backend = this_backend()
     try:
         yield
     except DatabaseError as error:
@@ -75,7 +82,7 @@ def unanswered_as(what: str) -> Iterator[None]:
             raise
         xid = announced_xid()
         connection.close()
-        raise CommitUnanswered(what, xid, pid, str(error).strip()) from error
+        raise CommitUnanswered(what, xid, backend, str(error).strip()) from error
 
 
 @dataclass
@@ -98,7 +105,8 @@ def xact_status(xid: int) -> str | None:
         return cursor.fetchone()[0]
 
 
-# The writer's old backend, if it still runs, and its open transaction's id
+# The writer's old backend, if it still runs (the same pid and start time:
+# not a later backend that reuses the pid), and its open transaction's id
 # widened to 64 bits (pg_stat_activity shows 32) with the current epoch.
 ORPHAN = """
     SELECT CASE WHEN a.backend_xid IS NULL THEN NULL ELSE
@@ -106,17 +114,18 @@ ORPHAN = """
         | a.backend_xid::text::bigint END
     FROM pg_stat_activity a,
         (SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS full) c
-    WHERE a.pid = %s
+    WHERE a.pid = %(pid)s
+      AND (%(started)s::timestamptz IS NULL OR a.backend_start = %(started)s::timestamptz)
 """
 
 
-def orphan(pid: int | None) -> tuple[bool, int | None]:
+def orphan(backend: Backend | None) -> tuple[bool, int | None]:
     """Whether the writer's old backend still runs, and the xid of the
     transaction it has open (a write that did not announce one)."""
-    if pid is None:
+    if backend is None:
         return False, None
     with connection.cursor() as cursor:
-        cursor.execute(ORPHAN, [pid])
+        cursor.execute(ORPHAN, {"pid": backend.pid, "started": backend.started})
         row = cursor.fetchone()
     return (row is not None, row[0] if row else None)
 
@@ -127,15 +136,20 @@ def settle(
     """Asks the database what became of an unanswered write, waiting while
     its transaction is still in flight, for at most `patience` seconds."""
     patience = settings.RUNDESK_SETTLE_SECONDS if patience is None else patience
-    xid, pid = unanswered.xid, unanswered.pid
-    evidence: dict[str, Any] = {"xid": xid, "backend_pid": pid, "error": unanswered.error}
+    xid, backend = unanswered.xid, unanswered.backend
+    evidence: dict[str, Any] = {
+        "xid": xid,
+        "backend_pid": backend.pid if backend else None,
+        "backend_start": backend.started if backend else None,
+        "error": unanswered.error,
+    }
     checks: list[dict[str, Any]] = []
     evidence["checks"] = checks
     deadline = time.monotonic() + patience
     delay = 0.02
     while True:
         try:
-            alive, open_xid = orphan(pid)
+            alive, open_xid = orphan(backend)
             if xid is None and open_xid is not None:
                 xid = evidence["xid"] = open_xid
                 evidence["xid_from"] = "pg_stat_activity of the writer's backend"
@@ -311,6 +325,13 @@ def written(item: OutcomeItem) -> bool:
     raise ValueError(f"{item.kind} items are settled by their receiver, not by a probe")
 
 
+def written_by(item: OutcomeItem) -> Backend | None:
+    """The backend an item's write went through, as its evidence says
+    (items recorded before start times were kept know only the pid)."""
+    pid = item.evidence.get("backend_pid")
+    return Backend(pid, item.evidence.get("backend_start")) if pid is not None else None
+
+
 def sweep() -> int:
     """Asks again about open checkpoint, receipt and publication items (an
     orphaned transaction may have ended since).  Effects are never settled
@@ -321,8 +342,9 @@ def sweep() -> int:
         kind__in=[OutcomeKind.CHECKPOINT, OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION],
     ).select_related("checkpoint")
     for item in items:
-        pid = item.evidence.get("backend_pid")
-        asked = CommitUnanswered(item.subject, item.xid, pid, "asked again by the sweep")
+        asked = CommitUnanswered(
+            item.subject, item.xid, written_by(item), "asked again by the sweep"
+        )
         settlement = settle(asked, lambda item=item: written(item), patience=0)
         if settlement.outcome == "unknown":
             continue

@@ -1,12 +1,14 @@
 """Direct SQL on Django's own database connection, for the hot paths, and
-what the runtime learns about that connection: its backend pid, and the
-transaction id a write announced before its COMMIT (migration 0004)."""
+what the runtime learns about that connection: its backend (pid and start
+time), and the transaction id a write announced before its COMMIT
+(migration 0004)."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -15,9 +17,21 @@ from django.db import DEFAULT_DB_ALIAS, connections
 ANNOUNCE_PREFIX = "rundesk:xid "
 
 
+@dataclass(frozen=True)
+class Backend:
+    """A server process, told apart from a later one that reuses its pid by
+    its start time (server clock, ISO 8601; None: unknown, the pid alone)."""
+
+    pid: int
+    started: str | None
+
+
 class _Session(threading.local):
     cursor: psycopg.Cursor[Any] | None = None
     announced_xid: int | None = None
+    # The connection the backend below belongs to, and that backend.
+    backend_of: psycopg.Connection[Any] | None = None
+    backend: Backend | None = None
 
 
 _session = _Session()
@@ -62,6 +76,21 @@ def backend_pid() -> int:
     db = connections[DEFAULT_DB_ALIAS]
     db.ensure_connection()
     return db.connection.info.backend_pid
+
+
+def this_backend() -> Backend:
+    """The server process of this thread's connection (connecting if
+    needed).  Asked once per connection."""
+    db = connections[DEFAULT_DB_ALIAS]
+    db.ensure_connection()
+    if _session.backend_of is not db.connection or _session.backend is None:
+        with db.cursor() as cursor:
+            cursor.execute(
+                "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+            )
+            pid, started = cursor.fetchone()
+        _session.backend_of, _session.backend = db.connection, Backend(pid, started.isoformat())
+    return _session.backend
 
 
 def socket_fd() -> int:

@@ -4,7 +4,11 @@ An effect whose answer was lost is always an item for an operator."""
 
 from __future__ import annotations
 
+import datetime as dt
+
+import psycopg
 import pytest
+from django.db import connection
 
 from runs.executor import execute
 from runs.models import (
@@ -18,7 +22,8 @@ from runs.models import (
     Run,
     RunStatus,
 )
-from runs.outcomes import sweep, xact_status
+from runs.outcomes import CommitUnanswered, orphan, settle, sweep, xact_status
+from runs.sql import Backend
 from tests.faultruns import KEYS, dispatched, events, executions, run_with, wait_for
 from tests.receivers import LocalServer, status
 
@@ -72,6 +77,7 @@ def test_unanswered_receipt_still_in_flight_waits_for_an_operator_then_settles(j
         "read:1",
     )
     assert item.xid is not None and item.evidence["checks"][-1]["xid_status"] == "in progress"
+    assert item.evidence["backend_pid"] and item.evidence["backend_start"]
     # Nothing after it was dispatched; what came before is readable.
     assert not dispatched(run, "summarize:1")
     assert Receipt.objects.filter(run=run, step_key="summarize:0").exists()
@@ -83,6 +89,25 @@ def test_unanswered_receipt_still_in_flight_waits_for_an_operator_then_settles(j
     item.refresh_from_db()
     assert item.state == OutcomeState.RESOLVED
     assert Receipt.objects.filter(run=run, step_key="read:1").exists()
+
+
+def test_a_later_backend_that_reuses_the_writers_pid_is_not_taken_for_the_writer():
+    """The sweep may ask hours later, when the writer's pid belongs to
+    another backend: its open transaction is not the write's."""
+    with psycopg.connect(**connection.get_connection_params()) as stranger:
+        xid = stranger.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
+        pid = stranger.info.backend_pid
+        started = stranger.execute(
+            "SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+        ).fetchone()[0]
+        assert orphan(Backend(pid, started.isoformat())) == (True, xid)
+        # The writer had this pid, started earlier, and is gone.
+        writer = Backend(pid, (started - dt.timedelta(seconds=1)).isoformat())
+        assert orphan(writer) == (False, None)
+        settlement = settle(CommitUnanswered("receipt", None, writer, "lost"), lambda: False)
+        assert settlement.outcome == "not_written" and settlement.evidence["xid"] is None
+        # Evidence recorded before start times were kept names the pid alone.
+        assert orphan(Backend(pid, None)) == (True, xid)
 
 
 # -- publications ------------------------------------------------------------------
