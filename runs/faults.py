@@ -45,7 +45,7 @@ import psycopg
 from django.conf import settings
 from django.db import connection
 
-from runs.sql import backend_pid, socket_fd
+from runs.sql import socket_fd, this_backend
 
 WRITES = ("checkpoint", "receipt", "publication")
 OUTCOMES = ("committed", "aborted", "late")
@@ -139,7 +139,7 @@ class FaultPlan:
         if fault is None:
             yield
             return
-        with drop_connection_at_commit(fault, backend_pid(), socket_fd()):
+        with drop_connection_at_commit(fault, this_backend().pid, socket_fd()):
             yield
 
     def _mark_fired(self, fault: Fault) -> bool:

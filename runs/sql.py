@@ -71,13 +71,6 @@ def name_connection(role: str, run_id: int | None = None) -> None:
         )
 
 
-def backend_pid() -> int:
-    """The server process of this thread's connection (connecting if needed)."""
-    db = connections[DEFAULT_DB_ALIAS]
-    db.ensure_connection()
-    return db.connection.info.backend_pid
-
-
 def this_backend() -> Backend:
     """The server process of this thread's connection (connecting if
     needed).  Asked once per connection."""

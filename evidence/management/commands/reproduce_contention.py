@@ -40,7 +40,7 @@ from evidence.sources import SourceRefresh
 from runs.leases import Lease
 from runs.models import Run, RunStatus
 from runs.percentiles import percentile
-from runs.sql import backend_pid
+from runs.sql import this_backend
 from runs.tools import TOOLS
 
 DEADLOCK = "40P01"
@@ -235,7 +235,7 @@ class Command(BaseCommand):
     def _publish(
         self, ready: threading.Event, number: int, timing: dict[str, float], outcomes: Counter[str]
     ) -> None:
-        timing["pid"] = backend_pid()
+        timing["pid"] = this_backend().pid
         ready.set()
         start = time.perf_counter()
         try:
