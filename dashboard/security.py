@@ -1,4 +1,6 @@
-"""The Content-Security-Policy every page is served with.
+"""What the site accepts and how it is served: the Content-Security-Policy
+every page is served with, the request size limit, and the refusal of
+parameters no view can use.
 
 Scripts come only from the site itself (htmx and plotly.js are served from
 static/): no inline script, no eval, no other origin.  plotly.js sets
@@ -8,8 +10,11 @@ inline styles on the SVG it draws, hence 'unsafe-inline' for styles only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import wraps
+from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import BadRequest
 from django.http import HttpRequest, HttpResponse
 
 POLICY = "; ".join(
@@ -57,3 +62,38 @@ class ContentSecurityPolicyMiddleware:
         response = self.get_response(request)
         response.setdefault("Content-Security-Policy", POLICY)
         return response
+
+
+def nul_parameter(request: HttpRequest) -> str | None:
+    """The name of the first GET or POST parameter whose name or value holds
+    a NUL character.  PostgreSQL refuses NUL in text, so such a value fails
+    as a 500 at the first query that uses it."""
+    for params in (request.GET, request.POST):
+        for name, values in params.lists():
+            if "\x00" in name or any("\x00" in value for value in values):
+                return name
+    return None
+
+
+def bad_request(message: str) -> HttpResponse:
+    # Plain text: the message quotes what the client sent.
+    return HttpResponse(message, status=400, content_type="text/plain; charset=utf-8")
+
+
+def rejects_bad_input(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """Answers 400, saying what was wrong, to a NUL character in any
+    parameter, and to the BadRequest the view raises on a parameter it
+    cannot use (a malformed cursor, a status that is none of the statuses)."""
+
+    @wraps(view)
+    def checked(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        if (name := nul_parameter(request)) is not None:
+            return bad_request(
+                f"parameter {name!r} holds a NUL character (%00), which no text here may contain"
+            )
+        try:
+            return view(request, *args, **kwargs)
+        except BadRequest as error:
+            return bad_request(str(error))
+
+    return checked

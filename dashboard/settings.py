@@ -241,6 +241,17 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_IGNORE_RESULT = True
+# Celery beat runs the sweep (runs/sweep.py): with only Celery workers, it is
+# what requeues a run whose worker died, ends abandoned cancels, settles
+# unknown outcomes and resumes settled runs.  `celery worker -B` embeds it.
+RUNDESK_SWEEP_SECONDS = env_float("RUNDESK_SWEEP_SECONDS", 5.0, minimum=0.1)
+# A queued run no worker took for this long is handed out again (its task
+# may have been lost with a worker; a task for a run already taken is a no-op).
+RUNDESK_REDELIVER_SECONDS = env_float("RUNDESK_REDELIVER_SECONDS", 60.0, minimum=1.0)
+CELERY_BEAT_SCHEDULE = {
+    "rundesk-sweep": {"task": "runs.tasks.sweep", "schedule": RUNDESK_SWEEP_SECONDS},
+}
+CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 
 # The research agent.
 RUNDESK_CORPUS_DIR = Path(env_str("RUNDESK_CORPUS_DIR", str(BASE_DIR / "runs" / "sample_corpus")))

@@ -1,5 +1,7 @@
 """Operator pages.  Login is required everywhere (LoginRequiredMiddleware);
-actions need the operate_run permission, checked here, in the view."""
+actions need the operate_run permission, checked here, in the view.  A
+parameter a view cannot use answers 400 with what was wrong
+(security.rejects_bad_input), never a page that quietly ignored it."""
 
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ from typing import Any
 import markdown
 import nh3
 from django.contrib import messages
-from django.core.exceptions import PermissionDenied
-from django.db.models import Q, Sum
-from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
+from django.core.exceptions import BadRequest, PermissionDenied
+from django.db.models import Q, QuerySet, Sum
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.utils.safestring import SafeString, mark_safe
@@ -22,6 +24,7 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseStopPolling
 
 from dashboard import charts
+from dashboard.security import rejects_bad_input
 from evidence import locks, pglog
 from evidence.models import (
     CaptureGap,
@@ -32,7 +35,7 @@ from evidence.models import (
     LockIncident,
     LockWait,
 )
-from runs.models import OutcomeState, Run, RunEvent, RunStatus, older_than, page_cursor
+from runs.models import OutcomeState, Run, RunStatus, older_than, page_cursor
 
 PAGE_SIZE = 50
 EVENTS_PAGE = 50
@@ -49,6 +52,25 @@ def operator_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpRe
     return checked
 
 
+def _choice(request: HttpRequest, name: str, choices: list[str]) -> str:
+    """The query parameter `name`, "" when absent or empty."""
+    value = request.GET.get(name, "")
+    if value and value not in choices:
+        raise BadRequest(f"{name}={value!r} is not one of: {', '.join(choices)}")
+    return value
+
+
+def _flag(request: HttpRequest, name: str) -> bool:
+    return _choice(request, name, ["0", "1"]) == "1"
+
+
+def _older_than(rows: QuerySet, cursor: str) -> QuerySet:
+    try:
+        return older_than(rows, cursor)
+    except ValueError as error:
+        raise BadRequest(str(error)) from None
+
+
 def _partial(request: HttpRequest, target: str) -> bool:
     return bool(request.htmx) and request.htmx.target == target  # type: ignore[attr-defined]
 
@@ -57,17 +79,18 @@ def _partial(request: HttpRequest, target: str) -> bool:
 
 
 @require_GET
+@rejects_bad_input
 def runs_list(request: HttpRequest) -> HttpResponse:
     filters = {
-        "status": request.GET.get("status", ""),
-        "unknown": request.GET.get("unknown") == "1",
-        "gaps": request.GET.get("gaps") == "1",
+        "status": _choice(request, "status", RunStatus.values),
+        "unknown": _flag(request, "unknown"),
+        "gaps": _flag(request, "gaps"),
         "q": request.GET.get("q", "").strip(),
     }
     runs = Run.objects.listing().only(
         "id", "question", "status", "phase", "lease_owner", "lease_epoch", "created_at"
     )
-    if filters["status"] in RunStatus.values:
+    if filters["status"]:
         runs = runs.filter(status=filters["status"])
     if filters["unknown"]:
         runs = runs.with_open_unknowns()
@@ -76,10 +99,7 @@ def runs_list(request: HttpRequest) -> HttpResponse:
     if filters["q"]:
         runs = runs.filter(question__icontains=filters["q"])
     if cursor := request.GET.get("before"):
-        try:
-            runs = older_than(runs, cursor)
-        except ValueError as error:
-            return HttpResponseBadRequest(str(error))
+        runs = _older_than(runs, cursor)
     page = list(runs.order_by("-created_at", "-id")[: PAGE_SIZE + 1])
     more, page = len(page) > PAGE_SIZE, page[:PAGE_SIZE]
     context = {
@@ -97,6 +117,7 @@ def runs_list(request: HttpRequest) -> HttpResponse:
 
 
 @require_GET
+@rejects_bad_input
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
     before = request.GET.get("events_before", "")
@@ -135,13 +156,10 @@ def _live(run: Run) -> dict[str, Any]:
 
 def _events(run: Run, before: str) -> dict[str, Any]:
     """The event log, newest first, a page at a time from `before`
-    (a page_cursor)."""
+    (a page_cursor); BadRequest when `before` is not one."""
     events = run.events.select_related("action").order_by("-created_at", "-id")
     if before:
-        try:
-            events = older_than(events, before)
-        except ValueError:
-            events = RunEvent.objects.none()
+        events = _older_than(events, before)
     page = list(events[: EVENTS_PAGE + 1])
     more, page = len(page) > EVENTS_PAGE, page[:EVENTS_PAGE]
     return {
@@ -160,9 +178,10 @@ def _answer_html(content: str) -> SafeString:
 
 @require_POST
 @operator_required
+@rejects_bad_input
 def run_cancel(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
-    if run.request_cancel():
+    if run.request_cancel(by=request.user.get_username()):
         messages.success(request, f"Cancel requested for run {run.pk}.")
     else:
         messages.info(request, f"Run {run.pk} had already ended or was being cancelled.")
@@ -176,10 +195,11 @@ def run_cancel(request: HttpRequest, run_id: int) -> HttpResponse:
 
 
 @require_GET
+@rejects_bad_input
 def locks_list(request: HttpRequest) -> HttpResponse:
     incidents = LockIncident.objects.order_by("-started_at", "-id")
-    source = request.GET.get("source", "")
-    if source in IncidentSource.values:
+    source = _choice(request, "source", IncidentSource.values)
+    if source:
         incidents = incidents.filter(source=source)
     context = {
         "incidents": incidents[:100],
@@ -191,6 +211,7 @@ def locks_list(request: HttpRequest) -> HttpResponse:
 
 
 @require_GET
+@rejects_bad_input
 def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
     incident = get_object_or_404(LockIncident, pk=incident_id)
     context = {
@@ -203,6 +224,7 @@ def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
 
 @require_POST
 @operator_required
+@rejects_bad_input
 def locks_import(request: HttpRequest) -> HttpResponse:
     upload = request.FILES.get("log")
     if upload is None:
@@ -213,7 +235,10 @@ def locks_import(request: HttpRequest) -> HttpResponse:
             request, f"{upload.name} is {upload.size} bytes; the limit is {LOG_UPLOAD_LIMIT}."
         )
         return redirect("locks")
-    reports = pglog.parse(upload.read().decode(errors="replace"))
+    # NUL is replaced like an undecodable byte: PostgreSQL text cannot hold
+    # one, and the statements quoted in a report are stored as text.
+    text = upload.read().decode(errors="replace").replace("\x00", "\ufffd")
+    reports = pglog.parse(text)
     if not reports:
         messages.error(request, f"No 'deadlock detected' report found in {upload.name}.")
         return redirect("locks")
@@ -231,6 +256,7 @@ def locks_import(request: HttpRequest) -> HttpResponse:
 
 
 @require_GET
+@rejects_bad_input
 def gaps(request: HttpRequest) -> HttpResponse:
     """Read from the hourly and per-run counters capture keeps, so the page
     costs the same however many gaps there are."""

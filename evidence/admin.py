@@ -1,4 +1,5 @@
-"""Admin for the evidence models: records, shown and never changed here."""
+"""Admin for the evidence models: records, shown and never changed here
+(runs.admin.ReadOnly)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from evidence.models import (
     ModelCall,
     Source,
 )
-from runs.admin import ReadOnlyAdmin
+from runs.admin import ReadOnly, ReadOnlyAdmin
 
 
 @admin.register(Source)
@@ -24,7 +25,7 @@ class SourceAdmin(ReadOnlyAdmin):
 
 @admin.register(ModelCall)
 class ModelCallAdmin(ReadOnlyAdmin):
-    list_display = ["run", "action", "provider", "published_revision", "created_at"]
+    list_display = ["run", "action", "provider", "created_at"]
     list_select_related = ["run", "action"]
 
 
@@ -46,15 +47,10 @@ class CaptureStatsAdmin(ReadOnlyAdmin):
     list_display = ["run", "captured", "lost"]
 
 
-class LockWaitInline(admin.TabularInline):
+class LockWaitInline(ReadOnly, admin.TabularInline):
     model = LockWait
     extra = 0
-    can_delete = False
     fields = ["waiter_pid", "waiter_role", "blocker_pid", "blocker_role", "mode", "locked"]
-    readonly_fields = fields
-
-    def has_add_permission(self, request, obj=None) -> bool:
-        return False
 
 
 @admin.register(LockIncident)

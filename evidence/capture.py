@@ -1,17 +1,20 @@
-"""Evidence capture: bounded copies of model calls, written off the main path.
+"""Evidence capture: everything a run leaves as evidence, written off the
+main path.
 
-Capture is an observation.  The caller (the agent, at the model-call
-boundary) hands a copy to a bounded in-process queue and never waits.  A
-background writer drains the queue on its own connection (application_name
-`rundesk:capture`), one short transaction per copy, taking its locks in one
-fixed order: the copy's sources, then its model record.  Under the `nowait`
-policy (the one production uses) every lock is bounded by
-`SET LOCAL lock_timeout` and the model-record lock is taken with NOWAIT
-(NOWAIT alone would still wait behind a table lock).  A lock that is not
-available at once rolls the transaction back, which releases what it held,
-and leaves a CaptureGap; it is never retried, so the wait cannot come back.
-A full queue, an oversized copy, a database error and shutdown each leave a
-gap with their reason.  A gap is never reported as a save.
+Evidence is observation.  The run hands each record (a source it read, a
+model call with a bounded copy of it, a check of its sources on resume) to
+a bounded in-process queue and never waits: no statement of the main path
+reads, writes or locks an evidence table.  A background writer drains the
+queue on its own connection (application_name `rundesk:capture`), one short
+transaction per record, every lock bounded by `SET LOCAL lock_timeout`.  A
+copy takes its locks in one fixed order: the copy's sources, then its model
+record, the second with NOWAIT under the `nowait` policy (the one
+production uses; NOWAIT alone would still wait behind a table lock).  A lock
+that is not available at once rolls the transaction back, which releases
+what it held, and leaves a CaptureGap; it is never retried, so the wait
+cannot come back.  A full queue, an oversized copy, a database error and
+shutdown each leave a gap with their reason.  A gap is never reported as a
+save.
 
 The `wait` policy is the old behaviour (wait for the model-record lock),
 kept only so `reproduce_contention` can show what it did.
@@ -20,6 +23,7 @@ kept only so `reproduce_contention` can show what it did.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import queue
 import threading
@@ -34,13 +38,24 @@ from django.conf import settings
 from django.db import DatabaseError, OperationalError, connection, transaction
 
 from evidence.models import GapReason
-from evidence.records import bound_lock_waits, bounded
+from evidence.records import bound_lock_waits, bounded, record_model_call, record_source
+from evidence.sources import SourceRefresh
+from runs.models import EventKind, digest
+from runs.timeline import timeline
 
 logger = logging.getLogger(__name__)
 
 LOCK_NOT_AVAILABLE = "55P03"  # NOWAIT refusal and lock_timeout alike
 GAP_INTERVAL = 0.5  # seconds: how soon a counted gap is written, busy or idle
 POLICIES = ("nowait", "wait")
+# Gaps waiting to be written (the database is down, or their tables are
+# locked) are counted per (run, model call, reason, detail) up to this many
+# keys, then per (run, reason); what does not fit either is only counted.
+PENDING_GAP_KEYS = 10_000
+DETAIL_DROPPED = "(detail dropped: too many gaps waiting to be written)"
+
+
+# -- what a run hands to capture: each record knows how to save itself ------------
 
 
 @dataclass(frozen=True)
@@ -48,9 +63,115 @@ class Copy:
     """A copy of a model call; its sources are the model record's."""
 
     run_id: int
-    model_call_id: int
+    model_call_id: int | None
     input: str
     output: str
+
+    @property
+    def size(self) -> int:
+        return len(self.input.encode()) + len(self.output.encode())
+
+    def describe(self) -> str:
+        return f"copy of model call {self.model_call_id}"
+
+    def save(self) -> None:
+        CopyTransaction(self).save()
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    """A document a run read (a read_document result), as it was when read."""
+
+    run_id: int
+    action_id: int
+    path: str
+    sha256: str
+    bytes: int
+
+    model_call_id = None
+    size = 0
+
+    def describe(self) -> str:
+        return f"source {self.path}"
+
+    def save(self) -> None:
+        record_source(self.run_id, self.action_id, self.path, self.sha256, self.bytes)
+
+
+@dataclass(frozen=True)
+class ModelCallRecord:
+    """A model-call action's model record, linked to the sources it was
+    given, and a bounded copy of its input and output."""
+
+    run_id: int
+    action_id: int
+    provider: str
+    input_digest: str
+    output_digest: str
+    paths: tuple[str, ...]
+    input: str
+    output: str
+
+    model_call_id = None
+
+    @classmethod
+    def of(
+        cls,
+        run_id: int,
+        action_id: int,
+        input: dict[str, Any],
+        output: dict[str, Any],
+        paths: list[str],
+    ) -> ModelCallRecord:
+        return cls(
+            run_id=run_id,
+            action_id=action_id,
+            provider=str(output.get("provider", "")),
+            input_digest=digest(input),
+            output_digest=digest(output),
+            paths=tuple(paths),
+            input=json.dumps(input.get("messages", input), ensure_ascii=False),
+            output=str(output.get("text", "")),
+        )
+
+    @property
+    def size(self) -> int:
+        return len(self.input.encode()) + len(self.output.encode())
+
+    def describe(self) -> str:
+        return f"model call of action {self.action_id}"
+
+    def save(self) -> None:
+        model_call_id = record_model_call(
+            self.run_id,
+            self.action_id,
+            self.provider,
+            self.input_digest,
+            self.output_digest,
+            list(self.paths),
+        )
+        Copy(self.run_id, model_call_id, self.input, self.output).save()
+
+
+@dataclass(frozen=True)
+class SourceCheck:
+    """Are a resumed run's documents still what it read?  The timeline says
+    which changed (evidence/sources.py)."""
+
+    run_id: int
+
+    model_call_id = None
+    size = 0
+
+    def describe(self) -> str:
+        return "check of the sources against the corpus"
+
+    def save(self) -> None:
+        for path in SourceRefresh(self.run_id).run():
+            timeline.record(self.run_id, EventKind.SOURCE_CHANGED, f"{path} changed since read")
+
+
+Record = Copy | SourceRecord | ModelCallRecord | SourceCheck
 
 
 def _cap(text: str, limit: int) -> tuple[str, int, bool]:
@@ -69,6 +190,8 @@ class CopyTransaction:
     statements one at a time, to arrange contention on purpose."""
 
     def __init__(self, copy: Copy, policy: str = "nowait") -> None:
+        if copy.model_call_id is None:
+            raise ValueError("a copy needs its model record")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}")
         self.copy, self.policy = copy, policy
@@ -144,7 +267,7 @@ def record_gaps(gaps: Counter[tuple[int, int | None, str, str]]) -> None:
     """Writes gaps (run, model call, reason, detail) -> count, and the runs'
     lost counters, in one statement, bounded by the capture lock timeout
     like every capture write.  A model call that does not exist is named in
-    the detail only."""
+    the detail only (each record's detail names what was lost)."""
     rows = [
         (run, call, reason, detail, count) for (run, call, reason, detail), count in gaps.items()
     ]
@@ -153,10 +276,7 @@ def record_gaps(gaps: Counter[tuple[int, int | None, str, str]]) -> None:
             """WITH gap AS (
                    INSERT INTO evidence_capturegap (run_id, model_call_id, reason, detail, count,
                        created_at)
-                   SELECT g.run, m.id, g.reason,
-                       CASE WHEN m.id IS NULL AND g.call IS NOT NULL
-                            THEN 'model call ' || g.call || ': ' || g.detail ELSE g.detail END,
-                       g.count, now()
+                   SELECT g.run, m.id, g.reason, g.detail, g.count, now()
                    FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[], %s::int[])
                        AS g(run, call, reason, detail, count)
                    LEFT JOIN evidence_modelcall m ON m.id = g.call
@@ -181,25 +301,28 @@ def record_gaps(gaps: Counter[tuple[int, int | None, str, str]]) -> None:
 class Capture:
     def __init__(self, capacity: int | None = None) -> None:
         self.capacity = capacity or settings.RUNDESK_CAPTURE_QUEUE
-        self._queue: queue.Queue[Copy | threading.Event | None] = queue.Queue(self.capacity)
+        self._queue: queue.Queue[Record | threading.Event | None] = queue.Queue(self.capacity)
         self._gaps: Counter[tuple[int, int | None, str, str]] = Counter()
+        # Gaps that fitted nowhere while they could not be written (and how
+        # many of those the log has told of).
+        self.dropped = 0
+        self._dropped_told = 0
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
 
-    def submit(self, *, run_id: int, model_call_id: int, input: str, output: str) -> bool:
-        """Hands a copy to the writer.  Never blocks, never raises; False
+    def submit(self, record: Record) -> bool:
+        """Hands a record to the writer.  Never blocks, never raises; False
         when it became a gap instead (queue full, too large)."""
-        size = len(input.encode()) + len(output.encode())
-        if size > settings.RUNDESK_CAPTURE_MAX_BYTES * 16:
-            self.lose(run_id, model_call_id, GapReason.TOO_LARGE, f"{size} bytes")
-            return False
         self._ensure_thread()
+        if record.size > settings.RUNDESK_CAPTURE_MAX_BYTES * 16:
+            self._lose(record, GapReason.TOO_LARGE, f"{record.size} bytes")
+            return False
         try:
-            self._queue.put_nowait(Copy(run_id, model_call_id, input, output))
+            self._queue.put_nowait(record)
             return True
         except queue.Full:
-            self.lose(run_id, model_call_id, GapReason.QUEUE_FULL, f"capacity {self.capacity}")
+            self._lose(record, GapReason.QUEUE_FULL, f"capacity {self.capacity}")
             return False
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -214,7 +337,8 @@ class Capture:
 
     def stop(self, grace: float = 2.0) -> None:
         """Saves what it can within `grace` seconds; what is left becomes
-        `shutdown` gaps.  Then closes the writer and its connection."""
+        `shutdown` gaps.  Then closes the writer and its connection.  Never
+        waits on a full queue: the writer sees `_stopping` on its own."""
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is None or not thread.is_alive():
@@ -223,16 +347,34 @@ class Capture:
         while not self._queue.empty() and time.monotonic() < deadline:
             time.sleep(0.01)
         self._stopping.set()
-        self._queue.put(None)
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)  # wakes an idle writer at once
         thread.join(grace + 5)
         self._stopping.clear()
 
     def lose(self, run_id: int, model_call_id: int | None, reason: str, detail: str) -> None:
-        """Counts a copy that will not be made; the writer records the gap
+        """Counts a record that will not be made; the writer records the gap
         within GAP_INTERVAL, busy or idle.  Never blocks, never raises."""
         self._ensure_thread()
+        self._count_gaps(Counter({(run_id, model_call_id, reason, detail[:500]): 1}))
+
+    def _lose(self, record: Record, reason: str, detail: str) -> None:
+        """A record lost, counted: the writer (running, or stopping and about
+        to write what it counted) records it.  Starts no writer."""
+        key = (record.run_id, record.model_call_id, reason, f"{record.describe()}: {detail}"[:500])
+        self._count_gaps(Counter({key: 1}))
+
+    def _count_gaps(self, gaps: Counter[tuple[int, int | None, str, str]]) -> None:
+        """Adds gaps to those waiting to be written, bounded (PENDING_GAP_KEYS)."""
         with self._lock:
-            self._gaps[(run_id, model_call_id, reason, detail)] += 1
+            for key, count in gaps.items():
+                if key not in self._gaps and len(self._gaps) >= PENDING_GAP_KEYS:
+                    run_id, _, reason, _ = key
+                    key = (run_id, None, reason, DETAIL_DROPPED)
+                    if key not in self._gaps and len(self._gaps) >= 2 * PENDING_GAP_KEYS:
+                        self.dropped += count
+                        continue
+                self._gaps[key] += count
 
     def _ensure_thread(self) -> None:
         with self._lock:
@@ -243,7 +385,7 @@ class Capture:
     def _drain(self) -> None:
         with _own_connection():
             written_at = time.monotonic()
-            while True:
+            while not self._stopping.is_set():
                 try:
                     item = self._queue.get(timeout=GAP_INTERVAL)
                 except queue.Empty:
@@ -255,24 +397,20 @@ class Capture:
                     written_at = time.monotonic()
                     item.set()
                     continue
-                if self._stopping.is_set():
-                    self.lose(item.run_id, item.model_call_id, GapReason.SHUTDOWN, "stopping")
-                else:
-                    self._save(item)
+                self._save(item)
                 if time.monotonic() - written_at >= GAP_INTERVAL or self._queue.empty():
                     self._write_gaps()
                     written_at = time.monotonic()
             self._drain_as_shutdown()
             self._write_gaps()
 
-    def _save(self, copy: Copy) -> None:
+    def _save(self, record: Record) -> None:
         try:
-            CopyTransaction(copy).save()
+            record.save()
         except Exception as error:  # the writer must outlive anything: a gap, never a crash
             if not isinstance(error, DatabaseError):
-                logger.exception("capture: copy of model call %s failed", copy.model_call_id)
-            detail = str(error).strip()[:500]
-            self.lose(copy.run_id, copy.model_call_id, gap_reason(error), detail)
+                logger.exception("capture: %s failed", record.describe())
+            self._lose(record, gap_reason(error), str(error).strip())
             if isinstance(error, OperationalError):
                 connection.close_if_unusable_or_obsolete()
 
@@ -282,14 +420,17 @@ class Capture:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, Copy):
-                self.lose(item.run_id, item.model_call_id, GapReason.SHUTDOWN, "stopping")
-            elif isinstance(item, threading.Event):
+            if isinstance(item, threading.Event):
                 item.set()
+            elif item is not None:
+                self._lose(item, GapReason.SHUTDOWN, "stopping")
 
     def _write_gaps(self) -> None:
         with self._lock:
             gaps, self._gaps = self._gaps, Counter()
+            dropped, self._dropped_told = self.dropped - self._dropped_told, self.dropped
+        if dropped:
+            logger.warning("capture: %s gaps dropped: too many waiting to be written", dropped)
         if not gaps:
             return
         try:
@@ -297,8 +438,7 @@ class Capture:
         except Exception as error:
             # Kept (counted) until the database answers again.
             logger.warning("capture: %s gaps not recorded yet: %s", sum(gaps.values()), error)
-            with self._lock:
-                self._gaps.update(gaps)
+            self._count_gaps(gaps)
             with contextlib.suppress(Exception):
                 connection.close_if_unusable_or_obsolete()
 

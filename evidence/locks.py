@@ -235,6 +235,13 @@ class LockSampler:
         try:
             with connection.cursor() as cursor:
                 cursor.execute("SET application_name = 'rundesk:sampler'")
+                # Its incidents are evidence: a lock on their tables held by
+                # anyone costs a sample, never a stuck sampler (the executor
+                # joins it on shutdown).
+                cursor.execute(
+                    "SELECT set_config('lock_timeout', %s, false)",
+                    [f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"],
+                )
             while not stop.wait(self.interval):
                 if self.active() or self.incident is not None:
                     try:

@@ -36,8 +36,8 @@ class Source(models.Model):
 
 
 class ModelCall(models.Model):
-    """The model record: one per model-call action.  Publishing an answer
-    revision marks the calls it used (`published_revision`)."""
+    """The model record: one per model-call action.  The revisions that used
+    it name its action (AnswerRevision.model_call_actions)."""
 
     run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="model_calls")
     action = models.OneToOneField(Action, on_delete=models.PROTECT, related_name="model_call")
@@ -45,7 +45,6 @@ class ModelCall(models.Model):
     input_digest = models.CharField(max_length=64)
     output_digest = models.CharField(max_length=64)
     sources = models.ManyToManyField(Source, related_name="model_calls", blank=True)
-    published_revision = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(db_default=Now())
 
     class Meta:

@@ -1,7 +1,7 @@
-"""The evidence a run leaves on its main path: a Source row for each
-document it read, a ModelCall row for each model call.  Both are
-observations: a failure to write one is logged and the run goes on, and
-no lock wait of theirs lasts longer than capture's lock timeout."""
+"""The evidence records of a run: a Source row for each document it read, a
+ModelCall row for each model call.  Only the capture writer makes them
+(evidence/capture.py), off the main path; no lock wait of theirs lasts
+longer than capture's lock timeout, and one that fails leaves a gap."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
-
-from runs.models import digest
 
 logger = logging.getLogger(__name__)
 
@@ -33,52 +31,50 @@ def bounded() -> Iterator[Any]:
         yield cursor
 
 
-def record_source(run_id: int, action_id: int, read: dict[str, Any]) -> int | None:
-    """The document `read` (a read_document result) as it was when read."""
-    try:
-        with bounded() as cursor:
-            cursor.execute(
-                """INSERT INTO evidence_source (run_id, path, read_action_id, digest, bytes,
-                       created_at, changed)
-                   VALUES (%s, %s, %s, %s, %s, now(), false)
-                   ON CONFLICT (run_id, path) DO NOTHING
-                   RETURNING id""",
-                [run_id, read["path"], action_id, read["sha256"], read["bytes"]],
-            )
-            # Already recorded (a resumed run): read, never lock, so capture's
-            # share locks on the row never hold this up.
-            row = cursor.fetchone() or _first(
-                cursor,
-                "SELECT id FROM evidence_source WHERE run_id = %s AND path = %s",
-                [run_id, read["path"]],
-            )
-            return row[0]
-    except DatabaseError as error:
-        logger.warning("run %s: source %s not recorded: %s", run_id, read["path"], error)
-        return None
+def record_source(run_id: int, action_id: int, path: str, sha256: str, size: int) -> int:
+    """A document as it was when read; its id (a resumed run finds it)."""
+    with bounded() as cursor:
+        cursor.execute(
+            """INSERT INTO evidence_source (run_id, path, read_action_id, digest, bytes,
+                   created_at, changed)
+               VALUES (%s, %s, %s, %s, %s, now(), false)
+               ON CONFLICT (run_id, path) DO NOTHING
+               RETURNING id""",
+            [run_id, path, action_id, sha256, size],
+        )
+        # Already recorded (a resumed run): read, never lock, so capture's
+        # share locks on the row never hold this up.
+        row = cursor.fetchone() or _first(
+            cursor,
+            "SELECT id FROM evidence_source WHERE run_id = %s AND path = %s",
+            [run_id, path],
+        )
+        return row[0]
 
 
 def record_model_call(
-    run_id: int, action_id: int, input: dict[str, Any], output: dict[str, Any], paths: list[str]
-) -> int | None:
-    """The model record of one model-call action, linked to its sources."""
-    try:
-        with bounded() as cursor:
-            cursor.execute(
-                """INSERT INTO evidence_modelcall (run_id, action_id, provider, input_digest,
-                       output_digest, created_at)
-                   VALUES (%s, %s, %s, %s, %s, now())
-                   ON CONFLICT (action_id) DO NOTHING
-                   RETURNING id""",
-                [run_id, action_id, output.get("provider", ""), digest(input), digest(output)],
-            )
-            row = cursor.fetchone() or _first(
-                cursor, "SELECT id FROM evidence_modelcall WHERE action_id = %s", [action_id]
-            )
-            model_call_id = row[0]
-    except DatabaseError as error:
-        logger.warning("run %s: model call %s not recorded: %s", run_id, action_id, error)
-        return None
+    run_id: int,
+    action_id: int,
+    provider: str,
+    input_digest: str,
+    output_digest: str,
+    paths: list[str],
+) -> int:
+    """The model record of one model-call action, linked to its sources;
+    its id."""
+    with bounded() as cursor:
+        cursor.execute(
+            """INSERT INTO evidence_modelcall (run_id, action_id, provider, input_digest,
+                   output_digest, created_at)
+               VALUES (%s, %s, %s, %s, %s, now())
+               ON CONFLICT (action_id) DO NOTHING
+               RETURNING id""",
+            [run_id, action_id, provider, input_digest, output_digest],
+        )
+        row = cursor.fetchone() or _first(
+            cursor, "SELECT id FROM evidence_modelcall WHERE action_id = %s", [action_id]
+        )
+        model_call_id = row[0]
     try:
         with bounded() as cursor:
             cursor.execute(

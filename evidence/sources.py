@@ -1,10 +1,12 @@
 """Source refresh: are a run's documents still what the run read?
 
-A resumed run's sources are checked against the corpus before it goes on:
-a document that changed since it was read is marked `changed`, and the
-timeline says so (the answer may cite a version that no longer exists).
-The refresh holds the run row while it marks the sources, so the run cannot
-publish an answer citing them halfway through.
+A resumed run's sources are checked against the corpus by the capture
+writer (evidence/capture.py SourceCheck), off the main path: a document
+that changed since it was read is marked `changed`, and the timeline says
+so (the answer may cite a version that no longer exists).  The refresh
+touches evidence rows only: it never locks the run row, so the run never
+waits for it (the incident's refresh did: reproduce_contention keeps that
+lock to show the cycle it closed).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from runs.tools import ToolRefused, resolve_in_corpus
 
 
 class SourceRefresh:
-    """The refresh's statements, in their order.  `run()` runs them in one
-    transaction; `reproduce_contention` runs the same statements one at a
-    time."""
+    """The refresh's statements.  `run()` runs them in one transaction;
+    `reproduce_contention` runs `mark_sources` inside the incident's old
+    transaction."""
 
     def __init__(self, run_id: int) -> None:
         self.run_id = run_id
@@ -35,9 +37,6 @@ class SourceRefresh:
             )
             sources = cursor.fetchall()
         return {source_id: _digest_now(path) for source_id, path in sources}
-
-    def lock_run(self, cursor: Any) -> None:
-        cursor.execute("SELECT 1 FROM runs_run WHERE id = %s FOR NO KEY UPDATE", [self.run_id])
 
     def mark_sources(self, cursor: Any) -> list[str]:
         """Marks each source checked, and changed if its file differs now.
@@ -55,7 +54,6 @@ class SourceRefresh:
     def run(self) -> list[str]:
         """An observation: its lock waits are bounded like capture's."""
         with bounded() as cursor:
-            self.lock_run(cursor)
             return self.mark_sources(cursor)
 
 

@@ -1,14 +1,18 @@
-"""Admin for every model.  Receipts, answer revisions, checkpoints, outcome
-items and events are facts or records: the admin shows them and never offers
-to change or delete them (outcome items are decided in the operators' inbox)."""
+"""Admin for the runtime models: staff read them here and change nothing.
+Runs, actions, receipts and the rest are written by their owners under a
+lease (runs/leases.py); an admin form that saved a whole row back would
+write a stale lease epoch, or documents nobody checked, under a live run.
+Operators act through the product's own pages (cancel, the outcome inbox)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.contrib import admin
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.utils.decorators import method_decorator
 
+from dashboard.security import rejects_bad_input
 from runs.models import (
     Action,
     AnswerRevision,
@@ -20,7 +24,11 @@ from runs.models import (
 )
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class ReadOnly:
+    """No add, change or delete, for a ModelAdmin or an inline: the change
+    page becomes a view page, and its POST, the add and delete pages and
+    the delete action are refused (403)."""
+
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
@@ -31,27 +39,21 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
+class ReadOnlyAdmin(ReadOnly, admin.ModelAdmin):
+    # A list filter's value goes into the query as it is: NUL in it would
+    # be a 500, not an answer.
+    @method_decorator(rejects_bad_input)
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        return super().changelist_view(request, extra_context)
+
+
 @admin.register(Run)
-class RunAdmin(admin.ModelAdmin):
+class RunAdmin(ReadOnlyAdmin):
     list_display = ["id", "question", "status", "phase", "lease_epoch", "created_at"]
     list_filter = ["status", "phase"]
     search_fields = ["question"]
-    readonly_fields = [
-        "status",
-        "status_reason",
-        "phase",
-        "phase_reason",
-        "lease_owner",
-        "lease_epoch",
-        "lease_expires_at",
-        "created_at",
-        "updated_at",
-        "started_at",
-        "finished_at",
-    ]
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 @admin.register(Action)

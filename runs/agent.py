@@ -8,17 +8,14 @@ Dispatcher, so a resumed run replays nothing that completed.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from django.utils import timezone
 
-from evidence.capture import capture
-from evidence.models import GapReason
-from evidence.records import record_model_call, record_source
+from evidence.capture import ModelCallRecord, SourceRecord, capture
 from runs.checkpoints import AgentState, Checkpointer
 from runs.dispatch import ActionFailed, Dispatcher
-from runs.models import AnswerRevision, EventKind, OutcomeKind, Phase, RunStatus, digest
+from runs.models import AnswerRevision, EventKind, OutcomeKind, Phase, digest
 from runs.outcomes import write_settled
 from runs.providers import COMPARE_INSTRUCTIONS, SUMMARIZE_INSTRUCTIONS, document_block
 from runs.timeline import timeline
@@ -33,23 +30,8 @@ class ResearchAgent:
         self.run = dispatcher.run
         self.lease = dispatcher.lease
         self.checkpoints = Checkpointer(dispatcher)
-        self.copies: list[dict[str, Any]] = []
 
     def execute(self) -> None:
-        try:
-            self._execute()
-        finally:
-            # A copy never handed over (the run stopped first) is a gap, not
-            # a silence.
-            for copy in self.copies:
-                capture.lose(
-                    copy["run_id"],
-                    copy["model_call_id"],
-                    GapReason.SHUTDOWN,
-                    "the run stopped before the copy was handed to capture",
-                )
-
-    def _execute(self) -> None:
         state = self.checkpoints.resume_state() or AgentState()
         self.d.resume(state.steps, state.taken)
         documents = self.run.documents
@@ -59,11 +41,9 @@ class ResearchAgent:
         state.position = len(documents)
         final = self._compose(state)
         number = 2 if state.summaries else 1
-        self._publish(number, final, is_final=True)
-        self._hand_over_copies()
+        used = [*state.receipts, "compose"] if state.summaries else []
+        self._publish(number, final, is_final=True, model_calls=used)
         self.d.step("deliver", "deliver_report", {"revision": number, "content": final})
-        self.lease.finish(RunStatus.COMPLETED)
-        timeline.record(self.run.pk, EventKind.RUN_COMPLETED, f"{self.d.steps} steps")
 
     def _research(self, index: int, path: str, state: AgentState) -> None:
         """Reads one document and has the model summarise it.  A read or a
@@ -79,7 +59,11 @@ class ResearchAgent:
             if "refused" in read:
                 state.notes.append(f"{path}: {read['refused']}")
                 return
-            record_source(self.run.pk, self.d.action_id(read_key), read)
+            capture.submit(
+                SourceRecord(
+                    self.run.pk, self.d.action_id(read_key), path, read["sha256"], read["bytes"]
+                )
+            )
             prompt = f"Question: {self.run.question}\n\n" + document_block(path, read["text"])
             summary = self._model_call(
                 summary_key, _messages(SUMMARIZE_INSTRUCTIONS, prompt), [path]
@@ -91,40 +75,21 @@ class ResearchAgent:
         state.receipts[summary_key] = digest(summary)
         state.position = index + 1
         if len(state.summaries) == 1:
-            self._publish(1, _draft(state.summaries, len(self.run.documents)), is_final=False)
-        self._hand_over_copies()
+            draft = _draft(state.summaries, len(self.run.documents))
+            self._publish(1, draft, is_final=False, model_calls=[summary_key])
         self.checkpoints.after(summary_key, state)
 
     def _model_call(
         self, step_key: str, messages: list[dict[str, str]], paths: list[str]
     ) -> dict[str, Any]:
-        """A model call, its model record, and (when it ran now) a copy of it
-        for evidence capture, handed over by `_hand_over_copies()`."""
+        """A model call, and (when it ran now) its evidence handed to capture:
+        the model record and a bounded copy, written off the main path."""
         input = {"messages": messages}
         result = self.d.step(step_key, "model_call", input)
         if step_key in self.d.completed_now:
-            call = record_model_call(self.run.pk, self.d.action_id(step_key), input, result, paths)
-            if call is None:
-                capture.lose(self.run.pk, None, GapReason.DB_ERROR, f"{step_key}: no model record")
-            else:
-                self.copies.append(
-                    {
-                        "run_id": self.run.pk,
-                        "model_call_id": call,
-                        "input": json.dumps(messages, ensure_ascii=False),
-                        "output": result["text"],
-                    }
-                )
+            action_id = self.d.action_id(step_key)
+            capture.submit(ModelCallRecord.of(self.run.pk, action_id, input, result, paths))
         return result
-
-    def _hand_over_copies(self) -> None:
-        """Hands the copies to capture once the answer that used their calls is
-        published: capture never makes the run wait, and this way it rarely
-        meets a publication's locks on the same model records (it would give
-        up at once, leaving a gap)."""
-        for copy in self.copies:
-            capture.submit(**copy)
-        self.copies.clear()
 
     def _may_research(self, *, actions_needed: int) -> bool:
         """Research goes on until the budget or the deadline says finalize.
@@ -161,13 +126,19 @@ class ResearchAgent:
             report += "\n## Not included\n\n" + "".join(f"- {note}\n" for note in state.notes)
         return report
 
-    def _publish(self, number: int, content: str, *, is_final: bool) -> None:
-        """Commits an answer revision; an unanswered COMMIT is settled by
-        evidence, and what stays unknown waits for an operator."""
+    def _publish(
+        self, number: int, content: str, *, is_final: bool, model_calls: list[str]
+    ) -> None:
+        """Commits an answer revision, naming the model calls (step keys) it
+        used; an unanswered COMMIT is settled by evidence, and what stays
+        unknown waits for an operator."""
+        used = [self.d.action_id(step_key) for step_key in model_calls]
 
         def write() -> bool:
             with self.d.faults.at_commit("publication", self.d.steps):
-                return self.lease.publish_revision(number, content, is_final=is_final)
+                return self.lease.publish_revision(
+                    number, content, is_final=is_final, model_call_actions=used
+                )
 
         published = write_settled(
             write,

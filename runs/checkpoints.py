@@ -15,6 +15,14 @@ DESIGN.md, row by row:
 - the receipt is missing or does not verify, the lease is lost, or the run
   is cancelled: no local handling.  NeedsOperator or LeaseLost stops the
   run before anything else is dispatched.
+
+Resuming trusts no content of a checkpoint.  Its row could have been
+changed after it was written (a restore, a hand edit, a bad migration), so
+the state a resumed agent gets is rebuilt from the run's documents and
+receipts, up to the action the checkpoint was saved after; the checkpoint
+is used only if its saved state is exactly that, and its digest matches
+it.  Otherwise it is ignored and the agent rebuilds its state by stepping
+through the receipts again: slower, never wrong, nothing executed again.
 """
 
 from __future__ import annotations
@@ -29,7 +37,15 @@ from django.db import DatabaseError
 
 from runs.dispatch import Dispatcher
 from runs.leases import LeaseLost
-from runs.models import Checkpoint, CheckpointOutcome, EventKind, OutcomeKind, Receipt
+from runs.models import (
+    ActionState,
+    Checkpoint,
+    CheckpointOutcome,
+    EventKind,
+    OutcomeKind,
+    Phase,
+    Receipt,
+)
 from runs.outcomes import (
     CommitUnanswered,
     NeedsOperator,
@@ -39,6 +55,17 @@ from runs.outcomes import (
 from runs.timeline import timeline
 
 logger = logging.getLogger(__name__)
+
+
+def canonical(raw: Any) -> str:
+    """The JSON text a checkpoint's digest is taken of.  The state column is
+    jsonb, which keeps values but not text: the same function recomputes
+    the text from the loaded value to check the digest."""
+    return json.dumps(raw, sort_keys=True, separators=(",", ":"))
+
+
+class Disagreement(Exception):
+    """Why a checkpoint is not used to resume (said in the timeline)."""
 
 
 @dataclass
@@ -85,7 +112,7 @@ class Checkpointer:
         if self.d.faults.fire("checkpoint_serialize_error", number):
             raw["scratch"] = object()  # the fault: a value JSON cannot encode
         try:
-            text = json.dumps(raw, sort_keys=True, separators=(",", ":"))
+            text = canonical(raw)
         except (TypeError, ValueError) as error:
             self._failed_before_write(
                 step_key, action_id, number, f"state does not serialize: {error}"
@@ -189,9 +216,10 @@ class Checkpointer:
     # -- resuming ----------------------------------------------------------
 
     def resume_state(self) -> AgentState | None:
-        """The newest committed checkpoint's state, if the receipts agree
-        with it (the receipts are the facts); otherwise None, and the agent
-        rebuilds its state from the receipts."""
+        """The state to continue from: the newest committed checkpoint's,
+        rebuilt from the receipts, if the checkpoint agrees with it in every
+        value; otherwise None, and the agent rebuilds its state from the
+        receipts by stepping through them."""
         newest = (
             Checkpoint.objects.filter(run_id=self.run_id, state__isnull=False)
             .order_by("-number")
@@ -199,22 +227,16 @@ class Checkpointer:
         )
         if newest is None:
             return None
-        state = AgentState.load(newest.state)
-        for step_key in [*state.taken, *state.receipts]:
-            action = self.d.known.get(step_key)
-            receipt = getattr(action, "receipt", None)
-            if (
-                receipt is None
-                or not receipt.verifies(action)
-                or state.receipts.get(step_key, receipt.result_digest) != receipt.result_digest
-            ):
-                timeline.record(
-                    self.run_id,
-                    EventKind.CHECKPOINT_IGNORED,
-                    f"checkpoint {newest.number} disagrees with the receipt of {step_key}: "
-                    "rebuilt from the receipts instead",
-                )
-                return None
+        try:
+            state = self._rebuilt(newest)
+        except Disagreement as disagreement:
+            timeline.record(
+                self.run_id,
+                EventKind.CHECKPOINT_IGNORED,
+                f"checkpoint {newest.number} {disagreement}: rebuilt from the receipts instead",
+                number=newest.number,
+            )
+            return None
         timeline.record(
             self.run_id,
             EventKind.CHECKPOINT_USED,
@@ -222,3 +244,112 @@ class Checkpointer:
             number=newest.number,
         )
         return state
+
+    def _rebuilt(self, checkpoint: Checkpoint) -> AgentState:
+        """The state the agent had when it saved `checkpoint`, rebuilt from
+        the run's documents and receipts; Disagreement if the saved state
+        differs in any value.  The receipts are asked first (they are the
+        facts), then the checkpoint's own digest."""
+        try:
+            saved = AgentState.load(checkpoint.state)
+        except (KeyError, TypeError, ValueError) as error:
+            raise Disagreement(f"holds no agent state ({error!r})") from None
+        after = next(
+            (
+                key
+                for key, action in self.d.known.items()
+                if action.pk == checkpoint.after_action_id
+            ),
+            "",
+        )
+        if self._result(after) is None:
+            raise Disagreement(
+                f"was saved after {after or 'an action of another run'}, which has "
+                "no receipt that verifies"
+            )
+        rebuilt = AgentState(position=self._position_after(after))
+        for index, path in enumerate(self.d.run.documents[: rebuilt.position]):
+            self._replay(index, path, rebuilt)
+        if after in (f"read:{rebuilt.position}", "compose"):
+            rebuilt.taken.append(after)
+        for name in ("taken", "receipts", "summaries", "position", "notes"):
+            if getattr(saved, name) != getattr(rebuilt, name):
+                raise Disagreement(_difference(name, getattr(saved, name), getattr(rebuilt, name)))
+        # A step that failed counts too and leaves no receipt, so the count
+        # is checked against the row's number and bounded by the receipts.
+        if saved.steps != checkpoint.number:
+            raise Disagreement(
+                f"counts {saved.steps!r} steps but was saved as step {checkpoint.number}"
+            )
+        if saved.steps < len(rebuilt.taken):
+            raise Disagreement(
+                f"counts {saved.steps} steps, fewer than its {len(rebuilt.taken)} with receipts"
+            )
+        rebuilt.steps = saved.steps
+        if hashlib.sha256(canonical(checkpoint.state).encode()).hexdigest() != (
+            checkpoint.state_digest
+        ):
+            raise Disagreement("has a state that does not match its digest")
+        return rebuilt
+
+    def _position_after(self, step_key: str) -> int:
+        """The document the agent was at when it saved a checkpoint after
+        `step_key` (ResearchAgent: after a read it is at that document,
+        after its summary at the next one, after composing past the last)."""
+        total = len(self.d.run.documents)
+        if step_key == "compose":
+            return total
+        kind, _, index = step_key.partition(":")
+        if kind in ("read", "summarize") and index.isdigit() and int(index) < total:
+            return int(index) + (kind == "summarize")
+        raise Disagreement(f"was saved after {step_key}, which the agent does not save after")
+
+    def _replay(self, index: int, path: str, state: AgentState) -> None:
+        """What ResearchAgent._research kept of document `index`, from its
+        receipts: a summary (and its receipt's digest), or a note saying why
+        there is none.  The notes' wording is the agent's."""
+        read_key, summary_key = f"read:{index}", f"summarize:{index}"
+        read = self._result(read_key)
+        if read is None:
+            state.notes.append(self._not_done(path, read_key))
+            return
+        state.taken.append(read_key)
+        if "refused" in read:
+            state.notes.append(f"{path}: {read['refused']}")
+            return
+        summary = self._result(summary_key)
+        if summary is None:
+            state.notes.append(self._not_done(path, summary_key))
+            return
+        if not isinstance(summary, dict) or not isinstance(summary.get("text"), str):
+            raise Disagreement(f"counts on {summary_key}, whose receipt holds no summary")
+        state.taken.append(summary_key)
+        state.summaries.append((path, summary["text"]))
+        state.receipts[summary_key] = self.d.known[summary_key].receipt.result_digest
+
+    def _not_done(self, path: str, step_key: str) -> str:
+        """The note of an action before the checkpoint that has no receipt:
+        it failed, or (a read) was never dispatched because research ended."""
+        action = self.d.known.get(step_key)
+        if action is not None and action.state == ActionState.FAILED:
+            return f"{path}: not included ({step_key} failed: {action.error})"
+        if action is None and step_key.startswith("read:") and self.d.run.phase != Phase.RESEARCH:
+            return f"{path}: not read ({self.d.run.phase_reason})"
+        raise Disagreement(f"is past {step_key}, which neither completed nor failed")
+
+    def _result(self, step_key: str) -> dict[str, Any] | None:
+        """The result of `step_key`'s receipt, if it has one that verifies."""
+        action = self.d.known.get(step_key)
+        receipt = getattr(action, "receipt", None)
+        if receipt is None or not receipt.verifies(action):
+            return None
+        return receipt.result
+
+
+def _difference(name: str, saved: Any, rebuilt: Any) -> str:
+    """Says which saved value differs from the one rebuilt from the
+    receipts, naming the step whose receipt it contradicts where it can."""
+    if name == "receipts":
+        step_key = next(k for k in sorted({*saved, *rebuilt}) if saved.get(k) != rebuilt.get(k))
+        return f"disagrees with the receipt of {step_key}"
+    return f"disagrees with the receipts on its {name}"

@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Any, NoReturn
 
+from django.db import transaction
+
 from runs.faults import FaultPlan, request_cancel, steal_lease
 from runs.leases import Lease, LeaseLost
 from runs.models import (
@@ -235,21 +237,24 @@ class Dispatcher:
 
     def _effect_unknown(self, action_id: int, step_key: str, reason: str) -> NoReturn:
         """Only the receiver knows whether an effect happened: an operator
-        settles it with the receiver's evidence."""
-        self._mark(action_id, ActionState.UNKNOWN, reason, EventKind.ACTION_UNKNOWN)
-        open_item(
-            run_id=self.run.pk,
-            kind=OutcomeKind.EFFECT,
-            subject=f"effect:action-{action_id}",
-            summary=reason,
-            evidence={
-                "identity": action_identity(self.run.pk, step_key),
-                "idempotency_key": action_identity(self.run.pk, step_key),
-                "lease_epoch": self.lease.epoch,
-                "afterwards": "the run waits for an operator; the effect is not sent again",
-            },
-            action_id=action_id,
-        )
+        settles it with the receiver's evidence.  The action's state and its
+        item are written together: never one without the other."""
+        with transaction.atomic():
+            self.lease.record_action_outcome(action_id, ActionState.UNKNOWN, reason)
+            open_item(
+                run_id=self.run.pk,
+                kind=OutcomeKind.EFFECT,
+                subject=f"effect:action-{action_id}",
+                summary=reason,
+                evidence={
+                    "identity": action_identity(self.run.pk, step_key),
+                    "idempotency_key": action_identity(self.run.pk, step_key),
+                    "lease_epoch": self.lease.epoch,
+                    "afterwards": "the run waits for an operator; the effect is not sent again",
+                },
+                action_id=action_id,
+            )
+        timeline.record(self.run.pk, EventKind.ACTION_UNKNOWN, reason, action_id=action_id)
         raise NeedsOperator(reason)
 
     def _mark(self, action_id: int, state: ActionState, reason: str, kind: EventKind) -> None:

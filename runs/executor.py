@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from django.conf import settings
 from django.db import DatabaseError, connection
 
+from evidence.capture import SourceCheck, capture
 from evidence.locks import LockSampler
-from evidence.sources import SourceRefresh
-from runs import outcomes
+from runs import sweep
 from runs.agent import ResearchAgent
 from runs.dispatch import ActionFailed, Dispatcher, Stopping
 from runs.leases import Lease, LeaseLost, new_owner_name
@@ -64,11 +64,16 @@ def heartbeat(lease: Lease) -> Iterator[threading.Event]:
 
 def drive(lease: Lease, stop: threading.Event) -> str:
     """Runs the agent under `lease` until the run completes, fails, waits for
-    an operator, is cancelled, loses its lease, or the executor stops."""
+    an operator, is cancelled, loses its lease, or the executor stops.  Every
+    way a run ends is decided here, and nothing of one run escapes it but a
+    database error (the lease then expires and the next owner resumes)."""
     run_id = lease.run_id
     timeline.record(run_id, EventKind.LEASE_ACQUIRED, f"{lease.owner}", epoch=lease.epoch)
     name_connection(settings.PROCESS_ROLE, run_id)
     try:
+        if lease.cancel_requested():
+            # Its owner died before it could stop: the claim carries it out.
+            return _end(lease, RunStatus.CANCELLED, "", "cancelled: nothing new dispatched")
         with heartbeat(lease) as lost:
             dispatcher = Dispatcher(lease, stop=stop, lease_lost=lost)
             if dispatcher.known:
@@ -77,21 +82,15 @@ def drive(lease: Lease, stop: threading.Event) -> str:
                     EventKind.RESUMED,
                     f"resumed by epoch {lease.epoch} from {len(dispatcher.known)} actions",
                 )
-                _check_sources(run_id)
+                capture.submit(SourceCheck(run_id))
             ResearchAgent(dispatcher).execute()
-            return RunStatus.COMPLETED
+            return _end(lease, RunStatus.COMPLETED, "", f"{dispatcher.steps} steps")
     except Stopping:
-        lease.release()
-        timeline.record(run_id, EventKind.LEASE_RELEASED, "executor stopping: run requeued")
-        return "released"
+        return _release(lease)
     except NeedsOperator as reason:
-        lease.finish(RunStatus.NEEDS_OPERATOR, str(reason))
-        timeline.record(run_id, EventKind.NEEDS_OPERATOR, str(reason))
-        return RunStatus.NEEDS_OPERATOR
+        return _end(lease, RunStatus.NEEDS_OPERATOR, str(reason))
     except ActionFailed as reason:
-        lease.finish(RunStatus.FAILED, str(reason))
-        timeline.record(run_id, EventKind.RUN_FAILED, str(reason))
-        return RunStatus.FAILED
+        return _end(lease, RunStatus.FAILED, str(reason))
     except LeaseLost as refused:
         return _after_refused_write(lease, refused)
     except DatabaseError:
@@ -101,9 +100,7 @@ def drive(lease: Lease, stop: threading.Event) -> str:
         raise
     except Exception as error:
         logger.exception("run %s: internal error", run_id)
-        lease.finish(RunStatus.FAILED, f"internal error: {error!r}")
-        timeline.record(run_id, EventKind.RUN_FAILED, f"internal error: {error!r}")
-        return RunStatus.FAILED
+        return _end(lease, RunStatus.FAILED, f"internal error: {error!r}")
     finally:
         timeline.flush()
         with contextlib.suppress(DatabaseError):
@@ -111,16 +108,40 @@ def drive(lease: Lease, stop: threading.Event) -> str:
                 name_connection(settings.PROCESS_ROLE)
 
 
-def _check_sources(run_id: int) -> None:
-    """Says on the timeline which documents changed since the run read them.
-    An observation: if it cannot be made, the run goes on without it."""
+ENDED = {
+    RunStatus.COMPLETED: EventKind.RUN_COMPLETED,
+    RunStatus.FAILED: EventKind.RUN_FAILED,
+    RunStatus.CANCELLED: EventKind.RUN_CANCELLED,
+    RunStatus.NEEDS_OPERATOR: EventKind.NEEDS_OPERATOR,
+}
+
+
+def _end(lease: Lease, status: RunStatus, reason: str, said: str = "") -> str:
+    """Ends this ownership with `status`.  Fenced out at this last write
+    (another owner took the run meanwhile), it ends nothing: the new owner
+    decides."""
     try:
-        changed = SourceRefresh(run_id).run()
-    except DatabaseError as error:
-        logger.warning("run %s: sources not checked: %s", run_id, error)
-        return
-    for path in changed:
-        timeline.record(run_id, EventKind.SOURCE_CHANGED, f"{path} changed since it was read")
+        lease.finish(status, reason)
+    except LeaseLost as refused:
+        return _after_refused_write(lease, refused)
+    timeline.record(lease.run_id, ENDED[status], said or reason)
+    return status
+
+
+def _release(lease: Lease) -> str:
+    """The executor stops: the run goes back to the queue, or ends if a
+    cancel was asked meanwhile."""
+    released = lease.release()
+    if released == RunStatus.CANCELLED:
+        timeline.record(
+            lease.run_id, EventKind.RUN_CANCELLED, "cancelled while its executor was stopping"
+        )
+        return RunStatus.CANCELLED
+    if released is None:
+        timeline.record(lease.run_id, EventKind.LEASE_LOST, f"epoch {lease.epoch} stops here")
+        return "lease_lost"
+    timeline.record(lease.run_id, EventKind.LEASE_RELEASED, "executor stopping: run requeued")
+    return "released"
 
 
 def _after_refused_write(lease: Lease, refused: LeaseLost) -> str:
@@ -130,7 +151,7 @@ def _after_refused_write(lease: Lease, refused: LeaseLost) -> str:
     timeline.record(lease.run_id, EventKind.WRITE_FENCED, str(refused), epoch=lease.epoch)
     if lease.cancel_requested():
         try:
-            lease.finish(RunStatus.CANCELLED, "cancel requested")
+            lease.finish(RunStatus.CANCELLED)
         except LeaseLost:
             pass
         else:
@@ -193,13 +214,16 @@ class Executor:
                 self.running -= 1
 
     def _sweep(self) -> None:
-        """While idle: ask again about unsettled writes (runs/outcomes.py)."""
+        """While idle: the sweep (runs/sweep.py).  Runs it requeues are
+        claimed by the next claim, here or elsewhere."""
         try:
-            if settled := outcomes.sweep():
-                logger.info("executor: %s unknown outcomes settled by evidence", settled)
+            swept = sweep.sweep()
         except DatabaseError as error:
             logger.warning("executor: sweep failed: %s", error)
             connection.close()
+            return
+        if swept.settled or swept.cancelled or swept.requeued:
+            logger.info("executor: sweep: %s", swept)
 
     def _work(self, once: bool) -> None:
         owner = new_owner_name()
@@ -225,6 +249,13 @@ class Executor:
                     logger.warning(
                         "run %s: database error, left to its lease: %s", lease.run_id, error
                     )
+                    connection.close()
+                    continue
+                except Exception:
+                    # What one run raised stays with that run: this worker
+                    # goes on with the next (the run's lease expires and the
+                    # sweep or a claim takes it from there).
+                    logger.exception("run %s: left to its lease", lease.run_id)
                     connection.close()
                     continue
                 logger.info("run %s: %s", lease.run_id, outcome)

@@ -206,7 +206,8 @@ def steal_lease(run_id: int) -> None:
 def request_cancel(run_id: int) -> None:
     with _side_connection() as side:
         side.execute(
-            "UPDATE runs_run SET cancel_requested_at = now()"
+            "UPDATE runs_run SET cancel_requested_at = now(),"
+            " cancel_requested_by = 'the fault plan'"
             " WHERE id = %s AND cancel_requested_at IS NULL",
             (run_id,),
         )

@@ -17,11 +17,12 @@ import datetime as dt
 import os
 import socket
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, transaction
+from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Coalesce, Now
 from psycopg.types.json import Jsonb
@@ -39,29 +40,19 @@ HELD_NOT_CANCELLED = f"{HELD} AND cancel_requested_at IS NULL"
 # The run row, locked FOR SHARE, as long as the caller owns it.
 OWNED = f"SELECT 1 FROM runs_run WHERE {HELD} FOR SHARE"
 OWNED_NOT_CANCELLED = f"SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED} FOR SHARE"
+# A cancelled run's status_reason names who asked.
+CANCELLED_BY = "'cancelled by ' || cancel_requested_by"
 
-# Publishing an answer revision, in one statement.  It first marks the run's
-# model calls with the revision (the model records it used: their row
-# locks), then inserts the revision, fenced by the run row FOR SHARE: the
-# uncorrelated subquery on `marked` is a one-time filter, evaluated before
-# the run row is locked.  Fenced out, it raises (rundesk_fenced_out), which
-# rolls the marks back too: a stale owner changes nothing.
-FENCED_OUT = "RDF01"
+# Publishing an answer revision: one statement, fenced like the others.  It
+# reads, writes and locks nothing of the evidence tables (the model calls it
+# used are named on its own row): no lock anyone holds there can hold an
+# answer back.
 PUBLISH = f"""
-    WITH marked AS (
-        UPDATE evidence_modelcall SET published_revision = %(number)s
-        WHERE run_id = %(run)s
-        RETURNING 1),
-    owned AS (
-        SELECT 1 AS held FROM runs_run
-        WHERE {HELD_NOT_CANCELLED} AND (SELECT count(*) FROM marked) >= 0
-        FOR SHARE)
-    INSERT INTO runs_answerrevision (run_id, number, content, content_digest, is_final, epoch,
-        xid, committed_at)
-    SELECT %(run)s, %(number)s, %(content)s, %(content_digest)s, %(is_final)s, %(epoch)s,
-        rundesk_xid(true), now()
-    FROM (SELECT 1) AS one LEFT JOIN owned ON true
-    WHERE CASE WHEN owned.held IS NULL THEN rundesk_fenced_out() ELSE true END
+    INSERT INTO runs_answerrevision (run_id, number, content, content_digest,
+        model_call_actions, is_final, epoch, xid, committed_at)
+    SELECT %(run)s, %(number)s, %(content)s, %(content_digest)s, %(model_call_actions)s,
+        %(is_final)s, %(epoch)s, rundesk_xid(true), now()
+    FROM ({OWNED_NOT_CANCELLED}) AS owned
     ON CONFLICT (run_id, number) DO NOTHING
     RETURNING id
 """
@@ -88,6 +79,10 @@ class Lease:
 
     # -- taking and keeping ownership -------------------------------------
 
+    # Claims lock the run row FOR NO KEY UPDATE, not FOR UPDATE: a row that
+    # another transaction's foreign-key check holds FOR KEY SHARE (an event or
+    # an evidence row being written for the run) is not skipped by SKIP LOCKED.
+
     @classmethod
     def claim_next(cls, owner: str) -> Lease | None:
         """Claims the oldest claimable run, skipping runs other executors are
@@ -95,7 +90,7 @@ class Lease:
         with transaction.atomic():
             run = (
                 Run.objects.claimable()
-                .select_for_update(skip_locked=True)
+                .select_for_update(skip_locked=True, no_key=True)
                 .order_by("created_at", "id")
                 .only("id")
                 .first()
@@ -109,7 +104,7 @@ class Lease:
         with transaction.atomic():
             run = (
                 Run.objects.claimable()
-                .select_for_update(skip_locked=True)
+                .select_for_update(skip_locked=True, no_key=True)
                 .filter(pk=run_id)
                 .only("id")
                 .first()
@@ -137,14 +132,26 @@ class Lease:
             ttl=lease_ttl(),
         )
 
-    def release(self) -> bool:
-        """Gives the run back to the queue (clean shutdown): another executor
-        resumes it from its receipts at once, without waiting for expiry."""
-        return self._execute(
-            """UPDATE runs_run SET status = 'queued', lease_owner = '', lease_expires_at = NULL
+    def release(self) -> RunStatus | None:
+        """Gives the run back (clean shutdown): to the queue, where another
+        executor resumes it from its receipts at once without waiting for
+        expiry; or, if a cancel was asked meanwhile, ends it as cancelled (a
+        queued run with a cancel would wait for nothing).  The new status, or
+        None when this owner no longer held the run."""
+        row = self._fetch(
+            f"""UPDATE runs_run SET lease_owner = '', lease_expires_at = NULL,
+                   status = CASE WHEN cancel_requested_at IS NULL THEN 'queued'
+                                 ELSE 'cancelled' END,
+                   status_reason = CASE WHEN cancel_requested_at IS NULL THEN status_reason
+                                        ELSE {CANCELLED_BY} END,
+                   queued_at = CASE WHEN cancel_requested_at IS NULL THEN now()
+                                    ELSE queued_at END,
+                   finished_at = CASE WHEN cancel_requested_at IS NULL THEN NULL ELSE now() END
                WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
-                 AND status = 'running'"""
+                 AND status = 'running'
+               RETURNING status"""
         )
+        return RunStatus(row[0]) if row else None
 
     def held(self) -> bool:
         return self._execute(OWNED)
@@ -228,24 +235,23 @@ class Lease:
             error=error,
         )
 
-    def publish_revision(self, number: int, content: str, *, is_final: bool) -> bool:
-        """Commits an answer revision readers can read back.  Returns False if
+    def publish_revision(
+        self, number: int, content: str, *, is_final: bool, model_call_actions: Sequence[int] = ()
+    ) -> bool:
+        """Commits an answer revision readers can read back, naming the
+        model-call actions it used.  Returns False if
         this revision was already published (a resumed run), with the same
         content; a different content under the same number is an error.
         A lost connection raises CommitUnanswered."""
-        try:
-            with unanswered_as(f"publication of revision {number}"):
-                row = self._fetch(
-                    PUBLISH,
-                    number=number,
-                    content=content,
-                    content_digest=digest(content),
-                    is_final=is_final,
-                )
-        except DatabaseError as error:
-            if getattr(error.__cause__, "sqlstate", None) == FENCED_OUT:
-                raise LeaseLost(f"publication of revision {number} refused") from error
-            raise
+        with unanswered_as(f"publication of revision {number}"):
+            row = self._fetch(
+                PUBLISH,
+                number=number,
+                content=content,
+                content_digest=digest(content),
+                model_call_actions=list(model_call_actions),
+                is_final=is_final,
+            )
         if row:
             return True
         existing = self._fetch(
@@ -293,9 +299,12 @@ class Lease:
 
     def finish(self, status: RunStatus, reason: str = "") -> None:
         """Ends this ownership with the run's new status: completed, failed,
-        cancelled, or needs_operator (the run waits for a person)."""
+        cancelled (its reason names who asked), or needs_operator (the run
+        waits for a person)."""
         self._require(
-            """UPDATE runs_run SET status = %(status)s::text, status_reason = %(reason)s,
+            f"""UPDATE runs_run SET status = %(status)s::text,
+                   status_reason = CASE WHEN %(status)s::text = 'cancelled' THEN {CANCELLED_BY}
+                                   ELSE %(reason)s END,
                    phase = CASE WHEN %(status)s::text = 'completed' THEN 'done' ELSE phase END,
                    finished_at = CASE WHEN %(status)s::text IN ('completed', 'failed', 'cancelled')
                                  THEN now() END,

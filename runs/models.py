@@ -17,8 +17,8 @@ from typing import Any
 
 from django.contrib.postgres.fields import ArrayField
 from django.db import models, transaction
-from django.db.models import Count, Exists, OuterRef, Q, Subquery
-from django.db.models.functions import Coalesce, Now
+from django.db.models import Count, Exists, F, OuterRef, Q, Subquery, Value
+from django.db.models.functions import Coalesce, Concat, Now
 
 from runs.faults import FaultPlan
 
@@ -107,11 +107,123 @@ class RunQuerySet(models.QuerySet["Run"]):
         return self.filter(Exists(CaptureStats.objects.filter(run=OuterRef("pk"), lost__gt=0)))
 
     def claimable(self) -> RunQuerySet:
-        """Queued runs, and running runs whose owner stopped renewing its lease."""
+        """Queued runs, and running runs whose owner stopped renewing its lease
+        (a cancel asked of one of these is carried out by whoever claims it:
+        executor.drive ends it before anything else)."""
         return self.filter(
-            Q(status=RunStatus.QUEUED) | Q(status=RunStatus.RUNNING, lease_expires_at__lt=Now()),
-            cancel_requested_at__isnull=True,
+            Q(status=RunStatus.QUEUED) | Q(status=RunStatus.RUNNING, lease_expires_at__lt=Now())
         )
+
+    def abandoned(self) -> RunQuerySet:
+        """Running runs whose owner stopped renewing its lease."""
+        return self.filter(status=RunStatus.RUNNING, lease_expires_at__lt=Now())
+
+    def end_abandoned_cancels(self) -> list[int]:
+        """Ends, as cancelled, the runs whose cancel was asked and whose owner
+        died before it could carry it out.  Fenced like a claim: the epoch
+        goes up, so the old owner's writes change nothing if it wakes up."""
+        with transaction.atomic():
+            ended = list(
+                self.abandoned()
+                .filter(cancel_requested_at__isnull=False)
+                .select_for_update(skip_locked=True, no_key=True)
+                .values_list("pk", flat=True)
+            )
+            self.filter(pk__in=ended).update(
+                status=RunStatus.CANCELLED,
+                status_reason=Concat(
+                    Value("cancelled by "),
+                    F("cancel_requested_by"),
+                    Value("; its owner had stopped"),
+                ),
+                lease_owner="",
+                lease_epoch=F("lease_epoch") + 1,
+                lease_expires_at=None,
+                finished_at=Now(),
+            )
+        return ended
+
+    def requeue_abandoned(self) -> list[int]:
+        """Gives back to the queue the runs whose owner stopped renewing its
+        lease, so any executor or Celery worker resumes them from their
+        receipts.  Fenced like a claim (the epoch goes up)."""
+        with transaction.atomic():
+            requeued = list(
+                self.abandoned()
+                .filter(cancel_requested_at__isnull=True)
+                .select_for_update(skip_locked=True, no_key=True)
+                .values_list("pk", flat=True)
+            )
+            self.filter(pk__in=requeued).update(
+                status=RunStatus.QUEUED,
+                status_reason="its owner stopped renewing the lease: queued again",
+                lease_owner="",
+                lease_epoch=F("lease_epoch") + 1,
+                lease_expires_at=None,
+                queued_at=Now(),
+            )
+        return requeued
+
+    def resume_if_settled(self, run_id: int, why: str) -> bool:
+        """Puts a run that waits for an operator back in the queue when none
+        of its outcome items holds it any more: it continues from its
+        receipts.  Called in the transaction that settles an item, after
+        locking the run row (lock_waiting), so two items settled at once
+        cannot both leave the run waiting."""
+        return bool(
+            self.filter(
+                pk=run_id, status=RunStatus.NEEDS_OPERATOR, cancel_requested_at__isnull=True
+            )
+            .exclude(Exists(OutcomeItem.objects.holding_runs().filter(run=OuterRef("pk"))))
+            .update(status=RunStatus.QUEUED, status_reason=why, queued_at=Now())
+        )
+
+    def lock_waiting(self, run_id: int) -> None:
+        """Locks a run that waits for an operator (and only such a run: a
+        running run's fenced writes never wait for this)."""
+        list(
+            self.filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR)
+            .select_for_update(no_key=True)
+            .values_list("pk")
+        )
+
+    def claim_retry(self, run_id: int, seen_expiry: str | None) -> tuple[float, str | None] | None:
+        """A run that could not be claimed: when to try again (seconds, and
+        the lease expiry seen now), or None when nothing will come of it.
+        Finished or waiting for an operator: never.  Claimable but locked
+        this instant (another claim): in a second.  Owned with a lease still
+        valid: once it expires, unless the owner renewed it since the last
+        look (`seen_expiry`), which says it is alive."""
+        row = (
+            self.filter(pk=run_id)
+            .annotate(now=Now())
+            .values_list("status", "lease_expires_at", "now")
+            .first()
+        )
+        if row is None or row[0] not in ACTIVE_STATUSES:
+            return None
+        status, expires, now = row
+        if status == RunStatus.QUEUED or expires is None or expires <= now:
+            return 1.0, None
+        if seen_expiry is not None and expires.isoformat() != seen_expiry:
+            return None
+        return (expires - now).total_seconds() + 0.5, expires.isoformat()
+
+    def waiting_in_queue(self, seconds: float) -> list[int]:
+        """Queued runs nobody has taken for `seconds`: their task may have
+        been lost with a worker.  Marks them queued again from now, so each
+        is handed out at most once per `seconds`."""
+        with transaction.atomic():
+            stale = list(
+                self.filter(
+                    status=RunStatus.QUEUED, queued_at__lt=Now() - dt.timedelta(seconds=seconds)
+                )
+                .order_by("queued_at")
+                .select_for_update(skip_locked=True, no_key=True)
+                .values_list("pk", flat=True)[:1000]
+            )
+            self.filter(pk__in=stale).update(queued_at=Now())
+        return stale
 
     def submit(
         self,
@@ -164,9 +276,13 @@ class Run(models.Model):
     lease_epoch = models.BigIntegerField(default=0)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    cancel_requested_by = models.CharField(max_length=150, blank=True)
 
     created_at = models.DateTimeField(db_default=Now())
     updated_at = models.DateTimeField(auto_now=True)
+    # When it last became queued: a queued run nobody takes for long may have
+    # lost its Celery task (runs/sweep.py hands it out again).
+    queued_at = models.DateTimeField(db_default=Now())
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
@@ -221,11 +337,14 @@ class Run(models.Model):
     def is_active(self) -> bool:
         return self.status in ACTIVE_STATUSES
 
-    def request_cancel(self) -> bool:
-        """An operator's cancel.  A run nobody owns (queued, or waiting for
-        an operator) ends at once; a running one's owner stops before its
-        next boundary (its fenced writes see the request).  False if the run
-        had already ended or the cancel was already asked."""
+    def request_cancel(self, by: str) -> bool:
+        """Cancel, asked by `by` (an operator's user name).  A run nobody owns
+        (queued, or waiting for an operator) ends at once; a running one's
+        owner stops before its next boundary (its fenced writes see the
+        request), and if that owner died, whoever claims the run or the sweep
+        ends it.  Open outcome items stay open and visible: a cancelled run
+        waits for nothing.  False if the run had already ended or the cancel
+        was already asked."""
         from runs.timeline import timeline
 
         now = Now()
@@ -233,15 +352,19 @@ class Run(models.Model):
             pk=self.pk, status__in=[RunStatus.QUEUED, RunStatus.NEEDS_OPERATOR]
         ).update(
             status=RunStatus.CANCELLED,
-            status_reason="cancelled by an operator",
+            status_reason=f"cancelled by {by}",
             cancel_requested_at=now,
+            cancel_requested_by=by,
             finished_at=now,
         )
         asked = ended or Run.objects.filter(
             pk=self.pk, status=RunStatus.RUNNING, cancel_requested_at__isnull=True
-        ).update(cancel_requested_at=now)
+        ).update(cancel_requested_at=now, cancel_requested_by=by)
         if asked:
-            timeline.record(self.pk, EventKind.CANCEL_REQUESTED, "cancel requested by an operator")
+            done = "the run ended" if ended else "its owner stops before its next boundary"
+            timeline.record(
+                self.pk, EventKind.CANCEL_REQUESTED, f"cancel requested by {by}: {done}", by=by
+            )
         return bool(asked)
 
 
@@ -334,6 +457,10 @@ class AnswerRevision(models.Model):
     number = models.PositiveIntegerField()
     content = models.TextField()
     content_digest = models.CharField(max_length=64)
+    # The model-call actions whose results this revision used.  Kept on the
+    # revision's own row, with no foreign key to the evidence tables: a
+    # publication must never wait on a lock anyone holds there.
+    model_call_actions = ArrayField(models.BigIntegerField(), default=list, blank=True)
     is_final = models.BooleanField(default=False)
     epoch = models.BigIntegerField()
     xid = models.BigIntegerField(null=True, help_text="Transaction that wrote it (announced)")
@@ -416,6 +543,16 @@ class OutcomeState(models.TextChoices):
     RESOLVED = "resolved"
 
 
+class OutcomeItemQuerySet(models.QuerySet["OutcomeItem"]):
+    def holding_runs(self) -> OutcomeItemQuerySet:
+        """Open items a run must wait for: an unknown receipt, publication or
+        effect.  An unknown checkpoint holds nothing (the run went on)."""
+        return self.filter(
+            state=OutcomeState.OPEN,
+            kind__in=[OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION, OutcomeKind.EFFECT],
+        )
+
+
 class OutcomeItem(models.Model):
     """Something the runtime could not settle itself: a write whose COMMIT
     got no answer and whose evidence is inconclusive, or an effect whose
@@ -440,6 +577,8 @@ class OutcomeItem(models.Model):
     resolution = models.TextField(blank=True)
     created_at = models.DateTimeField(db_default=Now())
     resolved_at = models.DateTimeField(null=True, blank=True)
+
+    objects = OutcomeItemQuerySet.as_manager()
 
     class Meta:
         ordering = ["-created_at", "-id"]
@@ -489,6 +628,7 @@ class EventKind(models.TextChoices):
     FAULT_INJECTED = "fault_injected"
     SOURCE_CHANGED = "source_changed"  # a document differs from what the run read
     CANCEL_REQUESTED = "cancel_requested"  # by an operator
+    RUN_REQUEUED = "run_requeued"  # back in the queue: settled, or its owner died
     EVENTS_LOST = "events_lost"  # an honest gap in this timeline
 
 

@@ -43,6 +43,7 @@ from runs.models import (
     OutcomeKind,
     OutcomeState,
     Receipt,
+    Run,
 )
 from runs.sql import (
     Backend,
@@ -283,17 +284,29 @@ def write_settled(
     raise NeedsOperator(f"the {what} got no answer {attempts} times, and was not written")
 
 
-def resolve_item(item: OutcomeItem, resolution: str, evidence: dict[str, Any]) -> bool:
-    """Settles an open item once; False if it was already settled."""
-    changed = OutcomeItem.objects.filter(pk=item.pk, state=OutcomeState.OPEN).update(
-        state=OutcomeState.RESOLVED,
-        resolution=resolution,
-        resolved_at=timezone.now(),
-        evidence={**item.evidence, "settled_by": evidence},
-    )
+def resolve_item(
+    item: OutcomeItem, resolution: str, evidence: dict[str, Any]
+) -> Literal["settled", "run_resumed"] | None:
+    """Settles an open item once; None if it was already settled.  When it
+    was the last item its waiting run was held by, the run goes back to the
+    queue in the same transaction ("run_resumed") and continues from its
+    receipts."""
+    with transaction.atomic():
+        Run.objects.lock_waiting(item.run_id)
+        changed = OutcomeItem.objects.filter(pk=item.pk, state=OutcomeState.OPEN).update(
+            state=OutcomeState.RESOLVED,
+            resolution=resolution,
+            resolved_at=timezone.now(),
+            evidence={**item.evidence, "settled_by": evidence},
+        )
+        why = f"{item.subject} settled ({resolution}): continues from its receipts"
+        resumed = bool(changed) and Run.objects.resume_if_settled(item.run_id, why)
     if changed:
         timeline.record(item.run_id, EventKind.OUTCOME_SETTLED, f"{item.subject}: {resolution}")
-    return bool(changed)
+    if resumed:
+        timeline.record(item.run_id, EventKind.RUN_REQUEUED, why)
+        return "run_resumed"
+    return "settled" if changed else None
 
 
 def settle_checkpoint(record: Checkpoint, settlement: Settlement) -> None:
@@ -332,11 +345,17 @@ def written_by(item: OutcomeItem) -> Backend | None:
     return Backend(pid, item.evidence.get("backend_start")) if pid is not None else None
 
 
-def sweep() -> int:
+@dataclass
+class Settled:
+    settled: int = 0
+    runs_resumed: list[int] = field(default_factory=list)
+
+
+def settle_open_items() -> Settled:
     """Asks again about open checkpoint, receipt and publication items (an
     orphaned transaction may have ended since).  Effects are never settled
-    here: only their receiver knows.  Returns how many were settled."""
-    settled = 0
+    here: only their receiver knows."""
+    swept = Settled()
     items = OutcomeItem.objects.filter(
         state=OutcomeState.OPEN,
         kind__in=[OutcomeKind.CHECKPOINT, OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION],
@@ -350,6 +369,9 @@ def sweep() -> int:
             continue
         if item.checkpoint is not None:
             settle_checkpoint(item.checkpoint, settlement)
-        if resolve_item(item, settlement.describe(), settlement.evidence):
-            settled += 1
-    return settled
+        resolved = resolve_item(item, settlement.describe(), settlement.evidence)
+        if resolved:
+            swept.settled += 1
+        if resolved == "run_resumed":
+            swept.runs_resumed.append(item.run_id)
+    return swept

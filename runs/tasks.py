@@ -1,5 +1,11 @@
 """Celery tasks.  They take ids, not objects, and are idempotent: the lease
-makes a redelivered task safe (a run another owner holds is not claimable)."""
+makes a redelivered task safe (a run another owner holds is not claimable).
+
+With only Celery workers (no `manage.py executor`), two things keep a run
+from stalling: `execute_run` retries while the run is active and its owner
+may be dead (its lease is valid but no longer renewed: the broker handed the
+task out again before it expired), and beat's `sweep` requeues what is left.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +13,50 @@ from typing import Any
 
 from celery import shared_task
 from celery.signals import worker_process_shutdown
+from django.conf import settings
 
 from evidence.capture import capture
+from runs import sweep as sweeping
 from runs.executor import execute
+from runs.models import Run
 from runs.timeline import timeline
 
+# How many times a task comes back for a run it could not claim: enough to
+# outlast a dead owner's lease a few times over, never forever.
+CLAIM_RETRIES = 10
 
-@shared_task(acks_late=True, reject_on_worker_lost=True)
-def execute_run(run_id: int) -> str:
-    return execute(run_id)
+
+@shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=CLAIM_RETRIES)
+def execute_run(self: Any, run_id: int, seen_expiry: str | None = None) -> str:
+    outcome = execute(run_id)
+    if outcome != "not_claimable":
+        return outcome
+    retry = Run.objects.claim_retry(run_id, seen_expiry)
+    if retry is None or self.request.retries >= CLAIM_RETRIES:
+        return outcome
+    countdown, expiry = retry
+    raise self.retry(countdown=countdown, kwargs={"run_id": run_id, "seen_expiry": expiry})
+
+
+@shared_task
+def sweep() -> dict[str, int]:
+    """Beat's sweep (runs/sweep.py); the runs it leaves waiting for a worker
+    get a task each."""
+    swept = sweeping.sweep(redeliver_after=settings.RUNDESK_REDELIVER_SECONDS)
+    for run_id in swept.to_execute:
+        execute_run.delay(run_id)
+    return {
+        "cancelled": len(swept.cancelled),
+        "requeued": len(swept.requeued),
+        "settled": swept.settled,
+        "resumed": len(swept.resumed),
+        "redelivered": len(swept.redelivered),
+    }
 
 
 @worker_process_shutdown.connect
 def _write_what_is_left(**kwargs: Any) -> None:
     """A worker process that stops writes its queued events, and turns the
-    copies capture could not save into `shutdown` gaps."""
+    records capture could not save into `shutdown` gaps."""
     timeline.stop()
     capture.stop()

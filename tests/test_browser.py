@@ -92,7 +92,7 @@ def test_runs_list_and_a_run_page_with_its_timeline_drawn(page: Page):
     execute(lost.pk)
     Run.objects.submit(
         question="Compare all five funds (cancelled)", documents=DOCS
-    ).request_cancel()
+    ).request_cancel(by="operator")
     Run.objects.submit(question="Which fund pays the most income? (waiting)", documents=DOCS)
     timeline.flush()
     page.goto("/")

@@ -19,7 +19,7 @@ from evidence.models import CaptureGap, CaptureStats, EvidenceCopy, GapReason, M
 from evidence.records import record_model_call, record_source
 from runs.executor import execute
 from runs.leases import Lease
-from runs.models import AnswerRevision, Run, RunStatus
+from runs.models import AnswerRevision, Run, RunStatus, digest
 from tests.conftest import database_url
 from tests.faultruns import DOCS, executions, wait_for
 
@@ -36,12 +36,14 @@ def evidence():
         step_key="read:0", kind="read_document", effect_class="read", input={"path": DOCS[0]}
     )
     lease.record_receipt(read_id, read)
-    record_source(run.pk, read_id, read)
+    record_source(run.pk, read_id, DOCS[0], read["sha256"], read["bytes"])
     call_id = lease.record_boundary(
         step_key="summarize:0", kind="model_call", effect_class="read", input={"m": 1}
     )
     lease.record_receipt(call_id, {"provider": "offline", "text": "summary"})
-    model_call = record_model_call(run.pk, call_id, {"m": 1}, {"text": "summary"}, [DOCS[0]])
+    model_call = record_model_call(
+        run.pk, call_id, "offline", digest({"m": 1}), digest({"text": "summary"}), [DOCS[0]]
+    )
     return run, lease, Copy(run.pk, model_call, "input", "output")
 
 
@@ -62,12 +64,7 @@ def holding(sql: str, *params: object) -> Iterator[psycopg.Connection]:
 
 
 def submit(capture: Capture, copy: Copy) -> bool:
-    return capture.submit(
-        run_id=copy.run_id,
-        model_call_id=copy.model_call_id,
-        input=copy.input,
-        output=copy.output,
-    )
+    return capture.submit(copy)
 
 
 def gaps(run: Run) -> list[tuple[str, int]]:
@@ -143,9 +140,12 @@ def test_publication_commits_and_reads_back_while_capture_is_blocked(evidence, s
         saver = threading.Thread(target=save)
         saver.start()
         wait_for(lambda: _waiting("rundesk:capture"))
-        assert lease.publish_revision(1, "# Answer", is_final=False) is True
-        assert AnswerRevision.objects.get(run=run, number=1).content == "# Answer"
-        assert ModelCall.objects.get(pk=copy.model_call_id).published_revision == 1
+        call = ModelCall.objects.get(pk=copy.model_call_id)
+        assert lease.publish_revision(
+            1, "# Answer", is_final=False, model_call_actions=[call.action_id]
+        )
+        revision = AnswerRevision.objects.get(run=run, number=1)
+        assert (revision.content, revision.model_call_actions) == ("# Answer", [call.action_id])
         assert not blocked.is_set()
     saver.join(10)
     assert EvidenceCopy.objects.filter(run=run).count() == 1
@@ -188,18 +188,8 @@ def test_oversized_copy_is_a_gap_and_a_large_one_is_truncated_and_marked(
 ):
     settings.RUNDESK_CAPTURE_MAX_BYTES = 1024
     run, _, copy = evidence
-    assert not writer.submit(
-        run_id=run.pk,
-        model_call_id=copy.model_call_id,
-        input="x" * 20_000,
-        output="",
-    )
-    assert writer.submit(
-        run_id=run.pk,
-        model_call_id=copy.model_call_id,
-        input="é" * 1000,
-        output="ok",
-    )
+    assert not writer.submit(Copy(run.pk, copy.model_call_id, "x" * 20_000, ""))
+    assert writer.submit(Copy(run.pk, copy.model_call_id, "é" * 1000, "ok"))
     assert writer.flush()
     assert gaps(run) == [(GapReason.TOO_LARGE, 1)]
     saved = EvidenceCopy.objects.get(run=run)
@@ -208,11 +198,11 @@ def test_oversized_copy_is_a_gap_and_a_large_one_is_truncated_and_marked(
 
 def test_a_database_error_is_a_gap_not_a_save(evidence, writer):
     run, _, _ = evidence
-    assert writer.submit(run_id=run.pk, model_call_id=987_654, input="i", output="o")
+    assert writer.submit(Copy(run.pk, 987_654, "i", "o"))
     assert writer.flush()
     assert gaps(run) == [(GapReason.DB_ERROR, 1)]
     gap = CaptureGap.objects.get(run=run)
-    assert gap.model_call is None and gap.detail.startswith("model call 987654: ")
+    assert gap.model_call is None and gap.detail.startswith("copy of model call 987654: ")
     assert not EvidenceCopy.objects.exists()
 
 
@@ -242,21 +232,21 @@ def test_a_run_records_its_sources_model_calls_and_copies(journal):
         "summarize:2",
         "compose",
     ]
-    # The final publication marked every call it used.
-    assert {c.published_revision for c in calls} == {2}
+    # Each revision names the calls it used, on its own row.
+    draft, final = AnswerRevision.objects.filter(run=run).order_by("number")
+    assert draft.model_call_actions == [calls[0].action_id]
+    assert final.model_call_actions == [c.action_id for c in calls]
     assert [sorted(c.sources.values_list("path", flat=True)) for c in calls][-1] == sorted(DOCS)
-    # Each model call was captured, or (if a publication held its model
-    # record at that moment) is an honest gap.
+    # No publication locks a model record any more: every call is captured.
     stats = CaptureStats.objects.get(run=run)
-    assert stats.captured + stats.lost == 4 and stats.captured >= 1
-    assert EvidenceCopy.objects.filter(run=run).count() == stats.captured
-    assert (
-        CaptureGap.objects.filter(run=run).exclude(reason=GapReason.LOCK_NOT_AVAILABLE).count() == 0
-    )
+    assert (stats.captured, stats.lost) == (4, 0)
+    assert EvidenceCopy.objects.filter(run=run).count() == 4
+    assert not CaptureGap.objects.filter(run=run).exists()
 
 
 def test_a_lost_database_connection_is_a_gap_and_the_writer_reconnects(evidence, writer):
     run, _, copy = evidence
+    process_capture.stop()  # only this writer's connection is cut below
     assert submit(writer, copy) and writer.flush()
     with psycopg.connect(database_url(), autocommit=True) as other:
         other.execute(
@@ -269,25 +259,26 @@ def test_a_lost_database_connection_is_a_gap_and_the_writer_reconnects(evidence,
     assert EvidenceCopy.objects.filter(run=run).count() == 2
 
 
-def test_a_copy_never_handed_over_because_the_run_stopped_is_a_gap(journal, settings):
+def test_a_run_that_then_waits_for_an_operator_keeps_the_copy_it_made(journal, settings):
     settings.RUNDESK_SETTLE_SECONDS = 1
     # The draft's publication is still in flight when the runtime stops
-    # asking: the run waits for an operator before it hands its copies over.
+    # asking: the run waits for an operator.  Its model call's evidence was
+    # handed to capture when the call completed, so it is saved anyway.
     fault = {"point": "drop_connection_at_commit", "write": "publication", "action": 1}
     run = Run.objects.submit(
         question="q", documents=DOCS[:1], faults=[{**fault, "outcome": "late", "stall_ms": 3000}]
     )
     assert execute(run.pk) == RunStatus.NEEDS_OPERATOR
     assert process_capture.flush()
-    (gap,) = CaptureGap.objects.filter(run=run)
-    assert gap.reason == GapReason.SHUTDOWN and gap.model_call is not None
-    assert "before the copy was handed to capture" in gap.detail
-    assert not EvidenceCopy.objects.filter(run=run).exists()
+    assert EvidenceCopy.objects.filter(run=run).count() == 1
+    assert not CaptureGap.objects.filter(run=run).exists()
 
 
 def test_evidence_tables_locked_for_the_whole_run_never_hold_the_run(journal):
-    # Another session holds the source table for the whole run: the run's
-    # evidence writes give up after the lock timeout, the run does not wait.
+    # Another session holds the source table for the whole run: capture's
+    # writes that need it give up after the lock timeout, the run does not
+    # wait.  The two sources and the three copies (they lock their sources)
+    # are gaps; the model records, which only link to sources, stand.
     run = Run.objects.submit(question="q", documents=DOCS[:2])
     with holding("LOCK TABLE evidence_source IN ACCESS EXCLUSIVE MODE"):
         assert execute(run.pk) == RunStatus.COMPLETED
@@ -295,5 +286,7 @@ def test_evidence_tables_locked_for_the_whole_run_never_hold_the_run(journal):
     assert not Source.objects.filter(run=run).exists()
     assert ModelCall.objects.filter(run=run).count() == 3
     stats = CaptureStats.objects.get(run=run)
-    assert (stats.captured, stats.lost) == (0, 3)
+    assert (stats.captured, stats.lost) == (0, 5)
+    details = list(CaptureGap.objects.filter(run=run).values_list("detail", flat=True))
+    assert sum(detail.startswith("source ") for detail in details) == 2
     assert executions(journal, run, "read:0") == 1

@@ -32,7 +32,7 @@ from runs.models import (
     Run,
     RunStatus,
 )
-from runs.outcomes import NeedsOperator, sweep, xact_status
+from runs.outcomes import NeedsOperator, settle_open_items, xact_status
 from tests.faultruns import (
     DOCS,
     KEYS,
@@ -198,13 +198,13 @@ def test_checkpoint_still_in_flight_stays_unknown_until_its_xid_settles_it(journ
 
     # The orphaned transaction ends; the sweep asks again and adopts it.
     wait_for(lambda: xact_status(record.xid) == "committed")
-    assert sweep() == 1
+    assert settle_open_items().settled == 1
     record.refresh_from_db()
     item.refresh_from_db()
     assert record.outcome == CheckpointOutcome.RESOLVED_COMMITTED
     assert item.state == OutcomeState.RESOLVED and "committed" in item.resolution
     assert run.checkpoints.filter(number=1, state__isnull=False).count() == 1
-    assert sweep() == 0
+    assert settle_open_items().settled == 0
 
 
 # -- row 3: no trustworthy receipt, lease lost, cancelled ---------------------------

@@ -115,7 +115,7 @@ def test_runs_list_rows_partial_polls_while_runs_are_active_then_stops(viewer, r
     body = live.content.decode()
     assert body.lstrip().startswith('<tbody id="run-rows"') and "<html" not in body
     assert 'hx-trigger="every 2s"' in body
-    queued.request_cancel()
+    queued.request_cancel(by="operator")
     assert viewer.get("/", headers=headers).status_code == 286  # nothing active: stop polling
 
 

@@ -8,7 +8,7 @@ import pytest
 from runs.executor import Executor
 from runs.management.commands.demo import DECISION_TABLE_RUNS, TWO_FUNDS
 from runs.models import CheckpointOutcome, OutcomeItem, OutcomeKind, Run, RunStatus
-from runs.outcomes import sweep, xact_status
+from runs.outcomes import settle_open_items, xact_status
 from tests.faultruns import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -43,6 +43,6 @@ def test_each_decision_table_run_of_the_demo_ends_as_its_row_says(settings):
 
     late = items[runs[3].pk]
     wait_for(lambda: xact_status(late.xid) == "committed")
-    assert sweep() == 1
+    assert settle_open_items().settled == 1
     records[3].refresh_from_db()
     assert records[3].outcome == CheckpointOutcome.RESOLVED_COMMITTED

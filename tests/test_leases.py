@@ -9,8 +9,6 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from evidence.models import ModelCall
-from evidence.records import record_model_call
 from runs.executor import drive
 from runs.leases import Lease, LeaseLost
 from runs.models import Action, ActionState, AnswerRevision, Receipt, Run, RunStatus
@@ -85,7 +83,6 @@ def test_stale_epoch_write_changes_nothing():
     call_id = current.record_boundary(
         step_key="summarize:0", kind="model_call", effect_class="read", input={"m": 1}
     )
-    model_call = record_model_call(run.pk, call_id, {"m": 1}, {"text": "s"}, [])
 
     with pytest.raises(LeaseLost):
         stale.record_boundary(
@@ -96,18 +93,16 @@ def test_stale_epoch_write_changes_nothing():
     with pytest.raises(LeaseLost):
         stale.record_action_outcome(action_id, ActionState.FAILED, "stale")
     with pytest.raises(LeaseLost):
-        stale.publish_revision(1, "stale answer", is_final=True)
+        stale.publish_revision(1, "stale answer", is_final=True, model_call_actions=[call_id])
     with pytest.raises(LeaseLost):
         stale.finish(RunStatus.COMPLETED)
     assert stale.renew() is False
-    assert stale.release() is False
+    assert stale.release() is None
 
     assert list(Action.objects.filter(run=run).values_list("step_key", "state", "epoch")) == [
         ("read:0", "dispatched", 2),
         ("summarize:0", "dispatched", 2),
     ]
-    # The fenced-out publication marked no model call either.
-    assert ModelCall.objects.get(pk=model_call).published_revision is None
     assert not Receipt.objects.exists() and not AnswerRevision.objects.exists()
     run.refresh_from_db()
     assert (run.status, run.lease_epoch, run.lease_owner) == ("running", 2, current.owner)

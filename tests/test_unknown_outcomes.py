@@ -22,7 +22,7 @@ from runs.models import (
     Run,
     RunStatus,
 )
-from runs.outcomes import CommitUnanswered, orphan, settle, sweep, xact_status
+from runs.outcomes import CommitUnanswered, orphan, settle, settle_open_items, xact_status
 from runs.sql import Backend
 from tests.faultruns import KEYS, dispatched, events, executions, run_with, wait_for
 from tests.receivers import LocalServer, status
@@ -85,7 +85,7 @@ def test_unanswered_receipt_still_in_flight_waits_for_an_operator_then_settles(j
     assert executions(journal, run, "read:1") == 1
 
     wait_for(lambda: xact_status(item.xid) == "committed")
-    assert sweep() == 1
+    assert settle_open_items().settled == 1
     item.refresh_from_db()
     assert item.state == OutcomeState.RESOLVED
     assert Receipt.objects.filter(run=run, step_key="read:1").exists()
@@ -168,7 +168,7 @@ def test_delivery_whose_answer_is_lost_is_an_item_and_is_never_sent_again(journa
             deliver.pk,
         )
         assert item.evidence["idempotency_key"] == identity
-        assert sweep() == 0  # only the receiver can settle an effect
+        assert settle_open_items().settled == 0  # only the receiver can settle an effect
 
         # Handed to an executor again, the run still does not send it.
         Run.objects.filter(pk=run.pk).update(status=RunStatus.QUEUED, finished_at=None)

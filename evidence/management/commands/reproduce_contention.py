@@ -5,10 +5,17 @@ entry points:
 
 - capture (evidence/capture.py CopyTransaction): holds the source row, then
   asks for the model record;
-- publication (Lease.publish_revision): holds the model record (it marks
-  the calls it used), then asks for the run row (its fence);
-- a source refresh (evidence/sources.py SourceRefresh): holds the run row,
-  then asks for the source row.
+- publication as it was at the incident: it held the model record (it
+  marked the calls it used), then asked for the run row (its fence,
+  Lease.publish_revision);
+- a source refresh as it was at the incident: it held the run row, then
+  asked for the source row (SourceRefresh.mark_sources).
+
+Today neither publication nor the refresh takes those first locks (no
+statement of the main path touches an evidence table, and the refresh no
+longer locks the run row), so the cycle cannot close in production.  The
+two old first locks are frozen here, as the essay froze the old version, to
+show what the capture policy alone changes.
 
 Each trial arranges that order: capture takes the source, the refresh takes
 the run row, the publication takes the model record and waits for the run
@@ -38,7 +45,7 @@ from evidence.models import IncidentSource
 from evidence.records import record_model_call, record_source
 from evidence.sources import SourceRefresh
 from runs.leases import Lease
-from runs.models import Run, RunStatus
+from runs.models import Run, RunStatus, digest
 from runs.percentiles import percentile
 from runs.sql import this_backend
 from runs.tools import TOOLS
@@ -138,16 +145,16 @@ class Command(BaseCommand):
         )
         read = TOOLS["read_document"].run(read_input, f"rundesk:run-{self.run.pk}:read:0")
         lease.record_receipt(read_id, read)
-        source = record_source(self.run.pk, read_id, read)
+        record_source(self.run.pk, read_id, DOCUMENT, read["sha256"], read["bytes"])
         call_input = {"messages": [{"role": "user", "content": read["text"]}]}
         call_id = lease.record_boundary(
             step_key="summarize:0", kind="model_call", effect_class="read", input=call_input
         )
         output = {"provider": "offline", "text": "A summary."}
         lease.record_receipt(call_id, output)
-        model_call = record_model_call(self.run.pk, call_id, call_input, output, [DOCUMENT])
-        if source is None or model_call is None:
-            raise CommandError("could not record the reproduction's source and model call")
+        model_call = record_model_call(
+            self.run.pk, call_id, "offline", digest(call_input), digest(output), [DOCUMENT]
+        )
         self.copy = Copy(self.run.pk, model_call, json.dumps(call_input), output["text"])
 
     # -- one trial ---------------------------------------------------------
@@ -227,7 +234,8 @@ class Command(BaseCommand):
     def _refresh(self, ready: threading.Event, go: threading.Event) -> None:
         refresh = SourceRefresh(self.run.pk)
         with transaction.atomic(), connection.cursor() as cursor:
-            refresh.lock_run(cursor)
+            # The incident's refresh held the run row while it marked sources.
+            cursor.execute("SELECT 1 FROM runs_run WHERE id = %s FOR NO KEY UPDATE", [self.run.pk])
             ready.set()
             go.wait(10)
             refresh.mark_sources(cursor)
@@ -239,7 +247,16 @@ class Command(BaseCommand):
         ready.set()
         start = time.perf_counter()
         try:
-            self.lease.publish_revision(number, f"revision {number}", is_final=False)
+            with transaction.atomic(), connection.cursor() as cursor:
+                # The incident's publication marked the model calls it used
+                # (an UPDATE: this row lock) before its fence.
+                cursor.execute(
+                    "SELECT 1 FROM evidence_modelcall WHERE run_id = %s FOR NO KEY UPDATE",
+                    [self.run.pk],
+                )
+                self.lease.publish_revision(
+                    number, f"revision {number}", is_final=False, model_call_actions=[]
+                )
             outcomes["publication:committed"] += 1
         finally:
             timing["ms"] = (time.perf_counter() - start) * 1000

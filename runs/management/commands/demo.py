@@ -139,6 +139,7 @@ class Command(BaseCommand):
                     "-A",
                     "dashboard",
                     "worker",
+                    "--beat",  # the sweep (runs/sweep.py) every RUNDESK_SWEEP_SECONDS
                     "--concurrency",
                     "1",
                     "--loglevel",

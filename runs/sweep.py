@@ -1,0 +1,56 @@
+"""The sweep: what keeps a run from stalling when nobody drives it.
+
+One home for it, run by an executor while it is idle and by Celery beat
+(runs.tasks.sweep) where only Celery workers run:
+
+- a running run whose cancel was asked and whose owner died ends as
+  cancelled;
+- a running run whose owner stopped renewing its lease goes back to the
+  queue, to be resumed from its receipts;
+- unknown outcomes are asked about again (runs/outcomes.py); settling the
+  last item a waiting run was held by puts it back in the queue;
+- with `redeliver_after`, queued runs nobody took for that long are handed
+  out again (their Celery task may have been lost with a worker).
+
+Each step is fenced like a claim, so a sweep racing an executor, another
+sweep or an old owner that wakes up changes each run once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runs import outcomes
+from runs.models import EventKind, Run
+from runs.timeline import timeline
+
+
+@dataclass
+class Swept:
+    cancelled: list[int] = field(default_factory=list)
+    requeued: list[int] = field(default_factory=list)
+    settled: int = 0
+    resumed: list[int] = field(default_factory=list)
+    redelivered: list[int] = field(default_factory=list)
+
+    @property
+    def to_execute(self) -> list[int]:
+        """The runs that now wait for a worker."""
+        return [*self.requeued, *self.resumed, *self.redelivered]
+
+
+def sweep(*, redeliver_after: float | None = None) -> Swept:
+    swept = Swept()
+    swept.cancelled = Run.objects.end_abandoned_cancels()
+    for run_id in swept.cancelled:
+        timeline.record(run_id, EventKind.RUN_CANCELLED, "cancelled: its owner had stopped")
+    swept.requeued = Run.objects.requeue_abandoned()
+    for run_id in swept.requeued:
+        timeline.record(
+            run_id, EventKind.RUN_REQUEUED, "its owner stopped renewing the lease: queued again"
+        )
+    settled = outcomes.settle_open_items()
+    swept.settled, swept.resumed = settled.settled, settled.runs_resumed
+    if redeliver_after is not None:
+        swept.redelivered = Run.objects.waiting_in_queue(redeliver_after)
+    return swept

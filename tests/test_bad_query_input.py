@@ -1,0 +1,123 @@
+"""A parameter a page cannot use answers 400 saying what was wrong, never a
+500 (PostgreSQL refuses NUL in text) and never a page that quietly ignored
+it."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.test import Client
+
+from evidence import locks, pglog
+from evidence.models import IncidentSource, LockIncident
+from runs.models import Run, page_cursor
+from tests.test_dashboard import signed_in
+from tests.test_pglog import THREE_WAY
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def viewer() -> Client:
+    return signed_in("viewer", "viewers", raise_request_exception=False)
+
+
+@pytest.fixture
+def operator() -> Client:
+    return signed_in("operator", "operators", raise_request_exception=False)
+
+
+@pytest.fixture
+def run() -> Run:
+    return Run.objects.submit(question="Which fund is cheapest?", documents=["a.md"])
+
+
+@pytest.fixture
+def incident() -> LockIncident:
+    (report,) = pglog.parse(THREE_WAY)
+    return locks.store(IncidentSource.LOG, report.graph, summary="imported")
+
+
+def refused(response, says: str) -> bool:
+    body = response.content.decode()
+    return (
+        response.status_code == 400
+        and response["Content-Type"].startswith("text/plain")
+        and (says in body)
+    )
+
+
+def test_nul_in_the_runs_search_is_400_with_a_message(viewer, run):
+    response = viewer.get("/?q=%00abc")
+    assert refused(response, "parameter 'q' holds a NUL character")
+    found = viewer.get("/", {"q": "cheapest"})
+    assert found.status_code == 200 and "Which fund is cheapest?" in found.content.decode()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/?status=%00",
+        "/?unknown=1%00",
+        "/?before=%00",
+        "/?%00=1",
+        "/runs/{run}/?events_before=%00",
+        "/locks/?source=log%00",
+        "/locks/{incident}/?x=%00",
+        "/gaps/?x=%00",
+    ],
+)
+def test_nul_in_any_page_parameter_is_400(viewer, run, incident, url):
+    response = viewer.get(url.format(run=run.pk, incident=incident.pk))
+    assert refused(response, "NUL character")
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("/?status=finished", "status='finished' is not one of: queued, running"),
+        ("/?unknown=yes", "unknown='yes' is not one of: 0, 1"),
+        ("/?gaps=2", "gaps='2' is not one of: 0, 1"),
+        ("/?before=yesterday", "not a page cursor: 'yesterday'"),
+        ("/?before=2026-01-01T00:00:00%2B00:00|x", "not a page cursor"),
+        ("/runs/{run}/?events_before=junk", "not a page cursor: 'junk'"),
+        ("/locks/?source=disk", "source='disk' is not one of: sampler"),
+    ],
+)
+def test_parameters_a_page_cannot_use_are_400(viewer, run, url, says):
+    assert refused(viewer.get(url.format(run=run.pk)), says)
+
+
+def test_valid_parameters_still_answer(viewer, run, incident):
+    cursor = page_cursor(Run.objects.order_by("-created_at", "-id").first())
+    for url, params in [
+        ("/", {"status": "queued", "unknown": "0", "gaps": "", "q": "fund"}),
+        ("/", {"status": "", "unknown": "1", "gaps": "1"}),
+        ("/", {"before": cursor}),
+        (f"/runs/{run.pk}/", {"events_before": cursor}),
+        ("/locks/", {"source": "log"}),
+        ("/locks/", {"source": ""}),
+    ]:
+        assert viewer.get(url, params).status_code == 200, (url, params)
+
+
+def test_nul_in_a_posted_form_value_is_400(operator, run):
+    response = operator.post(f"/runs/{run.pk}/cancel/", {"note": "a\x00b"})
+    assert refused(response, "parameter 'note' holds a NUL character")
+    run.refresh_from_db()
+    assert run.status == "queued"
+
+
+def test_a_viewer_is_refused_before_their_input_is_looked_at(viewer, run):
+    assert viewer.post(f"/runs/{run.pk}/cancel/", {"note": "\x00"}).status_code == 403
+
+
+def test_nul_inside_an_uploaded_log_is_imported_not_a_500(operator):
+    log = THREE_WAY.replace("UPDATE", "UPDATE\x00", 1).encode()
+    assert b"\x00" in log
+    response = operator.post(
+        "/locks/import/", {"log": SimpleUploadedFile("pg.log", log)}, follow=True
+    )
+    assert response.status_code == 200
+    assert "1 deadlock reports imported from pg.log" in response.content.decode()
+    assert LockIncident.objects.filter(source=IncidentSource.LOG).count() == 1
