@@ -308,8 +308,10 @@ class Capture:
         self.dropped = 0
         self._dropped_told = 0
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
+        # The writer thread, and the event that tells it to stop: its own, so
+        # a writer still stuck in a statement when stop() gives up on it
+        # ends when it can, whatever writer comes after it.
+        self._writer: tuple[threading.Thread, threading.Event] | None = None
 
     def submit(self, record: Record) -> bool:
         """Hands a record to the writer.  Never blocks, never raises; False
@@ -338,19 +340,20 @@ class Capture:
     def stop(self, grace: float = 2.0) -> None:
         """Saves what it can within `grace` seconds; what is left becomes
         `shutdown` gaps.  Then closes the writer and its connection.  Never
-        waits on a full queue: the writer sees `_stopping` on its own."""
+        waits on a full queue, nor more than `grace` + 5 s on a writer stuck
+        in a statement (it stops at its next record)."""
         with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is None or not thread.is_alive():
+            writer, self._writer = self._writer, None
+        if writer is None or not writer[0].is_alive():
             return
+        thread, stopping = writer
         deadline = time.monotonic() + grace
         while not self._queue.empty() and time.monotonic() < deadline:
             time.sleep(0.01)
-        self._stopping.set()
+        stopping.set()
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait(None)  # wakes an idle writer at once
         thread.join(grace + 5)
-        self._stopping.clear()
 
     def lose(self, run_id: int, model_call_id: int | None, reason: str, detail: str) -> None:
         """Counts a record that will not be made; the writer records the gap
@@ -378,14 +381,18 @@ class Capture:
 
     def _ensure_thread(self) -> None:
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._drain, name="capture", daemon=True)
-                self._thread.start()
+            if self._writer is None or not self._writer[0].is_alive():
+                stopping = threading.Event()
+                thread = threading.Thread(
+                    target=self._drain, args=(stopping,), name="capture", daemon=True
+                )
+                self._writer = (thread, stopping)
+                thread.start()
 
-    def _drain(self) -> None:
+    def _drain(self, stopping: threading.Event) -> None:
         with _own_connection():
             written_at = time.monotonic()
-            while not self._stopping.is_set():
+            while not stopping.is_set():
                 try:
                     item = self._queue.get(timeout=GAP_INTERVAL)
                 except queue.Empty:
@@ -401,7 +408,10 @@ class Capture:
                 if time.monotonic() - written_at >= GAP_INTERVAL or self._queue.empty():
                     self._write_gaps()
                     written_at = time.monotonic()
-            self._drain_as_shutdown()
+            # What is left is a shutdown gap, unless a newer writer took over
+            # (this one was stuck when stop() gave up on it).
+            if self._writer is None:
+                self._drain_as_shutdown()
             self._write_gaps()
 
     def _save(self, record: Record) -> None:

@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from django.db import DatabaseError, connection
 
+from evidence import capture as capture_module
 from evidence.capture import Capture, Copy, CopyTransaction
 from evidence.capture import capture as process_capture
 from evidence.models import CaptureGap, CaptureStats, EvidenceCopy, GapReason, ModelCall, Source
@@ -290,3 +291,50 @@ def test_evidence_tables_locked_for_the_whole_run_never_hold_the_run(journal):
     details = list(CaptureGap.objects.filter(run=run).values_list("detail", flat=True))
     assert sum(detail.startswith("source ") for detail in details) == 2
     assert executions(journal, run, "read:0") == 1
+
+
+def test_stop_never_waits_on_a_full_queue(evidence, settings):
+    settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS = 30_000
+    run, _, copy = evidence
+    writer = Capture(capacity=2)
+    with holding("LOCK TABLE evidence_source IN ACCESS EXCLUSIVE MODE"):
+        assert submit(writer, copy)  # stuck in its lock wait
+        wait_for(lambda: _waiting("rundesk:capture"))
+        assert submit(writer, copy) and submit(writer, copy)  # the queue is full
+        started = time.monotonic()
+        stopper = threading.Thread(target=writer.stop, kwargs={"grace": 0.1})
+        stopper.start()
+        stopper.join(15)
+        assert not stopper.is_alive(), "stop() waited on the full queue"
+        assert time.monotonic() - started < 10
+    # Once its lock is granted, the old writer saves the copy it was on,
+    # stops, and leaves the queued ones as shutdown gaps.
+    wait_for(lambda: gaps(run) == [(GapReason.SHUTDOWN, 2)])
+    assert EvidenceCopy.objects.filter(run=run).count() == 1
+
+
+def test_gaps_waiting_to_be_written_are_bounded_and_what_is_dropped_is_counted(
+    evidence, monkeypatch
+):
+    run, _, _ = evidence
+    monkeypatch.setattr(capture_module, "PENDING_GAP_KEYS", 2)
+    writer = Capture(capacity=5)
+    try:
+        with holding("LOCK TABLE evidence_capturegap IN ACCESS EXCLUSIVE MODE"):
+            for detail in ("a", "b", "c"):  # two kept with details, one collapsed
+                writer.lose(run.pk, None, GapReason.DB_ERROR, detail)
+            writer.lose(run.pk, None, GapReason.QUEUE_FULL, "d")  # collapsed: 4 keys
+            writer.lose(run.pk, None, GapReason.SHUTDOWN, "e")  # no room: dropped
+            writer.flush()  # the writer tries, and keeps them counted
+            assert writer.dropped == 1
+        assert writer.flush()
+    finally:
+        writer.stop()
+    assert sorted(gaps(run)) == [
+        ("db_error", 1),
+        ("db_error", 1),
+        ("db_error", 1),
+        ("queue_full", 1),
+    ]
+    assert CaptureStats.objects.get(run=run).lost == 4
+    assert CaptureGap.objects.filter(run=run, detail=capture_module.DETAIL_DROPPED).count() == 2

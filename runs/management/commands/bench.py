@@ -8,14 +8,17 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 
 from dashboard import bench as dashboard_bench
-from evidence.capture import Capture
+from evidence.capture import Capture, capture
+from evidence.models import CaptureStats
 from runs.dispatch import Dispatcher
+from runs.executor import execute
 from runs.leases import Lease, new_owner_name
-from runs.models import Run, RunStatus
+from runs.models import AnswerRevision, Run, RunStatus
 from runs.percentiles import percentile
 from runs.sql import server_cursor
 from runs.timeline import timeline
@@ -29,12 +32,20 @@ class Command(BaseCommand):
     help = (
         "Measures one executor step (boundary + no-op read + receipt) against a single-row "
         "INSERT + COMMIT on the same database; with --capture, the cost of handing a copy "
-        "to evidence capture while the database is stalled for it."
+        "to evidence capture while the database is stalled for it; with --evidence-locked, a "
+        "whole run while another session holds every evidence table locked."
     )
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--steps", type=int, default=500)
         parser.add_argument("--capture", action="store_true")
+        parser.add_argument(
+            "--evidence-locked",
+            action="store_true",
+            help="the same run with no lock, and with every evidence table locked by another "
+            "session for the run's whole life (SHARE, ACCESS EXCLUSIVE)",
+        )
+        parser.add_argument("--rounds", type=int, default=3, help="with --evidence-locked")
         parser.add_argument(
             "--dashboard",
             action="store_true",
@@ -48,6 +59,10 @@ class Command(BaseCommand):
             raise CommandError("--steps must be at least 1")
         if options["dashboard"]:
             report: Any = {"pages": dashboard_bench.measure()}
+        elif options["evidence_locked"]:
+            if options["rounds"] < 1:
+                raise CommandError("--rounds must be at least 1")
+            report = self._evidence_locked(options["rounds"])
         elif options["capture"]:
             report = self._capture(steps)
         else:
@@ -97,6 +112,63 @@ class Command(BaseCommand):
             "enqueue_ms_p99": round(percentile(samples, 0.99), 4),
             "enqueue_ms_max": round(max(samples), 4),
             "queue_capacity": writer.capacity,
+        }
+
+    def _evidence_locked(self, rounds: int) -> dict[str, Any]:
+        """Runs the sample question over the whole corpus, in interleaved
+        rounds: with no lock, then with another session holding every
+        evidence table in SHARE mode, then in ACCESS EXCLUSIVE mode, each for
+        the run's whole life.  A locked run must complete with its final
+        answer in about the baseline's time; what capture could not save
+        (the lock is held until capture has tried everything the run handed
+        it) is counted as gaps, read once the lock is gone."""
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+                " AND tablename LIKE 'evidence\\_%%' ORDER BY tablename"
+            )
+            tables = ", ".join(name for (name,) in cursor.fetchall())
+        documents = sorted(
+            path.name
+            for path in settings.RUNDESK_CORPUS_DIR.glob("*.md")
+            if path.name != "README.md"
+        )
+        seconds: dict[str, list[float]] = {"none": [], "SHARE": [], "ACCESS EXCLUSIVE": []}
+        published: list[dict[str, Any]] = []
+        locked_runs: list[int] = []
+        for _ in range(rounds):
+            for mode in seconds:
+                run = Run.objects.submit(
+                    question=f"bench --evidence-locked ({mode}): compare these funds",
+                    documents=documents,
+                )
+                with psycopg.connect(**connection.get_connection_params()) as other:
+                    other.execute("SET application_name = 'bench: evidence locked'")
+                    if mode != "none":
+                        other.execute(f"LOCK TABLE {tables} IN {mode} MODE")
+                        locked_runs.append(run.pk)
+                    start = time.perf_counter()
+                    outcome = execute(run.pk)
+                    seconds[mode].append(time.perf_counter() - start)
+                    final = AnswerRevision.objects.filter(run=run, is_final=True).exists()
+                    # The lock outlives what the run handed to capture too.
+                    capture.flush(60)
+                    other.rollback()
+                published.append(
+                    {"lock": mode, "run_id": run.pk, "outcome": outcome, "final_answer": final}
+                )
+        capture.flush(60)
+        timeline.flush()
+        stats = CaptureStats.objects.filter(run_id__in=locked_runs)
+        return {
+            "rounds": rounds,
+            "documents": len(documents),
+            "baseline_s": round(statistics.median(seconds["none"]), 3),
+            "share_s": round(statistics.median(seconds["SHARE"]), 3),
+            "access_exclusive_s": round(statistics.median(seconds["ACCESS EXCLUSIVE"]), 3),
+            "published": published,
+            "gaps": sum(stats.values_list("lost", flat=True)),
+            "captured_while_locked": sum(stats.values_list("captured", flat=True)),
         }
 
     def _measure(self, steps: int) -> dict[str, list[float]]:

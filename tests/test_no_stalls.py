@@ -1,0 +1,267 @@
+"""Nothing stalls a run: a waiting run whose items are settled continues,
+every cancel ends, and what one run raises stays in that run."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+
+import psycopg
+import pytest
+from django.db import connection
+from django.utils import timezone
+
+from runs.executor import Executor, drive, execute
+from runs.leases import Lease, LeaseLost
+from runs.models import (
+    Action,
+    ActionState,
+    AnswerRevision,
+    EventKind,
+    OutcomeItem,
+    OutcomeKind,
+    OutcomeState,
+    Run,
+    RunStatus,
+)
+from runs.outcomes import open_item, resolve_item, xact_status
+from runs.sweep import sweep
+from runs.timeline import timeline
+from tests.conftest import database_url
+from tests.faultruns import DOCS, KEYS, dispatched, events, executions, run_with, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def expire(run: Run) -> None:
+    Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now() - dt.timedelta(seconds=1))
+
+
+# -- a waiting run continues once the evidence settles its item ---------------------
+
+
+def test_a_receipt_that_commits_late_ends_with_the_run_completed_and_each_read_once(
+    journal, settings
+):
+    settings.RUNDESK_SETTLE_SECONDS = 1
+    fault = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
+    run, outcome = run_with([{**fault, "outcome": "late", "stall_ms": 3000}])
+    assert outcome == RunStatus.NEEDS_OPERATOR
+    item = OutcomeItem.objects.get(run=run, state=OutcomeState.OPEN)
+
+    wait_for(lambda: xact_status(item.xid) == "committed")
+    swept = sweep()
+    assert swept.settled == 1 and swept.resumed == [run.pk]
+    run.refresh_from_db()
+    assert run.status == RunStatus.QUEUED
+    assert "settled" in run.status_reason
+    timeline.flush()
+    assert events(run, EventKind.RUN_REQUEUED)
+
+    assert execute(run.pk) == RunStatus.COMPLETED
+    assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
+    assert all(executions(journal, run, key) == 1 for key in KEYS)
+
+
+def test_a_run_held_by_two_items_goes_back_only_when_both_are_settled():
+    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    Run.objects.filter(pk=run.pk).update(status=RunStatus.NEEDS_OPERATOR)
+    first, second = (
+        open_item(
+            run_id=run.pk,
+            kind=OutcomeKind.PUBLICATION,
+            subject=f"publication:run-{run.pk}:revision-{n}",
+            summary="unknown",
+            evidence={},
+            revision_number=n,
+        )
+        for n in (1, 2)
+    )
+    # A checkpoint item never holds a run (it went on): settling the
+    # publications is what counts.
+    open_item(run_id=run.pk, kind=OutcomeKind.CHECKPOINT, subject="cp", summary="", evidence={})
+    assert resolve_item(first, "not_written", {}) == "settled"
+    run.refresh_from_db()
+    assert run.status == RunStatus.NEEDS_OPERATOR
+    assert resolve_item(second, "not_written", {}) == "run_resumed"
+    assert resolve_item(second, "not_written", {}) is None  # once
+    run.refresh_from_db()
+    assert run.status == RunStatus.QUEUED
+
+
+def test_two_items_settled_at_the_same_moment_resume_the_run_once():
+    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    Run.objects.filter(pk=run.pk).update(status=RunStatus.NEEDS_OPERATOR)
+    items = [
+        open_item(
+            run_id=run.pk,
+            kind=OutcomeKind.RECEIPT,
+            subject=f"receipt:{n}",
+            summary="unknown",
+            evidence={},
+        )
+        for n in range(2)
+    ]
+    results: list[str | None] = []
+    barrier = threading.Barrier(2)
+
+    def settle(item: OutcomeItem) -> None:
+        try:
+            barrier.wait()
+            results.append(resolve_item(item, "committed", {}))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=settle, args=(item,)) for item in items]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert sorted(results, key=str) == ["run_resumed", "settled"]
+    run.refresh_from_db()
+    assert run.status == RunStatus.QUEUED
+
+
+# -- cancels that end ----------------------------------------------------------------
+
+
+def test_a_cancel_of_a_run_whose_owner_died_ends_it_by_the_sweep():
+    run = Run.objects.submit(question="q", documents=DOCS)
+    dead = Lease.claim(run.pk, "dead-owner")
+    assert run.request_cancel(by="alice")
+    expire(run)
+    assert sweep().cancelled == [run.pk]
+    run.refresh_from_db()
+    assert run.status == RunStatus.CANCELLED
+    assert run.status_reason == "cancelled by alice; its owner had stopped"
+    assert run.finished_at is not None and run.lease_epoch == 2  # fenced
+    with pytest.raises(LeaseLost):
+        dead.record_boundary(
+            step_key="read:0", kind="read_document", effect_class="read", input={"path": DOCS[0]}
+        )
+    assert sweep().cancelled == []
+
+
+def test_a_cancel_of_a_run_whose_owner_died_ends_it_at_the_next_claim(journal):
+    run = Run.objects.submit(question="q", documents=DOCS)
+    Lease.claim(run.pk, "dead-owner")
+    run.request_cancel(by="alice")
+    expire(run)
+    assert execute(run.pk) == RunStatus.CANCELLED
+    run.refresh_from_db()
+    assert (run.status, run.status_reason) == (RunStatus.CANCELLED, "cancelled by alice")
+    assert not Action.objects.filter(run=run).exists()
+    assert sum(journal.counts().values()) == 0
+
+
+def test_sigterm_while_a_cancel_is_pending_ends_the_run_instead_of_requeueing_it(journal):
+    # The cancel arrives just before action 1, after the claim looked for
+    # one; the executor is stopping too.
+    run = Run.objects.submit(
+        question="q", documents=DOCS, faults=[{"point": "cancel", "action": 1}]
+    )
+    lease = Lease.claim(run.pk, "owner")
+    stop = threading.Event()
+    stop.set()
+    assert drive(lease, stop) == RunStatus.CANCELLED
+    run.refresh_from_db()
+    assert run.status == RunStatus.CANCELLED and run.finished_at is not None
+    assert run.status_reason == "cancelled by the fault plan"
+    assert not dispatched(run, "read:0")
+
+
+def test_release_with_a_cancel_pending_ends_the_run():
+    run = Run.objects.submit(question="q", documents=DOCS)
+    lease = Lease.claim(run.pk, "owner")
+    run.request_cancel(by="bob")
+    assert lease.release() == RunStatus.CANCELLED
+    run.refresh_from_db()
+    assert (run.status, run.status_reason) == (RunStatus.CANCELLED, "cancelled by bob")
+    assert not Run.objects.claimable().filter(pk=run.pk).exists()
+
+
+def test_a_cancel_says_who_asked(journal):
+    run = Run.objects.submit(question="q", documents=DOCS)
+    assert run.request_cancel(by="carol")
+    run.refresh_from_db()
+    assert (run.status, run.cancel_requested_by, run.status_reason) == (
+        RunStatus.CANCELLED,
+        "carol",
+        "cancelled by carol",
+    )
+    timeline.flush()
+    assert "carol" in events(run, EventKind.CANCEL_REQUESTED)[0]
+
+
+def test_a_cancelled_runs_open_items_stay_open_and_hold_nothing(journal, settings):
+    settings.RUNDESK_SETTLE_SECONDS = 1
+    fault = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
+    run, outcome = run_with([{**fault, "outcome": "late", "stall_ms": 3000}])
+    assert outcome == RunStatus.NEEDS_OPERATOR
+    assert run.request_cancel(by="dave")
+    item = OutcomeItem.objects.get(run=run)
+    assert item.state == OutcomeState.OPEN  # visible, unchanged by the cancel
+    wait_for(lambda: xact_status(item.xid) == "committed")
+    assert sweep().resumed == []  # settled, but a cancelled run waits for nothing
+    run.refresh_from_db()
+    assert run.status == RunStatus.CANCELLED
+
+
+# -- what one run raises stays in that run ------------------------------------------
+
+
+def test_a_finish_fenced_out_stays_in_its_run_and_the_executor_goes_on(journal, monkeypatch):
+    failing = Run.objects.submit(
+        question="q", documents=DOCS[:1], faults=[{"point": "tool_error", "action": 1}]
+    )
+    later = Run.objects.submit(question="q", documents=DOCS[:1])
+    finish = Lease.finish
+
+    def taken_over_first(lease: Lease, status: RunStatus, reason: str = "") -> None:
+        # Another owner takes the run between its last fenced write and
+        # its finish.
+        if lease.run_id == failing.pk:
+            with psycopg.connect(database_url(), autocommit=True) as thief:
+                thief.execute(
+                    "UPDATE runs_run SET lease_owner = 'thief', lease_epoch = lease_epoch + 1"
+                    " WHERE id = %s",
+                    (failing.pk,),
+                )
+        finish(lease, status, reason)
+
+    monkeypatch.setattr(Lease, "finish", taken_over_first)
+    results = Executor(concurrency=1).serve(once=True)
+    assert results == [(failing.pk, "lease_lost"), (later.pk, RunStatus.COMPLETED)]
+    failing.refresh_from_db()
+    assert (failing.status, failing.lease_owner) == (RunStatus.RUNNING, "thief")
+
+
+def test_an_effect_marked_unknown_always_has_its_item(journal, settings):
+    """The action's unknown state and its outcome item are written together:
+    if the item cannot be written, neither is the state."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """CREATE FUNCTION refuse_items() RETURNS trigger LANGUAGE plpgsql AS $$
+               BEGIN RAISE EXCEPTION 'no items today'; END $$;
+               CREATE TRIGGER refuse_items BEFORE INSERT ON runs_outcomeitem
+               FOR EACH ROW EXECUTE FUNCTION refuse_items();"""
+        )
+    try:
+        run = Run.objects.submit(
+            question="q", documents=DOCS[:1], faults=[{"point": "delivery_timeout"}]
+        )
+        with pytest.raises(Exception, match="no items today"):
+            execute(run.pk)
+        deliver = Action.objects.get(run=run, step_key="deliver")
+        assert deliver.state == ActionState.DISPATCHED  # not unknown without its item
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TRIGGER refuse_items ON runs_outcomeitem")
+            cursor.execute("DROP FUNCTION refuse_items()")
+    # The next owner finds an effect with no receipt: unknown, with its item.
+    expire(run)
+    assert execute(run.pk) == RunStatus.NEEDS_OPERATOR
+    deliver.refresh_from_db()
+    assert deliver.state == ActionState.UNKNOWN
+    assert OutcomeItem.objects.get(run=run).action_id == deliver.pk
+    assert executions(journal, run, "deliver") == 1
