@@ -7,7 +7,9 @@ action of every agent:
 - an action with a boundary but no receipt is dispatched again only if it is
   a `read`, under its original identity;
 - an `effect` action in that state may have happened: it is marked `unknown`
-  and the run waits for an operator;
+  and the run waits for an operator; it is dispatched again (under its
+  original identity) only as often as operators' decisions authorise
+  (runs/decisions.py);
 - a new action is dispatched only after its boundary is durable.
 """
 
@@ -22,6 +24,7 @@ from django.db import transaction
 from runs.faults import FaultPlan, request_cancel, steal_lease
 from runs.leases import Lease, LeaseLost
 from runs.models import (
+    AUTHORISING,
     Action,
     ActionState,
     EffectClass,
@@ -157,6 +160,8 @@ class Dispatcher:
         if action.state == ActionState.UNKNOWN:
             raise NeedsOperator(f"the outcome of {action.step_key} is unknown")
         if action.effect_class == EffectClass.EFFECT and action.state == ActionState.FAILED:
+            if action.attempts < 1 + action.decisions.filter(choice__in=AUTHORISING).count():
+                return None  # an operator's decision authorises one more dispatch
             raise NeedsOperator(
                 f"{action.step_key} is known not to have happened ({action.error}); sending it "
                 "again is an operator's decision"
@@ -244,7 +249,7 @@ class Dispatcher:
             open_item(
                 run_id=self.run.pk,
                 kind=OutcomeKind.EFFECT,
-                subject=f"effect:action-{action_id}",
+                subject=f"effect:action-{action_id}:attempt-{self._attempts(action_id)}",
                 summary=reason,
                 evidence={
                     "identity": action_identity(self.run.pk, step_key),
@@ -256,6 +261,9 @@ class Dispatcher:
             )
         timeline.record(self.run.pk, EventKind.ACTION_UNKNOWN, reason, action_id=action_id)
         raise NeedsOperator(reason)
+
+    def _attempts(self, action_id: int) -> int:
+        return Action.objects.filter(pk=action_id).values_list("attempts", flat=True).get()
 
     def _mark(self, action_id: int, state: ActionState, reason: str, kind: EventKind) -> None:
         self.lease.record_action_outcome(action_id, state, reason)

@@ -404,12 +404,9 @@ class Action(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["run", "step_key"], name="action_identity_unique"),
             models.CheckConstraint(condition=Q(attempts__gte=1), name="action_attempts_positive"),
-            # An effect is dispatched at most once under its identity: a second
-            # dispatch is an operator's decision, never the runtime's.
-            models.CheckConstraint(
-                condition=Q(effect_class=EffectClass.READ) | Q(attempts=1),
-                name="action_effect_dispatched_once",
-            ),
+            # An effect is dispatched once under its identity, and again only
+            # as often as operators' decisions authorise (OperatorDecision,
+            # AUTHORISING): a trigger counts them (migration 0008).
         ]
 
     def __str__(self) -> str:
@@ -561,7 +558,7 @@ class OutcomeItem(models.Model):
 
     run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="outcome_items")
     kind = models.CharField(max_length=20, choices=OutcomeKind)
-    # What it is about, stable: one item per subject, e.g. "effect:action-12".
+    # What it is about, stable: one item per subject, e.g. "effect:action-12:attempt-1".
     subject = models.CharField(max_length=100, unique=True)
     action = models.ForeignKey(
         Action, on_delete=models.PROTECT, related_name="outcome_items", null=True, blank=True
@@ -599,6 +596,79 @@ class OutcomeItem(models.Model):
         return f"{self.kind} {self.subject} ({self.state})"
 
 
+class DecisionChoice(models.TextChoices):
+    # An effect whose answer was lost (only its receiver knows).
+    CONFIRMED_HAPPENED = "confirmed_happened", "confirmed: it happened"
+    RESEND_SAME_IDENTITY = "resend_same_identity", "send again under the same identity"
+    CONFIRMED_NOT_HAPPENED = "confirmed_not_happened", "confirmed: it did not happen"
+    # A database write whose COMMIT got no answer.
+    CHECK_AGAIN = "check_again", "check the evidence again"
+    WRITTEN = "written", "written"
+    NOT_WRITTEN = "not_written", "not written"
+    # The run itself.
+    RESUME = "resume", "resume the run"
+    ABANDON = "abandon", "abandon the run"
+
+
+# The decisions that authorise dispatching an effect once more, under its
+# original identity (and Idempotency-Key).
+AUTHORISING = [DecisionChoice.RESEND_SAME_IDENTITY, DecisionChoice.CONFIRMED_NOT_HAPPENED]
+
+
+class OperatorDecision(models.Model):
+    """An operator's (or the system's) decision on an outcome item or a run:
+    who, what, why, on what evidence.  Immutable (a trigger, migration 0008)
+    and idempotent by its request token; an item is settled by one decision
+    at most."""
+
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="decisions")
+    item = models.ForeignKey(
+        OutcomeItem, on_delete=models.PROTECT, related_name="decisions", null=True, blank=True
+    )
+    action = models.ForeignKey(
+        Action, on_delete=models.PROTECT, related_name="decisions", null=True, blank=True
+    )
+    user = models.ForeignKey(
+        "auth.User", on_delete=models.PROTECT, related_name="+", null=True, blank=True
+    )
+    # The user's name, or "system: <how>" for a settlement by evidence.
+    decided_by = models.CharField(max_length=150)
+    choice = models.CharField(max_length=30, choices=DecisionChoice)
+    reason = models.TextField(blank=True)
+    reference = models.CharField(max_length=300, blank=True, help_text="e.g. a delivery id")
+    evidence = models.JSONField(help_text="The evidence shown when deciding")
+    evidence_digest = models.CharField(max_length=64)
+    state_before = models.CharField(max_length=20)
+    state_after = models.CharField(max_length=20)
+    request_token = models.CharField(max_length=100, unique=True)
+    created_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        ordering = ["created_at", "id"]
+        constraints = [
+            # Two operators deciding one item at once: exactly one settles it.
+            models.UniqueConstraint(
+                fields=["item"],
+                condition=Q(state_after=OutcomeState.RESOLVED, item__isnull=False),
+                name="decision_one_settles_an_item",
+            ),
+            models.CheckConstraint(
+                condition=Q(user__isnull=True) | ~Q(reason=""), name="decision_person_says_why"
+            ),
+        ]
+        indexes = [
+            # Serves the authorised-dispatch count (AUTHORISING) of an action.
+            models.Index(
+                fields=["action"],
+                name="decision_authorising_idx",
+                condition=Q(choice__in=AUTHORISING),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.choice} by {self.decided_by}"
+
+
 class EventKind(models.TextChoices):
     SUBMITTED = "submitted"
     LEASE_ACQUIRED = "lease_acquired"
@@ -629,6 +699,7 @@ class EventKind(models.TextChoices):
     SOURCE_CHANGED = "source_changed"  # a document differs from what the run read
     CANCEL_REQUESTED = "cancel_requested"  # by an operator
     RUN_REQUEUED = "run_requeued"  # back in the queue: settled, or its owner died
+    DECISION = "decision"  # an operator's or the system's, on an item or the run
     EVENTS_LOST = "events_lost"  # an honest gap in this timeline
 
 

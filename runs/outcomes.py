@@ -41,9 +41,7 @@ from runs.models import (
     EventKind,
     OutcomeItem,
     OutcomeKind,
-    OutcomeState,
     Receipt,
-    Run,
 )
 from runs.sql import (
     Backend,
@@ -284,31 +282,6 @@ def write_settled(
     raise NeedsOperator(f"the {what} got no answer {attempts} times, and was not written")
 
 
-def resolve_item(
-    item: OutcomeItem, resolution: str, evidence: dict[str, Any]
-) -> Literal["settled", "run_resumed"] | None:
-    """Settles an open item once; None if it was already settled.  When it
-    was the last item its waiting run was held by, the run goes back to the
-    queue in the same transaction ("run_resumed") and continues from its
-    receipts."""
-    with transaction.atomic():
-        Run.objects.lock_waiting(item.run_id)
-        changed = OutcomeItem.objects.filter(pk=item.pk, state=OutcomeState.OPEN).update(
-            state=OutcomeState.RESOLVED,
-            resolution=resolution,
-            resolved_at=timezone.now(),
-            evidence={**item.evidence, "settled_by": evidence},
-        )
-        why = f"{item.subject} settled ({resolution}): continues from its receipts"
-        resumed = bool(changed) and Run.objects.resume_if_settled(item.run_id, why)
-    if changed:
-        timeline.record(item.run_id, EventKind.OUTCOME_SETTLED, f"{item.subject}: {resolution}")
-    if resumed:
-        timeline.record(item.run_id, EventKind.RUN_REQUEUED, why)
-        return "run_resumed"
-    return "settled" if changed else None
-
-
 def settle_checkpoint(record: Checkpoint, settlement: Settlement) -> None:
     """Writes what the evidence says on a checkpoint whose outcome was unknown."""
     if settlement.outcome == "unknown":
@@ -343,35 +316,3 @@ def written_by(item: OutcomeItem) -> Backend | None:
     (items recorded before start times were kept know only the pid)."""
     pid = item.evidence.get("backend_pid")
     return Backend(pid, item.evidence.get("backend_start")) if pid is not None else None
-
-
-@dataclass
-class Settled:
-    settled: int = 0
-    runs_resumed: list[int] = field(default_factory=list)
-
-
-def settle_open_items() -> Settled:
-    """Asks again about open checkpoint, receipt and publication items (an
-    orphaned transaction may have ended since).  Effects are never settled
-    here: only their receiver knows."""
-    swept = Settled()
-    items = OutcomeItem.objects.filter(
-        state=OutcomeState.OPEN,
-        kind__in=[OutcomeKind.CHECKPOINT, OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION],
-    ).select_related("checkpoint")
-    for item in items:
-        asked = CommitUnanswered(
-            item.subject, item.xid, written_by(item), "asked again by the sweep"
-        )
-        settlement = settle(asked, lambda item=item: written(item), patience=0)
-        if settlement.outcome == "unknown":
-            continue
-        if item.checkpoint is not None:
-            settle_checkpoint(item.checkpoint, settlement)
-        resolved = resolve_item(item, settlement.describe(), settlement.evidence)
-        if resolved:
-            swept.settled += 1
-        if resolved == "run_resumed":
-            swept.runs_resumed.append(item.run_id)
-    return swept

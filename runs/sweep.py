@@ -7,8 +7,9 @@ One home for it, run by an executor while it is idle and by Celery beat
   cancelled;
 - a running run whose owner stopped renewing its lease goes back to the
   queue, to be resumed from its receipts;
-- unknown outcomes are asked about again (runs/outcomes.py); settling the
-  last item a waiting run was held by puts it back in the queue;
+- unknown outcomes are asked about again (runs/outcomes.py); what the
+  evidence settles is a system decision (runs/decisions.py), and settling
+  the last item a waiting run was held by puts it back in the queue;
 - with `redeliver_after`, queued runs nobody took for that long are handed
   out again (their Celery task may have been lost with a worker).
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runs import outcomes
+from runs import decisions
 from runs.models import EventKind, Run
 from runs.timeline import timeline
 
@@ -49,7 +50,7 @@ def sweep(*, redeliver_after: float | None = None) -> Swept:
         timeline.record(
             run_id, EventKind.RUN_REQUEUED, "its owner stopped renewing the lease: queued again"
         )
-    settled = outcomes.settle_open_items()
+    settled = decisions.settle_open_items()
     swept.settled, swept.resumed = settled.settled, settled.runs_resumed
     if redeliver_after is not None:
         swept.redelivered = Run.objects.waiting_in_queue(redeliver_after)

@@ -15,6 +15,7 @@ import pytest
 from django.db import IntegrityError, connection
 
 from runs.checkpoints import AgentState, Checkpointer
+from runs.decisions import settle_open_items
 from runs.dispatch import Dispatcher
 from runs.executor import execute
 from runs.faults import request_cancel, steal_lease
@@ -32,7 +33,7 @@ from runs.models import (
     Run,
     RunStatus,
 )
-from runs.outcomes import NeedsOperator, settle_open_items, xact_status
+from runs.outcomes import NeedsOperator, xact_status
 from tests.faultruns import (
     DOCS,
     KEYS,

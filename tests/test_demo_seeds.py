@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from runs.decisions import settle_open_items
 from runs.executor import Executor
 from runs.management.commands.demo import DECISION_TABLE_RUNS, TWO_FUNDS
 from runs.models import CheckpointOutcome, OutcomeItem, OutcomeKind, Run, RunStatus
-from runs.outcomes import settle_open_items, xact_status
+from runs.outcomes import xact_status
 from tests.faultruns import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

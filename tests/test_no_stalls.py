@@ -11,6 +11,7 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
+from runs.decisions import DecisionRefused, Request, Who, decide
 from runs.executor import Executor, drive, execute
 from runs.leases import Lease, LeaseLost
 from runs.models import (
@@ -24,13 +25,19 @@ from runs.models import (
     Run,
     RunStatus,
 )
-from runs.outcomes import open_item, resolve_item, xact_status
+from runs.outcomes import open_item, xact_status
 from runs.sweep import sweep
 from runs.timeline import timeline
 from tests.conftest import database_url
 from tests.faultruns import DOCS, KEYS, dispatched, events, executions, run_with, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def settled_by_evidence(item: OutcomeItem, choice: str, token: str = "") -> bool:
+    """The system settles `item`; whether that put its run back in the queue."""
+    request = Request(choice=choice, who=Who(system="test"), token=token or f"t-{item.pk}")
+    return decide(item.pk, request).run_resumed
 
 
 def expire(run: Run) -> None:
@@ -80,11 +87,12 @@ def test_a_run_held_by_two_items_goes_back_only_when_both_are_settled():
     # A checkpoint item never holds a run (it went on): settling the
     # publications is what counts.
     open_item(run_id=run.pk, kind=OutcomeKind.CHECKPOINT, subject="cp", summary="", evidence={})
-    assert resolve_item(first, "not_written", {}) == "settled"
+    assert settled_by_evidence(first, "not_written") is False
     run.refresh_from_db()
     assert run.status == RunStatus.NEEDS_OPERATOR
-    assert resolve_item(second, "not_written", {}) == "run_resumed"
-    assert resolve_item(second, "not_written", {}) is None  # once
+    assert settled_by_evidence(second, "not_written") is True
+    with pytest.raises(DecisionRefused, match="already settled"):  # once
+        settled_by_evidence(second, "written", token="another")
     run.refresh_from_db()
     assert run.status == RunStatus.QUEUED
 
@@ -102,13 +110,13 @@ def test_two_items_settled_at_the_same_moment_resume_the_run_once():
         )
         for n in range(2)
     ]
-    results: list[str | None] = []
+    results: list[bool] = []
     barrier = threading.Barrier(2)
 
     def settle(item: OutcomeItem) -> None:
         try:
             barrier.wait()
-            results.append(resolve_item(item, "committed", {}))
+            results.append(settled_by_evidence(item, "written"))
         finally:
             connection.close()
 
@@ -117,7 +125,7 @@ def test_two_items_settled_at_the_same_moment_resume_the_run_once():
         thread.start()
     for thread in threads:
         thread.join(10)
-    assert sorted(results, key=str) == ["run_resumed", "settled"]
+    assert sorted(results) == [False, True]
     run.refresh_from_db()
     assert run.status == RunStatus.QUEUED
 

@@ -10,6 +10,7 @@ import psycopg
 import pytest
 from django.db import connection
 
+from runs.decisions import settle_open_items
 from runs.executor import execute
 from runs.models import (
     ActionState,
@@ -22,7 +23,7 @@ from runs.models import (
     Run,
     RunStatus,
 )
-from runs.outcomes import CommitUnanswered, orphan, settle, settle_open_items, xact_status
+from runs.outcomes import CommitUnanswered, orphan, settle, xact_status
 from runs.sql import Backend
 from tests.faultruns import KEYS, dispatched, events, executions, run_with, wait_for
 from tests.receivers import LocalServer, status

@@ -1,0 +1,529 @@
+"""Decisions on what the runtime cannot settle itself, by evidence or by an
+operator: one code path for both.
+
+An outcome item (runs/outcomes.py) stays open until a decision settles it.
+The choices offered are those the evidence allows, gathered fresh each time
+(`gather`, `offers`):
+
+- an effect whose answer was lost (only its receiver knows):
+  `confirmed_happened` (the action gets a receipt that says so; it is never
+  sent again), `resend_same_identity` and `confirmed_not_happened` (each
+  authorises one more dispatch under the original identity and
+  Idempotency-Key: the only way an effect is ever dispatched twice, and the
+  database counts these decisions, migration 0008);
+- a database write whose COMMIT got no answer: `check_again`, and only when
+  the evidence cannot tell (no transaction status any more, or contradicting
+  the probe), `written` or `not_written`, as the probe by identity allows;
+- the run itself: `resume` (back to the queue, from its receipts) when no
+  item holds it, `abandon` (it ends; everything it wrote stays readable).
+
+A decision is a row nobody can change (OperatorDecision): who, why, the
+reference, the evidence shown and its SHA-256, the item's state before and
+after.  It is idempotent by its request token, and two decisions on one item
+cannot both settle it: the item row is locked, the second sees the first.
+When the last item a waiting run is held by is settled, the run goes back to
+the queue in the same transaction.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.db.models.functions import Now
+from django.utils import timezone
+from psycopg.types.json import Jsonb
+
+from runs.models import (
+    Action,
+    ActionState,
+    Checkpoint,
+    CheckpointOutcome,
+    DecisionChoice,
+    EventKind,
+    OperatorDecision,
+    OutcomeItem,
+    OutcomeKind,
+    OutcomeState,
+    Receipt,
+    Run,
+    RunStatus,
+    action_identity,
+    digest,
+)
+from runs.outcomes import CommitUnanswered, Settlement, settle, written, written_by
+from runs.sql import server_cursor
+from runs.timeline import timeline
+
+OPERATE = "runs.operate_run"
+
+
+class DecisionRefused(Exception):
+    """The decision cannot be taken; says why, and names the decision that
+    settled the item first, if one did."""
+
+    def __init__(self, message: str, decision: OperatorDecision | None = None) -> None:
+        super().__init__(message)
+        self.decision = decision
+
+
+@dataclass(frozen=True)
+class Offer:
+    choice: DecisionChoice
+    does: str  # what it will do, in an operator's words
+
+    @property
+    def label(self) -> str:
+        return self.choice.label
+
+
+# -- the evidence -----------------------------------------------------------------
+
+
+def check(item: OutcomeItem) -> Settlement:
+    """The evidence now: the write's transaction status, whether its writer
+    still runs, and the probe by identity (no waiting)."""
+    asked = CommitUnanswered(item.subject, item.xid, written_by(item), "asked again")
+    return settle(asked, lambda: written(item), patience=0)
+
+
+def gather(item: OutcomeItem) -> dict[str, Any]:
+    """What an operator is shown about an item, fresh: what the runtime
+    recorded, the action's boundary, the evidence now, the run's receipts,
+    what the run did afterwards.  JSON, so it can be kept with a decision."""
+    run = item.run
+    shown: dict[str, Any] = {
+        "item": {
+            "id": item.pk,
+            "kind": item.kind,
+            "subject": item.subject,
+            "summary": item.summary,
+            "opened_at": item.created_at.isoformat(),
+            "state": item.state,
+            "recorded": item.evidence,
+        },
+        "run": {"id": run.pk, "status": run.status, "status_reason": run.status_reason},
+    }
+    if item.action_id is not None:
+        action = item.action
+        shown["boundary"] = {
+            "identity": action_identity(run.pk, action.step_key),
+            "kind": action.kind,
+            "effect_class": action.effect_class,
+            "input_digest": action.input_digest,
+            "epoch": action.epoch,
+            "attempts": action.attempts,
+            "dispatched_at": action.dispatched_at.isoformat(),
+            "state": action.state,
+            "error": action.error,
+        }
+    if item.kind == OutcomeKind.EFFECT:
+        shown["delivery"] = {
+            "idempotency_key": item.evidence.get("idempotency_key", ""),
+            "receiver_answer": item.action.error if item.action_id else "",
+        }
+    else:
+        settlement = check(item)
+        last = settlement.evidence["checks"][-1]
+        shown["now"] = {
+            "xid": settlement.evidence["xid"],
+            "xid_status": last.get("xid_status"),
+            "writer_alive": last.get("backend_alive"),
+            "row_found": last.get("row_found"),
+            "error": last.get("error"),
+            "settles_as": settlement.outcome,
+        }
+    receipts = Receipt.objects.filter(run=run).order_by("created_at", "action_id")
+    shown["receipts"] = [
+        {
+            "step_key": receipt.step_key,
+            "result_digest": receipt.result_digest,
+            "at": receipt.created_at.isoformat(),
+            "after_item": receipt.created_at > item.created_at,
+        }
+        for receipt in receipts
+    ]
+    shown["afterwards"] = item.evidence.get("afterwards", "")
+    return shown
+
+
+def offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
+    """The choices the evidence in `shown` (gather) allows for `item`."""
+    if item.state != OutcomeState.OPEN:
+        return []
+    if item.kind == OutcomeKind.EFFECT:
+        key = shown["delivery"]["idempotency_key"]
+        return [
+            Offer(
+                DecisionChoice.CONFIRMED_HAPPENED,
+                "The receiver has it. The action is recorded as completed, confirmed by you, "
+                "with your reference; the run goes on past it and never sends it again.",
+            ),
+            Offer(
+                DecisionChoice.RESEND_SAME_IDENTITY,
+                f"The receiver honours Idempotency-Key {key}. It is sent once more under the "
+                "same identity and key; a receiver that has it already keeps one copy.",
+            ),
+            Offer(
+                DecisionChoice.CONFIRMED_NOT_HAPPENED,
+                "The receiver does not have it. It is sent once more, under the same identity.",
+            ),
+        ]
+    now = shown["now"]
+    choices = [
+        Offer(
+            DecisionChoice.CHECK_AGAIN,
+            "Asks the database again (transaction status, then the row by its identity); "
+            "settles the item if the evidence now can.",
+        )
+    ]
+    # Only where the evidence cannot tell: the transaction's status is gone
+    # (or was never known), or contradicts the probe.  While the transaction
+    # is still in flight nobody may decide: it can still commit.
+    gone = now["xid_status"] is None and not now["writer_alive"]
+    contradicts = (now["xid_status"], now["row_found"]) in {("committed", False), ("aborted", True)}
+    if (gone or contradicts) and now["error"] is None:
+        if now["row_found"]:
+            choices.append(
+                Offer(
+                    DecisionChoice.WRITTEN,
+                    "The row is there: it is adopted as written; the run goes on from it.",
+                )
+            )
+        else:
+            choices.append(
+                Offer(
+                    DecisionChoice.NOT_WRITTEN,
+                    "The row is not there: it is known not written; the run writes it "
+                    "again when it goes on (a read is dispatched again under its identity).",
+                )
+            )
+    return choices
+
+
+def run_offers(run: Run) -> list[Offer]:
+    if run.status != RunStatus.NEEDS_OPERATOR:
+        return []
+    choices = [
+        Offer(
+            DecisionChoice.ABANDON,
+            "The run ends. Its receipts, answers and evidence stay readable; nothing is sent.",
+        )
+    ]
+    if not run.outcome_items.holding_runs().exists():
+        choices.insert(
+            0,
+            Offer(
+                DecisionChoice.RESUME,
+                "Back to the queue: it continues from its receipts, executing nothing that "
+                "completed.",
+            ),
+        )
+    return choices
+
+
+# -- deciding ---------------------------------------------------------------------
+
+
+@dataclass
+class Who:
+    """A person (a user with the operator permission) or the system."""
+
+    user: AbstractBaseUser | None = None
+    system: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.user.get_username() if self.user is not None else f"system: {self.system}"
+
+
+@dataclass
+class Request:
+    choice: str
+    who: Who
+    token: str
+    reason: str = ""
+    reference: str = ""
+    shown: dict[str, Any] = field(default_factory=dict)
+
+
+def decide(item_id: int, request: Request) -> OperatorDecision:
+    """Takes a decision on an open item; returns it (or the first one taken
+    with the same token), with `run_resumed` saying whether it put the run
+    back in the queue.  DecisionRefused says why not."""
+    if (earlier := _by_token(request.token, item_id=item_id)) is not None:
+        return earlier
+    _check_person(request)
+    item = OutcomeItem.objects.select_related("run", "action", "checkpoint").get(pk=item_id)
+    shown = request.shown or gather(item)
+    if request.who.user is not None and item.state == OutcomeState.OPEN:
+        offered = {offer.choice for offer in offers(item, shown)}
+        if request.choice not in offered:
+            raise DecisionRefused(
+                f"{request.choice} is not offered for this item now: the evidence allows "
+                f"{', '.join(sorted(offered)) or 'nothing'}"
+            )
+    settlement = check(item) if request.choice == DecisionChoice.CHECK_AGAIN else None
+    try:
+        with transaction.atomic():
+            Run.objects.lock_waiting(item.run_id)
+            item = OutcomeItem.objects.select_for_update().get(pk=item_id)
+            if (earlier := _by_token(request.token, item_id=item_id)) is not None:
+                return earlier
+            if item.state != OutcomeState.OPEN:
+                first = item.decisions.filter(state_after=OutcomeState.RESOLVED).first()
+                by = f" by {first.decided_by} ({first.get_choice_display()})" if first else ""
+                raise DecisionRefused(f"already settled{by}: {item.resolution}", first)
+            outcome = _outcome(item, request.choice, settlement)
+            decision = _record(item.run_id, item, item.action_id, request, shown, outcome)
+            if outcome is not None:
+                _apply(item, decision, outcome)
+            decision.run_resumed = outcome is not None and Run.objects.resume_if_settled(
+                item.run_id, f"{item.subject} settled by {request.who.name}: continues"
+            )
+    except IntegrityError:
+        # The same token, committed by a concurrent submit: that one stands.
+        if (earlier := _by_token(request.token, item_id=item_id)) is not None:
+            return earlier
+        raise
+    _tell(item.run_id, decision, item.subject)
+    if decision.run_resumed:
+        timeline.record(
+            item.run_id,
+            EventKind.RUN_REQUEUED,
+            f"{item.subject} settled by {request.who.name}: continues from its receipts",
+        )
+    return decision
+
+
+def decide_run(run_id: int, request: Request) -> OperatorDecision:
+    """`resume` or `abandon` a run that waits for an operator."""
+    if (earlier := _by_token(request.token, run_id=run_id)) is not None:
+        return earlier
+    _check_person(request)
+    run = Run.objects.get(pk=run_id)
+    offered = {offer.choice for offer in run_offers(run)}
+    if request.choice not in offered:
+        raise DecisionRefused(
+            f"{request.choice} is not offered for run {run_id} ({run.get_status_display()}): "
+            f"{', '.join(sorted(offered)) or 'nothing is'} offered"
+        )
+    shown = request.shown or {"run": {"id": run.pk, "status": run.status}}
+    with transaction.atomic():
+        Run.objects.lock_waiting(run_id)
+        if (earlier := _by_token(request.token, run_id=run_id)) is not None:
+            return earlier
+        waiting = Run.objects.filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR)
+        if request.choice == DecisionChoice.RESUME:
+            changed = waiting.exclude(
+                Q(outcome_items__state=OutcomeState.OPEN)
+                & ~Q(outcome_items__kind=OutcomeKind.CHECKPOINT)
+            ).update(
+                status=RunStatus.QUEUED,
+                status_reason=f"resumed by {request.who.name}: {request.reason}",
+                queued_at=Now(),
+            )
+            after = RunStatus.QUEUED
+        else:
+            changed = waiting.update(
+                status=RunStatus.CANCELLED,
+                status_reason=f"abandoned by {request.who.name}: {request.reason}",
+                cancel_requested_at=Now(),
+                cancel_requested_by=request.who.name,
+                finished_at=Now(),
+            )
+            after = RunStatus.CANCELLED
+        if not changed:
+            raise DecisionRefused(f"run {run_id} changed meanwhile: nothing was decided")
+        decision = _record(run_id, None, None, request, shown, after, before=run.status)
+    _tell(run_id, decision, f"run {run_id}")
+    return decision
+
+
+def settle_by_evidence(item: OutcomeItem, settlement: Settlement) -> OperatorDecision | None:
+    """The sweep's settlement of an item, as a system decision (the same
+    path as an operator's).  None if another decision settled it first."""
+    choice = (
+        DecisionChoice.WRITTEN if settlement.outcome == "committed" else DecisionChoice.NOT_WRITTEN
+    )
+    request = Request(
+        choice=choice,
+        who=Who(system="evidence (pg_xact_status, probe by identity)"),
+        token=f"system:item-{item.pk}",
+        reason=settlement.describe(),
+        shown={"item": {"id": item.pk, "subject": item.subject}, "evidence": settlement.evidence},
+    )
+    try:
+        return decide(item.pk, request)
+    except DecisionRefused:
+        return None
+
+
+def _check_person(request: Request) -> None:
+    user = request.who.user
+    if user is None:
+        if not request.who.system:
+            raise DecisionRefused("a decision is a person's or the system's")
+        return
+    if not user.has_perm(OPERATE):
+        raise DecisionRefused(f"{user.get_username()} may not decide: the operator permission")
+    if not request.reason.strip():
+        raise DecisionRefused("say why: a reason is required")
+
+
+def _by_token(token: str, **about: int) -> OperatorDecision | None:
+    earlier = OperatorDecision.objects.filter(request_token=token).first()
+    if earlier is None:
+        return None
+    earlier.run_resumed = False  # it was taken before: this call resumes nothing
+    item_id, run_id = about.get("item_id"), about.get("run_id")
+    if (item_id is not None and earlier.item_id != item_id) or (
+        run_id is not None and (earlier.run_id != run_id or earlier.item_id is not None)
+    ):
+        raise DecisionRefused("this request token was used for another decision")
+    return earlier
+
+
+def _outcome(
+    item: OutcomeItem, choice: str, settlement: Settlement | None
+) -> Settlement | str | None:
+    """What a decision settles the item as: "committed"/"not_written" for
+    a write, the effect choice for an effect; None when it stays open (a
+    check that still cannot tell)."""
+    if choice == DecisionChoice.CHECK_AGAIN:
+        assert settlement is not None
+        return None if settlement.outcome == "unknown" else settlement
+    if choice == DecisionChoice.WRITTEN:
+        return "committed"
+    if choice == DecisionChoice.NOT_WRITTEN:
+        return "not_written"
+    return choice
+
+
+def _record(
+    run_id: int,
+    item: OutcomeItem | None,
+    action_id: int | None,
+    request: Request,
+    shown: dict[str, Any],
+    outcome: object,
+    *,
+    before: str = OutcomeState.OPEN,
+) -> OperatorDecision:
+    after = (
+        outcome
+        if item is None
+        else (OutcomeState.OPEN if outcome is None else OutcomeState.RESOLVED)
+    )
+    snapshot = json.loads(json.dumps(shown, default=str))
+    return OperatorDecision.objects.create(
+        run_id=run_id,
+        item=item,
+        action_id=action_id,
+        user=request.who.user,
+        decided_by=request.who.name,
+        choice=request.choice,
+        reason=request.reason.strip(),
+        reference=request.reference.strip(),
+        evidence=snapshot,
+        evidence_digest=digest(snapshot),
+        state_before=before,
+        state_after=str(after),
+        request_token=request.token,
+    )
+
+
+def _apply(item: OutcomeItem, decision: OperatorDecision, outcome: Settlement | str) -> None:
+    """What the decision settles, written in its transaction."""
+    result = outcome.outcome if isinstance(outcome, Settlement) else outcome
+    if result == DecisionChoice.CONFIRMED_HAPPENED:
+        _confirm_effect(item, decision)
+    elif result in (DecisionChoice.RESEND_SAME_IDENTITY, DecisionChoice.CONFIRMED_NOT_HAPPENED):
+        Action.objects.filter(pk=item.action_id, state=ActionState.UNKNOWN).update(
+            state=ActionState.FAILED,
+            error=f"{decision.get_choice_display()} ({decision.decided_by}): dispatch once more "
+            "under the same identity",
+        )
+    elif item.checkpoint_id is not None:
+        Checkpoint.objects.filter(pk=item.checkpoint_id, outcome=CheckpointOutcome.UNKNOWN).update(
+            outcome=CheckpointOutcome.RESOLVED_COMMITTED
+            if result == "committed"
+            else CheckpointOutcome.RESOLVED_NOT_WRITTEN,
+            resolved_at=timezone.now(),
+            resolution=f"{decision.decided_by}: {decision.reason}",
+        )
+    OutcomeItem.objects.filter(pk=item.pk).update(
+        state=OutcomeState.RESOLVED,
+        resolution=f"{decision.get_choice_display()} by {decision.decided_by}: {decision.reason}",
+        resolved_at=timezone.now(),
+        evidence={**item.evidence, "decision": decision.pk},
+    )
+
+
+def _confirm_effect(item: OutcomeItem, decision: OperatorDecision) -> None:
+    """The effect's receipt, confirmed by an operator with the receiver's
+    reference: its action is completed, under its original identity."""
+    result = {
+        "confirmed_by": decision.decided_by,
+        "reference": decision.reference,
+        "reason": decision.reason,
+        "decision": decision.pk,
+    }
+    with server_cursor() as cursor:
+        cursor.execute(
+            """WITH completed AS (
+                   UPDATE runs_action SET state = 'completed', finished_at = now()
+                   WHERE id = %(action)s AND state = 'unknown'
+                   RETURNING id, run_id, step_key, epoch)
+               INSERT INTO runs_receipt (action_id, run_id, step_key, result, result_digest,
+                   epoch, xid, created_at)
+               SELECT id, run_id, step_key, %(result)s, %(digest)s, epoch, rundesk_xid(false),
+                   now()
+               FROM completed""",
+            {"action": item.action_id, "result": Jsonb(result), "digest": digest(result)},
+        )
+        if cursor.rowcount != 1:
+            raise DecisionRefused(f"the action of {item.subject} is no longer unknown")
+
+
+def _tell(run_id: int, decision: OperatorDecision, about: str) -> None:
+    timeline.record(
+        run_id,
+        EventKind.DECISION,
+        f"{decision.decided_by}: {decision.get_choice_display()} on {about}"
+        + (f" ({decision.reason})" if decision.reason else ""),
+        decision=decision.pk,
+        state_after=decision.state_after,
+    )
+
+
+@dataclass
+class Settled:
+    settled: int = 0
+    runs_resumed: list[int] = field(default_factory=list)
+
+
+def settle_open_items() -> Settled:
+    """Asks again about open checkpoint, receipt and publication items (an
+    orphaned transaction may have ended since); what the evidence settles
+    becomes a system decision.  Effects are never settled here: only their
+    receiver knows."""
+    swept = Settled()
+    items = OutcomeItem.objects.filter(
+        state=OutcomeState.OPEN,
+        kind__in=[OutcomeKind.CHECKPOINT, OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION],
+    ).select_related("checkpoint")
+    for item in items:
+        settlement = check(item)
+        if settlement.outcome == "unknown":
+            continue
+        decision = settle_by_evidence(item, settlement)
+        if decision is not None and decision.state_after == OutcomeState.RESOLVED:
+            swept.settled += 1
+            if decision.run_resumed:
+                swept.runs_resumed.append(item.run_id)
+    return swept
