@@ -1,0 +1,292 @@
+"""Operators settle what the runtime cannot, from evidence, and the run goes
+on without executing anything twice: each choice end to end on real runs,
+with a real local receiver; decisions are immutable, idempotent, and one
+settles an item."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+from django.contrib.auth.models import Group, Permission, User
+from django.db import DatabaseError, IntegrityError, connection, transaction
+
+from runs.decisions import DecisionRefused, Request, Who, decide, decide_run, gather, offers
+from runs.executor import execute
+from runs.models import (
+    Action,
+    ActionState,
+    AnswerRevision,
+    DecisionChoice,
+    OperatorDecision,
+    OutcomeItem,
+    OutcomeKind,
+    OutcomeState,
+    Receipt,
+    Run,
+    RunStatus,
+)
+from runs.outcomes import xact_status
+from tests.faultruns import KEYS, executions, run_with, wait_for
+from tests.receivers import LocalServer, status
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("short_settle")]
+
+
+@pytest.fixture
+def operator() -> User:
+    user = User.objects.create_user("olga", password="x")
+    group, _ = Group.objects.get_or_create(name="operators")
+    group.permissions.add(Permission.objects.get(codename="operate_run"))
+    user.groups.add(group)
+    return User.objects.get(pk=user.pk)  # permissions are cached per instance
+
+
+def asked(choice: str, user: User, **fields: str) -> Request:
+    return Request(choice=choice, who=Who(user=user), token=uuid.uuid4().hex, **fields)
+
+
+@pytest.fixture
+def lost_delivery(settings, journal):
+    """A run whose delivery reached a real receiver, but whose answer was lost."""
+    with LocalServer(status(200)) as receiver:
+        settings.RUNDESK_DELIVERY_URL = receiver.url
+        run, outcome = run_with([{"point": "delivery_timeout"}])
+        assert outcome == RunStatus.NEEDS_OPERATOR and len(receiver.requests) == 1
+        yield run, OutcomeItem.objects.get(run=run, kind=OutcomeKind.EFFECT), receiver
+
+
+def keys(receiver: LocalServer) -> list[str]:
+    return [headers["Idempotency-Key"] for headers, _ in receiver.requests]
+
+
+# -- effects ------------------------------------------------------------------------
+
+
+def test_confirmed_happened_completes_the_run_without_sending_again(lost_delivery, operator):
+    run, item, receiver = lost_delivery
+    decision = decide(
+        item.pk,
+        asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="in their log", reference="D-7"),
+    )
+    assert decision.run_resumed and decision.state_after == OutcomeState.RESOLVED
+    receipt = Receipt.objects.get(action=item.action)
+    assert receipt.verifies(receipt.action)
+    assert receipt.result["confirmed_by"] == "olga" and receipt.result["reference"] == "D-7"
+
+    assert execute(run.pk) == RunStatus.COMPLETED
+    assert len(receiver.requests) == 1  # never sent again
+    assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
+
+
+@pytest.mark.parametrize(
+    "choice", [DecisionChoice.RESEND_SAME_IDENTITY, DecisionChoice.CONFIRMED_NOT_HAPPENED]
+)
+def test_an_authorised_resend_goes_once_more_under_the_same_key(
+    lost_delivery, operator, journal, choice
+):
+    run, item, receiver = lost_delivery
+    decide(item.pk, asked(choice, operator, reason="the receiver has no record of it"))
+    assert execute(run.pk) == RunStatus.COMPLETED
+    identity = f"rundesk:run-{run.pk}:deliver"
+    assert keys(receiver) == [identity, identity]  # exactly one more, same key
+    deliver = Action.objects.get(run=run, step_key="deliver")
+    assert (deliver.state, deliver.attempts) == (ActionState.COMPLETED, 2)
+    assert all(executions(journal, run, key) == 1 for key in KEYS[:-1])
+
+
+def test_the_database_counts_the_decisions_that_authorise_a_second_dispatch(
+    lost_delivery, operator
+):
+    _, item, _ = lost_delivery
+    deliver = item.action
+    with pytest.raises(IntegrityError, match="action_effect_dispatched_once"), transaction.atomic():
+        Action.objects.filter(pk=deliver.pk).update(attempts=2)
+    decide(item.pk, asked(DecisionChoice.RESEND_SAME_IDENTITY, operator, reason="resend"))
+    Action.objects.filter(pk=deliver.pk).update(attempts=2)  # one decision: one more
+    with pytest.raises(IntegrityError, match="action_effect_dispatched_once"), transaction.atomic():
+        Action.objects.filter(pk=deliver.pk).update(attempts=3)
+
+
+def test_a_resent_delivery_whose_answer_is_lost_again_is_a_new_item(lost_delivery, operator):
+    run, item, receiver = lost_delivery
+    decide(item.pk, asked(DecisionChoice.CONFIRMED_NOT_HAPPENED, operator, reason="not there"))
+    Run.objects.filter(pk=run.pk).update(faults=[{"point": "delivery_timeout"}], faults_fired=[])
+    assert execute(run.pk) == RunStatus.NEEDS_OPERATOR
+    again = OutcomeItem.objects.get(run=run, state=OutcomeState.OPEN)
+    assert again.pk != item.pk and again.subject.endswith("attempt-2")
+    assert len(receiver.requests) == 2
+
+
+# -- database writes whose evidence is gone -----------------------------------------
+
+
+def unanswered_receipt(settle_as: str) -> tuple[Run, OutcomeItem]:
+    """A receipt whose COMMIT answer was lost, whose transaction then ended
+    (committed, or aborted), and whose transaction id is no longer known."""
+    fault = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
+    killer = threading.Thread(target=_abort_the_orphan, daemon=True)
+    if settle_as == "aborted":
+        killer.start()
+    run, outcome = run_with([{**fault, "outcome": "late", "stall_ms": 6000}])
+    assert outcome == RunStatus.NEEDS_OPERATOR
+    item = OutcomeItem.objects.get(run=run, kind=OutcomeKind.RECEIPT)
+    if settle_as == "aborted":
+        killer.join(30)
+    wait_for(
+        lambda: xact_status(item.xid) == ("aborted" if settle_as == "aborted" else "committed")
+    )
+    evidence = {k: v for k, v in item.evidence.items() if not k.startswith("backend")}
+    # Items are records (a trigger): the evidence is removed behind its back.
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE runs_outcomeitem DISABLE TRIGGER USER")
+        OutcomeItem.objects.filter(pk=item.pk).update(xid=None, evidence=evidence)
+        cursor.execute("ALTER TABLE runs_outcomeitem ENABLE TRIGGER USER")
+    item.refresh_from_db()
+    return run, item
+
+
+def _abort_the_orphan() -> None:
+    """Once the item is open, ends the writer still in flight: it aborts."""
+    try:
+        wait_for(lambda: OutcomeItem.objects.filter(kind=OutcomeKind.RECEIPT).exists())
+        item = OutcomeItem.objects.get(kind=OutcomeKind.RECEIPT)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s, 5000)", [item.evidence["backend_pid"]])
+    finally:
+        connection.close()
+
+
+def test_an_operator_adopts_a_receipt_whose_evidence_is_gone(journal, operator):
+    run, item = unanswered_receipt("committed")
+    shown = gather(item)
+    assert (shown["now"]["xid_status"], shown["now"]["row_found"]) == (None, True)
+    assert [o.choice for o in offers(item, shown)] == ["check_again", "written"]
+    with pytest.raises(DecisionRefused, match="not offered"):
+        decide(item.pk, asked(DecisionChoice.NOT_WRITTEN, operator, reason="guess"))
+    decide(item.pk, asked(DecisionChoice.WRITTEN, operator, reason="the row is there"))
+    assert execute(run.pk) == RunStatus.COMPLETED
+    assert all(executions(journal, run, key) == 1 for key in KEYS)
+
+
+def test_a_receipt_known_not_written_is_written_again_and_the_read_runs_at_most_once_more(
+    journal, operator
+):
+    run, item = unanswered_receipt("aborted")
+    assert [o.choice for o in offers(item, gather(item))] == ["check_again", "not_written"]
+    decide(item.pk, asked(DecisionChoice.NOT_WRITTEN, operator, reason="no row, writer gone"))
+    assert execute(run.pk) == RunStatus.COMPLETED
+    assert executions(journal, run, "read:1") == 2  # dispatched again under its identity
+    assert all(executions(journal, run, key) == 1 for key in KEYS if key != "read:1")
+
+
+def test_check_again_settles_what_the_evidence_now_can(journal, operator):
+    fault = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
+    run, _ = run_with([{**fault, "outcome": "late", "stall_ms": 3000}])
+    item = OutcomeItem.objects.get(run=run)
+    wait_for(lambda: xact_status(item.xid) == "committed")
+    decision = decide(item.pk, asked(DecisionChoice.CHECK_AGAIN, operator, reason="look again"))
+    assert decision.state_after == OutcomeState.RESOLVED and decision.run_resumed
+
+
+# -- the decisions themselves ----------------------------------------------------------
+
+
+def test_the_same_token_twice_is_one_decision(lost_delivery, operator):
+    _, item, _ = lost_delivery
+    request = asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="in their log")
+    first = decide(item.pk, request)
+    again = decide(item.pk, request)
+    assert again.pk == first.pk and not again.run_resumed
+    assert OperatorDecision.objects.filter(item=item).count() == 1
+
+
+def test_two_operators_at_once_one_decision_settles_the_item(lost_delivery, operator):
+    _, item, _ = lost_delivery
+    other = User.objects.create_user("omar")
+    other.groups.add(Group.objects.get(name="operators"))
+    outcomes: list[object] = []
+    barrier = threading.Barrier(2)
+
+    def deciding(user: User, choice: str) -> None:
+        try:
+            barrier.wait()
+            outcomes.append(decide(item.pk, asked(choice, user, reason="mine")))
+        except DecisionRefused as refused:
+            outcomes.append(refused)
+        finally:
+            connection.close()
+
+    threads = [
+        threading.Thread(target=deciding, args=(operator, DecisionChoice.CONFIRMED_HAPPENED)),
+        threading.Thread(
+            target=deciding,
+            args=(User.objects.get(pk=other.pk), DecisionChoice.CONFIRMED_NOT_HAPPENED),
+        ),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    decisions = [o for o in outcomes if isinstance(o, OperatorDecision)]
+    refused = [o for o in outcomes if isinstance(o, DecisionRefused)]
+    assert len(decisions) == 1 and len(refused) == 1
+    assert refused[0].decision.pk == decisions[0].pk  # the loser sees the winner
+    assert OperatorDecision.objects.filter(item=item).count() == 1
+
+
+def test_people_without_the_permission_or_a_reason_cannot_decide(lost_delivery, operator):
+    _, item, _ = lost_delivery
+    viewer = User.objects.create_user("vera")
+    with pytest.raises(DecisionRefused, match="operator permission"):
+        decide(item.pk, asked(DecisionChoice.CONFIRMED_HAPPENED, viewer, reason="x"))
+    with pytest.raises(DecisionRefused, match="reason"):
+        decide(item.pk, asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="  "))
+    assert not OperatorDecision.objects.exists()
+
+
+def test_a_decision_cannot_be_changed_or_deleted(lost_delivery, operator):
+    _, item, _ = lost_delivery
+    decision = decide(item.pk, asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="seen"))
+    for sql in (
+        "UPDATE runs_operatordecision SET reason = 'rewritten' WHERE id = %s",
+        "DELETE FROM runs_operatordecision WHERE id = %s",
+    ):
+        with (
+            pytest.raises(DatabaseError, match="immutable"),
+            transaction.atomic(),
+            connection.cursor() as cursor,
+        ):
+            cursor.execute(sql, [decision.pk])
+    decision.refresh_from_db()
+    assert decision.reason == "seen" and len(decision.evidence_digest) == 64
+
+
+def test_the_sweeps_settlements_are_system_decisions(journal):
+    fault = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
+    run, _ = run_with([{**fault, "outcome": "late", "stall_ms": 3000}])
+    item = OutcomeItem.objects.get(run=run)
+    wait_for(lambda: xact_status(item.xid) == "committed")
+    from runs.sweep import sweep
+
+    assert sweep().resumed == [run.pk]
+    decision = OperatorDecision.objects.get(item=item)
+    assert decision.user is None and decision.decided_by.startswith("system: ")
+    assert decision.choice == DecisionChoice.WRITTEN and decision.evidence["evidence"]["xid"]
+
+
+# -- the run ------------------------------------------------------------------------
+
+
+def test_abandon_ends_a_waiting_run_and_keeps_what_it_wrote(lost_delivery, operator):
+    run, item, receiver = lost_delivery
+    with pytest.raises(DecisionRefused, match="not offered"):  # an item holds it
+        decide_run(run.pk, asked(DecisionChoice.RESUME, operator, reason="go"))
+    decide_run(run.pk, asked(DecisionChoice.ABANDON, operator, reason="customer withdrew"))
+    run.refresh_from_db()
+    assert run.status == RunStatus.CANCELLED
+    assert run.status_reason == "abandoned by olga: customer withdrew"
+    assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
+    assert OutcomeItem.objects.get(pk=item.pk).state == OutcomeState.OPEN
+    assert execute(run.pk) == "not_claimable" and len(receiver.requests) == 1
