@@ -162,6 +162,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "dashboard.context.inbox",
             ],
         },
     }
@@ -271,6 +272,23 @@ if RUNDESK_MODEL_PROVIDER == "openai" and not (RUNDESK_MODEL_URL and RUNDESK_MOD
     raise ImproperlyConfigured(
         "RUNDESK_MODEL_PROVIDER=openai needs RUNDESK_MODEL_URL and RUNDESK_MODEL"
     )
+
+# Alerts (runs/alerts.py): when a run starts waiting for an operator, once
+# per item, email to the `operators` group and/or a JSON POST to this URL.
+RUNDESK_ALERT_URL = env_url("RUNDESK_ALERT_URL")
+RUNDESK_ALERT_TIMEOUT = env_float("RUNDESK_ALERT_TIMEOUT", 5.0, minimum=0.1)
+# Where the dashboard is reached, for links in alerts.
+RUNDESK_SITE_URL = env_str("RUNDESK_SITE_URL", "http://127.0.0.1:8000").rstrip("/")
+EMAIL_BACKEND = env_str(
+    "EMAIL_BACKEND",
+    "django.core.mail.backends.console.EmailBackend"
+    if DEBUG
+    else "django.core.mail.backends.smtp.EmailBackend",
+)
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = int(env_float("EMAIL_PORT", 25, minimum=1))
+EMAIL_TIMEOUT = env_float("EMAIL_TIMEOUT", 10.0, minimum=0.1)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "rundesk@localhost")
 
 # Leases: an owner renews every LEASE_SECONDS / 3; a run whose lease expired
 # is taken by another executor with a higher epoch.

@@ -540,14 +540,15 @@ class OutcomeState(models.TextChoices):
     RESOLVED = "resolved"
 
 
+# The items a run must wait for: an unknown receipt, publication or effect.
+# An unknown checkpoint holds nothing (the run went on).
+HOLDING_KINDS = [OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION, OutcomeKind.EFFECT]
+
+
 class OutcomeItemQuerySet(models.QuerySet["OutcomeItem"]):
     def holding_runs(self) -> OutcomeItemQuerySet:
-        """Open items a run must wait for: an unknown receipt, publication or
-        effect.  An unknown checkpoint holds nothing (the run went on)."""
-        return self.filter(
-            state=OutcomeState.OPEN,
-            kind__in=[OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION, OutcomeKind.EFFECT],
-        )
+        """Open items their run must wait for (HOLDING_KINDS)."""
+        return self.filter(state=OutcomeState.OPEN, kind__in=HOLDING_KINDS)
 
 
 class OutcomeItem(models.Model):

@@ -34,6 +34,7 @@ from django.conf import settings
 from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
 from django.utils import timezone
 
+from runs import alerts
 from runs.models import (
     AnswerRevision,
     Checkpoint,
@@ -203,6 +204,7 @@ def open_item(
     except IntegrityError:
         return OutcomeItem.objects.get(subject=subject)
     timeline.record(run_id, EventKind.OUTCOME_OPEN, f"{kind}: {summary}", subject=subject)
+    alerts.item_opened(item)
     return item
 
 
