@@ -35,7 +35,10 @@ def execute_run(self: Any, run_id: int, seen_expiry: str | None = None) -> str:
     if retry is None or self.request.retries >= CLAIM_RETRIES:
         return outcome
     countdown, expiry = retry
-    raise self.retry(countdown=countdown, kwargs={"run_id": run_id, "seen_expiry": expiry})
+    # Both args and kwargs: given kwargs alone, Celery 5.5 (pyproject allows
+    # >=5.4) keeps the task's positional run_id too, and the retry fails with
+    # "got multiple values for argument 'run_id'".
+    raise self.retry(args=(run_id,), kwargs={"seen_expiry": expiry}, countdown=countdown)
 
 
 @shared_task

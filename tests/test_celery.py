@@ -1,28 +1,47 @@
-"""The same execute(run_id) as a Celery task, with a real worker process."""
+"""The same execute(run_id) as a Celery task, with real worker processes.
+
+Celery-only deployments recover by themselves: a task that meets a run whose
+dead owner's lease is still valid retries until it expires, a task for a run
+a live owner holds is dropped, and beat's sweep requeues a run whose worker
+was killed (kombu's filesystem broker has no acks: the killed worker's task
+is gone with it).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from django.db import connection
 
-from runs.models import Run, RunStatus
+from runs.executor import drive
+from runs.leases import Lease
+from runs.models import Action, AnswerRevision, EventKind, Receipt, Run, RunEvent, RunStatus
 from runs.tasks import execute_run
 from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
+DOCS = ["northwind-clean-energy.md", "meridian-world-equity.md", "crestline-short-treasury.md"]
 
-def test_real_worker_executes_a_run_and_a_redelivered_task_changes_nothing(
-    process_env, journal, tmp_path, settings
-):
-    broker = tmp_path / "var" / "celery-broker"
-    broker.mkdir(parents=True)
+
+@pytest.fixture
+def broker(tmp_path: Path, settings: object) -> Iterator[Path]:
+    """The filesystem broker folder the worker processes use (process_env's
+    RUNDESK_VAR_DIR), for the tasks this process sends too."""
+    folder = tmp_path / "var" / "celery-broker"
+    folder.mkdir(parents=True)
     settings.CELERY_BROKER_TRANSPORT_OPTIONS = {
-        "data_folder_in": str(broker),
-        "data_folder_out": str(broker),
+        "data_folder_in": str(folder),
+        "data_folder_out": str(folder),
         "store_processed": False,
     }
     conf = execute_run.app.conf
@@ -30,46 +49,261 @@ def test_real_worker_executes_a_run_and_a_redelivered_task_changes_nothing(
         conf.broker_transport_options,
         settings.CELERY_BROKER_TRANSPORT_OPTIONS,
     )
-    run = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"])
-    # The same task twice: as after a redelivery (acks_late).
-    execute_run.delay(run.pk)
-    execute_run.delay(run.pk)
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "dashboard",
-            "worker",
-            "--pool",
-            "solo",
-            "--loglevel",
-            "info",
-            "--without-heartbeat",
-            "--without-mingle",
-            "--without-gossip",
-        ],
-        cwd=ROOT,
-        env=process_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     try:
-        deadline = time.monotonic() + 60
-        while Run.objects.get(pk=run.pk).status != RunStatus.COMPLETED:
-            assert time.monotonic() < deadline, "worker did not complete the run"
-            assert worker.poll() is None, worker.stdout.read()
-            time.sleep(0.1)
-        while any(broker.iterdir()):  # the second task is consumed too
-            assert time.monotonic() < deadline, "second task not consumed"
-            time.sleep(0.1)
+        yield folder
     finally:
         conf.broker_transport_options = previous
-        worker.terminate()
-        output, _ = worker.communicate(timeout=30)
+
+
+def enqueue(run_id: int) -> None:
+    """execute_run for the run, on a connection of its own: the app's pooled
+    producer may still point at an earlier test's broker folder."""
+    with execute_run.app.connection_for_write() as conn:
+        execute_run.apply_async((run_id,), connection=conn)
+
+
+class Worker:
+    """`celery -A dashboard worker` (with --beat: beat embedded, as make
+    demo runs it) in its own process group, its log in a file."""
+
+    def __init__(self, env: dict[str, str], log: Path, *, beat: bool) -> None:
+        self.log = log
+        self._out = log.open("w")
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "dashboard",
+                "worker",
+                "--pool",
+                "solo",
+                "--loglevel",
+                "info",
+                "--without-heartbeat",
+                "--without-mingle",
+                "--without-gossip",
+                *(["--beat"] if beat else []),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def alive(self) -> None:
+        assert self.process.poll() is None, self.output()
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        wait_until(lambda: " ready." in self.output(), timeout, "worker not ready", self)
+
+    def kill(self) -> None:
+        """SIGKILL to the whole group: the worker and its embedded beat."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):  # a child (beat) left behind
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self._out.close()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=15)
+        self.kill()
+
+
+def wait_until(
+    condition: Callable[[], object], timeout: float, what: str, *workers: Worker
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        for worker in workers:
+            worker.alive()
+        time.sleep(0.05)
+
+
+def status(run: Run) -> str:
+    return Run.objects.values_list("status", flat=True).get(pk=run.pk)
+
+
+def test_real_worker_executes_a_run_and_a_redelivered_task_changes_nothing(
+    process_env, journal, tmp_path, broker
+):
+    run = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"])
+    # The same task twice: as after a redelivery (acks_late).
+    enqueue(run.pk)
+    enqueue(run.pk)
+    worker = Worker(process_env, tmp_path / "worker.log", beat=False)
+    try:
+        wait_until(lambda: status(run) == RunStatus.COMPLETED, 60, "run not completed", worker)
+        # The second task is consumed too.
+        wait_until(lambda: not any(broker.iterdir()), 60, "second task not consumed", worker)
+        wait_until(lambda: "'not_claimable'" in worker.output(), 10, "no second task", worker)
+    finally:
+        worker.stop()
+    output = worker.output()
     run.refresh_from_db()
     assert run.lease_epoch == 1  # claimed once
     assert sum(journal.counts().values()) == 4  # read, summarize, compose, deliver: once each
     assert "'completed'" in output and "'not_claimable'" in output
+
+
+def test_a_worker_killed_mid_run_is_recovered_by_beat_with_no_executor(
+    process_env, journal, tmp_path, broker
+):
+    env = {**process_env, "RUNDESK_SWEEP_SECONDS": "0.5"}
+    run = Run.objects.submit(
+        question="Compare these funds", documents=DOCS, faults=[{"point": "tool_delay", "ms": 600}]
+    )
+    enqueue(run.pk)
+    a = Worker(env, tmp_path / "worker-a.log", beat=True)
+    b = None
+    try:
+        # Killed mid-run: running, at least one action completed, more to come.
+        wait_until(
+            lambda: status(run) == RunStatus.RUNNING and Receipt.objects.filter(run=run).exists(),
+            40,
+            "worker A did not start the run",
+            a,
+        )
+        a.kill()
+        completed_before = set(Receipt.objects.filter(run=run).values_list("step_key", flat=True))
+        assert status(run) == RunStatus.RUNNING and "deliver" not in completed_before
+
+        # Another worker with beat, and no `manage.py executor` anywhere.
+        b = Worker(env, tmp_path / "worker-b.log", beat=True)
+        wait_until(lambda: status(run) == RunStatus.COMPLETED, 40, "run not recovered", b)
+        # Its timeline says why it moved again (written off the main path).
+        wait_until(
+            lambda: (
+                RunEvent.objects.filter(run=run, kind=EventKind.RUN_REQUEUED).exists()
+                and RunEvent.objects.filter(run=run, kind=EventKind.RUN_COMPLETED).exists()
+            ),
+            10,
+            "no run_requeued event",
+            b,
+        )
+    finally:
+        a.kill()
+        if b is not None:
+            b.stop()
+
+    run.refresh_from_db()
+    # A held epoch 1, the sweep's requeue fenced it out (2), B claimed 3.
+    assert run.lease_epoch == 3
+    final = AnswerRevision.objects.get(run=run, is_final=True)
+    # All three documents made it into the report: none was dropped on the way.
+    assert final.epoch == 3 and "Not included" not in final.content
+    # The report was delivered once, and it is the final answer.
+    outbox = tmp_path / "outbox"
+    reports = [p for p in outbox.iterdir() if not p.name.startswith(".")]
+    assert len(reports) == 1 and reports[0].read_text() == final.content
+
+    counts = journal.counts()
+    identity = f"rundesk:run-{run.pk}:{{}}".format
+    assert counts[identity("deliver")] == 1
+    # Nothing completed before the kill was executed again: B reused its receipts.
+    assert {key: counts[identity(key)] for key in completed_before} == dict.fromkeys(
+        completed_before, 1
+    )
+    # Every step of the run ran; only a read in flight at the kill (no
+    # receipt) may have run twice.
+    steps = [f"{kind}:{i}" for i in range(len(DOCS)) for kind in ("read", "summarize")]
+    assert set(counts) == {identity(key) for key in [*steps, "compose", "deliver"]}
+    assert all(n in (1, 2) for n in counts.values())
+    assert set(Action.objects.filter(run=run).values_list("state", flat=True)) == {"completed"}
+    reused = RunEvent.objects.filter(run=run, kind=EventKind.ACTION_REUSED)
+    assert reused.count() >= len(completed_before)
+
+
+def test_a_task_redelivered_while_the_dead_owners_lease_is_still_valid_retries_until_it_expires(
+    process_env, journal, tmp_path, broker, settings
+):
+    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    worker = Worker(process_env, tmp_path / "worker.log", beat=False)
+    try:
+        worker.wait_ready()
+        # An owner that claimed the run and died at once: its lease stays
+        # valid for 4 s (the task comes within about 1 s), and nobody renews it.
+        settings.RUNDESK_LEASE_SECONDS = 4
+        dead = Lease.claim(run.pk, "dead-owner")
+        assert dead is not None and dead.epoch == 1
+        expired_at = Run.objects.values_list("lease_expires_at", flat=True).get(pk=run.pk)
+        enqueue(run.pk)
+        wait_until(lambda: status(run) == RunStatus.COMPLETED, 30, "run not completed", worker)
+    finally:
+        worker.stop()
+    output = worker.output()
+
+    # The task came while the lease was valid, was not consumed as
+    # not_claimable, but came back once the lease had expired.
+    assert "Retry in" in output
+    assert "'not_claimable'" not in output
+    run.refresh_from_db()
+    assert run.lease_epoch == 2 and not dead.held()
+    # Nothing was dispatched while the dead owner's lease was valid.
+    first = Action.objects.filter(run=run).order_by("dispatched_at").first()
+    assert first is not None and first.dispatched_at >= expired_at
+    assert AnswerRevision.objects.filter(run=run, is_final=True, epoch=2).exists()
+    assert sorted(journal.counts().values()) == [1, 1, 1, 1]
+
+
+def test_a_task_for_a_run_a_live_owner_holds_is_dropped_not_retried_forever(
+    process_env, journal, tmp_path, broker, settings
+):
+    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    worker = Worker(process_env, tmp_path / "worker.log", beat=False)
+    settings.RUNDESK_LEASE_SECONDS = 3
+    live = Lease.claim(run.pk, "live-owner")
+    assert live is not None
+    stop, lost = threading.Event(), threading.Event()
+
+    def renew() -> None:
+        try:
+            while not stop.wait(0.5):
+                if not live.renew():
+                    lost.set()
+                    return
+        finally:
+            connection.close()
+
+    renewer = threading.Thread(target=renew, name="live-owner")
+    renewer.start()
+    try:
+        worker.wait_ready()
+        enqueue(run.pk)
+        wait_until(lambda: "'not_claimable'" in worker.output(), 30, "task not dropped", worker)
+        worker.stop()
+        output = worker.output()
+
+        # It looked again once the lease could have expired, saw it renewed,
+        # and ended; it did not retry until CLAIM_RETRIES ran out.
+        done = [line for line in output.splitlines() if "succeeded in" in line]
+        assert len(done) == 1 and "'not_claimable'" in done[0]
+        assert 1 <= output.count("Retry in") <= 2
+        # The live owner still holds the run, and nothing ran in the worker.
+        assert not lost.is_set()
+        run.refresh_from_db()
+        assert (run.status, run.lease_owner, run.lease_epoch) == ("running", "live-owner", 1)
+        assert not journal.entries()
+    finally:
+        stop.set()
+        renewer.join()
+        worker.stop()
+
+    # The live owner finishes the run through its lease (its heartbeat takes
+    # over from the renewing thread).
+    assert drive(live, threading.Event()) == RunStatus.COMPLETED
+    run.refresh_from_db()
+    assert (run.status, run.lease_epoch) == (RunStatus.COMPLETED, 1)
+    assert AnswerRevision.objects.filter(run=run, is_final=True, epoch=1).exists()
+    assert sorted(journal.counts().values()) == [1, 1, 1, 1]
+    assert {e["pid"] for e in journal.entries()} == {os.getpid()}
