@@ -7,20 +7,29 @@ Content-Security-Policy allows no script but the site's own files.
 
 from __future__ import annotations
 
+import datetime as dt
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import plotly.graph_objects as go
 from django.utils import timezone
 
-from evidence.models import CaptureGap, LockIncident
-from runs.models import Run
+from dashboard.context import plain
+from evidence.models import CaptureGap, GapReason, LockIncident
+from runs.models import Action, CheckpointOutcome, EventKind, Run
 
-STATE_COLOURS = {
-    "completed": "#2e9d4e",
-    "dispatched": "#3b7dd8",
-    "failed": "#d9473b",
-    "unknown": "#e0a21b",
+if TYPE_CHECKING:
+    from dashboard.views import CheckpointRow
+
+# Colours and legend names of action attempts, by how each ended.
+ATTEMPTS = {
+    "completed": ("#2e9d4e", "action completed"),
+    "dispatched": ("#3b7dd8", "action in flight, no receipt yet"),
+    "failed": ("#d9473b", "action failed: known not to have happened"),
+    "unknown": ("#e0a21b", "action outcome unknown"),
+    "interrupted": ("#9aa5b1", "attempt cut short: lease lost or given back"),
 }
 OUTCOME_COLOURS = {
     "committed": "#2e9d4e",
@@ -29,6 +38,37 @@ OUTCOME_COLOURS = {
     "resolved_not_written": "#d9473b",
     "unknown": "#e0a21b",
 }
+# Lease changes, drawn as vertical lines: (label, colour).
+LEASE_CHANGES = {
+    EventKind.LEASE_ACQUIRED: ("lease taken", "#3b7dd8"),
+    EventKind.LEASE_RELEASED: ("lease given back", "#5b6570"),
+    EventKind.LEASE_LOST: ("lease lost", "#d9473b"),
+    EventKind.RESUMED: ("resumed", "#3b7dd8"),
+    EventKind.RUN_REQUEUED: ("back in the queue", "#5b6570"),
+}
+STARTS = {EventKind.ACTION_DISPATCHED, EventKind.ACTION_REDISPATCHED}
+ENDS = {
+    EventKind.ACTION_COMPLETED: "completed",
+    EventKind.ACTION_FAILED: "failed",
+    EventKind.ACTION_UNKNOWN: "unknown",
+}
+# After these, no attempt of the run's current owner is still in flight.
+INTERRUPTIONS = {
+    EventKind.LEASE_LOST,
+    EventKind.LEASE_RELEASED,
+    EventKind.RUN_REQUEUED,
+    EventKind.NEEDS_OPERATOR,
+    EventKind.RUN_FAILED,
+    EventKind.RUN_CANCELLED,
+}
+# A bar is drawn at least this fraction of the chart's time span wide: an
+# action of a few milliseconds in a run that paused for minutes stays visible
+# (its hover says how long it really took).
+MIN_BAR_FRACTION = 1 / 250
+# Labels of vertical lines go at up to this many heights; a label is about
+# this fraction of the chart's width wide.
+LABEL_LEVELS = 4
+LABEL_WIDTH_FRACTION = 0.12
 LAYOUT = {
     "margin": {"l": 110, "r": 20, "t": 10, "b": 40},
     "plot_bgcolor": "#fff",
@@ -38,55 +78,136 @@ LAYOUT = {
 }
 
 
-def timeline(run: Run) -> str:
-    """Actions as bars from boundary to outcome, coloured by state;
-    checkpoints and capture gaps on lanes of their own; answer revisions and
-    phase changes as vertical lines."""
+@dataclass
+class Attempt:
+    """One dispatch of an action, from its boundary to how it ended."""
+
+    action: Action
+    number: int
+    start: dt.datetime
+    end: dt.datetime
+    how: str  # a key of ATTEMPTS
+
+
+@dataclass
+class Mark:
+    """A moment drawn as a vertical line with a label."""
+
+    at: dt.datetime
+    label: str
+    colour: str
+    hover: str = ""
+
+
+def timeline(run: Run, actions: Sequence[Action], checkpoints: Sequence[CheckpointRow]) -> str:
+    """Each attempt of an action as a bar from its dispatch to how it ended,
+    coloured by that; checkpoints (one marker per number, its final outcome)
+    and capture gaps on lanes of their own; lease changes, answer revisions
+    and phase changes as labelled vertical lines."""
     now = timezone.now()
+    events = list(
+        run.events.filter(
+            kind__in=[
+                *STARTS,
+                *ENDS,
+                *INTERRUPTIONS,
+                *LEASE_CHANGES,
+                EventKind.PHASE_CHANGED,
+                EventKind.DECISION,
+            ]
+        )
+        .order_by("created_at", "id")
+        .values("kind", "action_id", "created_at", "message", "data")
+    )
+    last_seen = run.finished_at or max((e["created_at"] for e in events), default=None)
+    until = now if run.is_active or last_seen is None else last_seen
+    attempts, outcomes = _attempts(actions, events, until)
+    gaps = list(CaptureGap.objects.filter(run=run).order_by("id"))
+    marks = [
+        Mark(e["created_at"], _lease_label(e), LEASE_CHANGES[e["kind"]][1], e["message"])
+        for e in events
+        if e["kind"] in LEASE_CHANGES
+    ]
+    marks += [
+        Mark(r.committed_at, f"rev {r.number}", "#2e9d4e", "answer revision published")
+        for r in run.revisions.order_by("number")
+    ]
+    marks += [
+        Mark(e["created_at"], "finalizing", "#e0a21b", e["message"])
+        for e in events
+        if e["kind"] == EventKind.PHASE_CHANGED
+    ]
+    marks += [
+        Mark(e["created_at"], "decision", "#8a5cd1", e["message"])
+        for e in events
+        if e["kind"] == EventKind.DECISION
+    ]
+    moments = [a.start for a in attempts] + [a.end for a in attempts] + [m.at for m in marks]
+    moments += [c.at for c in checkpoints] + [g.created_at for g in gaps]
+    span = (max(moments) - min(moments)) if moments else dt.timedelta(0)
+    shortest = max(span.total_seconds() * 1000 * MIN_BAR_FRACTION, 1.0)
+
     figure = go.Figure()
-    actions = list(run.actions.select_related("receipt").order_by("id"))
-    for state, colour in STATE_COLOURS.items():
-        bars = [a for a in actions if a.state == state]
+    for how, (colour, name) in ATTEMPTS.items():
+        bars = [a for a in attempts if a.how == how]
         if not bars:
             continue
         figure.add_trace(
             go.Bar(
-                name=f"action {state}",
+                name=name,
                 orientation="h",
-                y=[a.step_key for a in bars],
-                base=[a.dispatched_at.isoformat() for a in bars],
-                x=[_ms((a.finished_at or now) - a.dispatched_at) for a in bars],
-                marker={"color": colour},
+                y=[a.action.step_key for a in bars],
+                base=[a.start.isoformat() for a in bars],
+                x=[max(_ms(a.end - a.start), shortest) for a in bars],
+                marker={"color": colour, "pattern": {"shape": "/" if how == "interrupted" else ""}},
                 customdata=[
-                    [a.epoch, a.input_digest[:12], (a.error or "")[:200], a.attempts] for a in bars
+                    [
+                        a.action.epoch,
+                        a.action.input_digest[:12],
+                        (a.action.error or "")[:200],
+                        a.number,
+                        _duration(a.end - a.start),
+                    ]
+                    for a in bars
                 ],
                 hovertemplate=(
-                    "%{y}<br>epoch %{customdata[0]}, attempt %{customdata[3]}"
-                    "<br>input %{customdata[1]}…<br>%{customdata[2]}<extra>" + state + "</extra>"
+                    "%{y}<br>attempt %{customdata[3]}, took %{customdata[4]}"
+                    "<br>input %{customdata[1]}…<br>%{customdata[2]}<extra>" + name + "</extra>"
                 ),
             )
         )
-    checkpoints = list(run.checkpoints.order_by("id"))
+    for how, points in sorted(outcomes.items()):
+        colour, name = ATTEMPTS[how]
+        figure.add_trace(
+            go.Scatter(
+                name=f"{name} (said after a pause)",
+                mode="markers",
+                x=[at.isoformat() for _, at, _ in points],
+                y=[action.step_key for action, _, _ in points],
+                marker={"color": colour, "size": 11, "symbol": "x"},
+                customdata=[[message[:200]] for _, _, message in points],
+                hovertemplate="%{y}<br>%{customdata[0]}<extra>" + name + "</extra>",
+            )
+        )
     for outcome, colour in OUTCOME_COLOURS.items():
         points = [c for c in checkpoints if c.outcome == outcome]
-        if points:
-            figure.add_trace(
-                go.Scatter(
-                    name=f"checkpoint {outcome}",
-                    mode="markers",
-                    x=[c.created_at.isoformat() for c in points],
-                    y=["checkpoints"] * len(points),
-                    marker={"color": colour, "size": 11, "symbol": "diamond"},
-                    customdata=[
-                        [c.number, c.xid or "", (c.error or c.resolution)[:200]] for c in points
-                    ],
-                    hovertemplate=(
-                        "checkpoint %{customdata[0]}<br>xid %{customdata[1]}<br>%{customdata[2]}"
-                        "<extra>" + outcome + "</extra>"
-                    ),
-                )
+        if not points:
+            continue
+        name = f"checkpoint {plain(CheckpointOutcome, outcome)}"
+        figure.add_trace(
+            go.Scatter(
+                name=name,
+                mode="markers",
+                x=[c.at.isoformat() for c in points],
+                y=["checkpoints"] * len(points),
+                marker={"color": colour, "size": 11, "symbol": "diamond"},
+                customdata=[[c.number, c.xid or "—", c.summary[:300]] for c in points],
+                hovertemplate=(
+                    "checkpoint %{customdata[0]}<br>xid %{customdata[1]}<br>%{customdata[2]}"
+                    "<extra>" + name + "</extra>"
+                ),
             )
-    gaps = list(CaptureGap.objects.filter(run=run).order_by("id"))
+        )
     if gaps:
         figure.add_trace(
             go.Scatter(
@@ -95,18 +216,16 @@ def timeline(run: Run) -> str:
                 x=[g.created_at.isoformat() for g in gaps],
                 y=["capture gaps"] * len(gaps),
                 marker={"color": "#8a5cd1", "size": 10, "symbol": "x"},
-                customdata=[[g.reason, g.detail[:200]] for g in gaps],
-                hovertemplate="%{customdata[0]}<br>%{customdata[1]}<extra>gap</extra>",
+                customdata=[[plain(GapReason, g.reason), g.detail[:200]] for g in gaps],
+                hovertemplate="%{customdata[0]}<br>%{customdata[1]}<extra>capture gap</extra>",
             )
         )
-    for revision in run.revisions.order_by("number"):
-        _vertical(figure, revision.committed_at.isoformat(), f"rev {revision.number}", "#2e9d4e")
-    for event in run.events.filter(kind="phase_changed").order_by("id"):
-        _vertical(figure, event.created_at.isoformat(), "finalizing", "#e0a21b")
+    for mark, level in _levels(marks, span):
+        _vertical(figure, mark, level)
     lanes = [a.step_key for a in actions] + ["checkpoints", "capture gaps"]
     figure.update_layout(
-        **LAYOUT,
-        height=max(220, 26 * len(lanes) + 80),
+        **{**LAYOUT, "margin": {**LAYOUT["margin"], "t": 16 * LABEL_LEVELS + 14}},
+        height=max(240, 26 * len(lanes) + 120),
         barmode="overlay",
         xaxis={"type": "date", "title": None},
         yaxis={
@@ -120,6 +239,82 @@ def timeline(run: Run) -> str:
         uirevision=f"run-{run.pk}",
     )
     return figure.to_json()
+
+
+def _attempts(
+    actions: Sequence[Action], events: list[dict[str, Any]], until: dt.datetime
+) -> tuple[list[Attempt], dict[str, list[tuple[Action, dt.datetime, str]]]]:
+    """The attempts of each action, from the timeline's events: an attempt
+    starts at a dispatch and ends at the action's outcome, or where its
+    owner stopped (lease lost or given back, the run paused or ended).  An
+    action whose dispatch events were lost gets one attempt from its row.
+    Also the outcomes said after the attempt they are about was cut short
+    (an effect found without receipt on resume is marked unknown then)."""
+    starts: dict[int, list[dt.datetime]] = {}
+    ends: dict[int, list[tuple[dt.datetime, str, str]]] = {}
+    interruptions = []
+    for e in events:
+        if e["kind"] in STARTS and e["action_id"]:
+            starts.setdefault(e["action_id"], []).append(e["created_at"])
+        elif e["kind"] in ENDS and e["action_id"]:
+            ends.setdefault(e["action_id"], []).append(
+                (e["created_at"], ENDS[e["kind"]], e["message"])
+            )
+        elif e["kind"] in INTERRUPTIONS:
+            interruptions.append(e["created_at"])
+    attempts: list[Attempt] = []
+    late: dict[str, list[tuple[Action, dt.datetime, str]]] = {}
+    for action in actions:
+        begun = starts.get(action.pk) or [action.dispatched_at]
+        unused = list(ends.get(action.pk, []))
+        for number, start in enumerate(begun, 1):
+            following = begun[number] if number < len(begun) else None
+            before_next = [
+                end
+                for end in unused
+                if end[0] >= start and (following is None or end[0] < following)
+            ]
+            cut = next((t for t in interruptions if t >= start), None)
+            if following is not None and cut is not None and cut > following:
+                cut = None
+            if before_next and (cut is None or before_next[0][0] <= cut):
+                ended = before_next[0]
+                unused.remove(ended)
+                end, how = ended[0], ended[1]
+            elif cut is not None:
+                end, how = cut, "interrupted"
+            elif following is not None:
+                end, how = following, "interrupted"
+            elif action.finished_at is not None and action.finished_at >= start:
+                end, how = action.finished_at, action.state
+            else:
+                end, how = max(until, start), action.state
+            if how not in ATTEMPTS:
+                how = "dispatched"
+            attempts.append(Attempt(action, number, start, end, how))
+        for at, how, message in unused:
+            late.setdefault(how, []).append((action, at, message))
+    return attempts, late
+
+
+def _levels(marks: list[Mark], span: dt.timedelta) -> list[tuple[Mark, int]]:
+    """The height each mark's label goes at: the lowest whose last label is
+    far enough to the left not to overlap, else the one used longest ago."""
+    apart = span * LABEL_WIDTH_FRACTION
+    last: list[dt.datetime | None] = [None] * LABEL_LEVELS
+    placed = []
+    for mark in sorted(marks, key=lambda m: m.at):
+        free = [i for i, at in enumerate(last) if at is None or mark.at - at >= apart]
+        level = free[0] if free else min(range(LABEL_LEVELS), key=lambda i: last[i] or mark.at)
+        last[level] = mark.at
+        placed.append((mark, level))
+    return placed
+
+
+def _lease_label(event: dict[str, Any]) -> str:
+    label = LEASE_CHANGES[event["kind"]][0]
+    epoch = (event["data"] or {}).get("epoch")
+    return f"{label}, epoch {epoch}" if epoch is not None else label
 
 
 def lock_graph(incident: LockIncident) -> str:
@@ -200,13 +395,35 @@ def gaps_over_time(gaps: Iterable[tuple[str, str, int]]) -> str:
     return figure.to_json()
 
 
-def _ms(delta: object) -> float:
-    return max(delta.total_seconds() * 1000, 1.0)  # type: ignore[attr-defined]
+def _ms(delta: dt.timedelta) -> float:
+    return max(delta.total_seconds() * 1000, 1.0)
 
 
-def _vertical(figure: go.Figure, x: str, label: str, colour: str) -> None:
-    figure.add_vline(x=x, line={"color": colour, "dash": "dot", "width": 1})
-    figure.add_annotation(x=x, y=1, yref="paper", text=label, showarrow=False, font={"size": 10})
+def _duration(delta: dt.timedelta) -> str:
+    seconds = delta.total_seconds()
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    return f"{seconds / 60:.1f} min"
+
+
+def _vertical(figure: go.Figure, mark: Mark, level: int) -> None:
+    """A vertical line at `mark`, its label above the plot at one of
+    LABEL_LEVELS heights, so that labels of close moments do not overlap."""
+    x = mark.at.isoformat()
+    figure.add_vline(x=x, line={"color": mark.colour, "dash": "dot", "width": 1})
+    figure.add_annotation(
+        x=x,
+        y=1,
+        yref="paper",
+        yanchor="bottom",
+        yshift=2 + 16 * level,
+        text=mark.label,
+        hovertext=mark.hover or mark.label,
+        showarrow=False,
+        font={"size": 10, "color": mark.colour},
+    )
 
 
 def _node_label(role: str, pid: int, run_id: int | None) -> str:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from functools import wraps
 from typing import Any
 
@@ -24,6 +25,7 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseStopPolling
 
 from dashboard import charts
+from dashboard.context import evidence_fields, plain, status_words, words
 from dashboard.security import rejects_bad_input
 from evidence import locks, pglog
 from evidence.models import (
@@ -31,11 +33,25 @@ from evidence.models import (
     CaptureGapHour,
     CaptureStats,
     EvidenceCopy,
+    GapReason,
     IncidentSource,
     LockIncident,
     LockWait,
 )
-from runs.models import OutcomeState, Run, RunStatus, older_than, page_cursor
+from runs.models import (
+    ActionState,
+    Checkpoint,
+    CheckpointOutcome,
+    EffectClass,
+    EventKind,
+    OutcomeKind,
+    OutcomeState,
+    Phase,
+    Run,
+    RunStatus,
+    older_than,
+    page_cursor,
+)
 
 PAGE_SIZE = 50
 EVENTS_PAGE = 50
@@ -46,7 +62,12 @@ def operator_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpRe
     @wraps(view)
     def checked(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         if not request.user.has_perm("runs.operate_run"):
-            raise PermissionDenied("operators only")
+            # Said on the 403 page (templates/403.html).
+            raise PermissionDenied(
+                "This needs the operator permission (Can operate runs), and "
+                f"{request.user.get_username() or 'this account'} has only a viewer's: "
+                "an administrator can add you to the operators group."
+            )
         return view(request, *args, **kwargs)
 
     return checked
@@ -88,7 +109,14 @@ def runs_list(request: HttpRequest) -> HttpResponse:
         "q": request.GET.get("q", "").strip(),
     }
     runs = Run.objects.listing().only(
-        "id", "question", "status", "phase", "lease_owner", "lease_epoch", "created_at"
+        "id",
+        "question",
+        "status",
+        "phase",
+        "lease_owner",
+        "lease_epoch",
+        "cancel_requested_by",
+        "created_at",
     )
     if filters["status"]:
         runs = runs.filter(status=filters["status"])
@@ -102,10 +130,12 @@ def runs_list(request: HttpRequest) -> HttpResponse:
         runs = _older_than(runs, cursor)
     page = list(runs.order_by("-created_at", "-id")[: PAGE_SIZE + 1])
     more, page = len(page) > PAGE_SIZE, page[:PAGE_SIZE]
+    for run in page:
+        run.status_label, run.phase_label = status_words(run), plain(Phase, run.phase)
     context = {
         "runs": page,
         "filters": filters,
-        "statuses": RunStatus.choices,
+        "statuses": [(value, plain(RunStatus, value)) for value in RunStatus.values],
         "next_cursor": page_cursor(page[-1]) if more and page else "",
         "live": any(run.is_active for run in page),
         "now": timezone.now(),
@@ -123,7 +153,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     before = request.GET.get("events_before", "")
     if before and request.htmx:  # type: ignore[attr-defined]
         return render(request, "run_detail.html#events", _events(run, before))
-    context = {"run": run, **_live(run), **_events(run, before)}
+    context = {"run": run, **_live(run), **_events(run, before), "plotly": True}
     if _partial(request, "run-live"):
         response = render(request, "run_detail.html#live", context)
         return response if run.is_active else HttpResponseStopPolling(response.content)
@@ -131,27 +161,118 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
 
 
 def _live(run: Run) -> dict[str, Any]:
-    """What changes while a run is active."""
+    """What changes while a run is active, in an operator's words."""
+    run.status_label, run.phase_label = status_words(run), plain(Phase, run.phase)
     revisions = list(run.revisions.order_by("number"))
     for revision in revisions:
-        revision.html = _answer_html(revision.content) if revision.is_final else ""
-    stats = CaptureStats.objects.filter(run=run).first()
-    items = list(run.outcome_items.order_by("id"))
+        revision.html = _answer_html(revision.content)
+    actions = list(run.actions.select_related("receipt").order_by("id"))
+    for action in actions:
+        action.state_label = plain(ActionState, action.state)
+        action.class_label = plain(EffectClass, action.effect_class)
+        action.kind_label = words(action.kind)
+    items = list(run.outcome_items.select_related("action").order_by("id"))
+    for item in items:
+        item.kind_label = plain(OutcomeKind, item.kind)
+        item.state_label = plain(OutcomeState, item.state)
+        item.fields = evidence_fields(item.evidence)
+    gaps = list(CaptureGap.objects.filter(run=run).order_by("id")[:50])
+    for gap in gaps:
+        gap.reason_label = plain(GapReason, gap.reason)
+    checkpoints = checkpoint_rows(run.checkpoints.select_related("after_action").order_by("id"))
     return {
-        "actions": run.actions.select_related("receipt").order_by("id"),
-        "checkpoints": run.checkpoints.select_related("after_action").order_by("id"),
+        "actions": actions,
+        "checkpoints": checkpoints,
         "revisions": revisions,
         "items": items,
         "open_items": sum(item.state == OutcomeState.OPEN for item in items),
         "copies": EvidenceCopy.objects.filter(run=run).order_by("id")[:50],
-        "gaps": CaptureGap.objects.filter(run=run).order_by("id")[:50],
-        "capture": stats,
+        "gaps": gaps,
+        "capture": CaptureStats.objects.filter(run=run).first(),
         "waits": LockWait.objects.filter(Q(waiter_run=run) | Q(blocker_run=run))
         .select_related("incident")
         .order_by("-first_seen")[:50],
         "faults": json.dumps(run.faults, indent=1) if run.faults else "",
-        "timeline": json.loads(charts.timeline(run)),
+        "timeline": json.loads(charts.timeline(run, actions, checkpoints)),
     }
+
+
+@dataclass
+class Step:
+    """One thing that happened to a checkpoint: attempted, saved, settled."""
+
+    at: dt.datetime | None
+    what: str
+    detail: str = ""
+
+
+@dataclass
+class CheckpointRow:
+    """A checkpoint number of a run, with its final outcome and its history.
+
+    The database keeps the saved state and the record of an attempt whose
+    COMMIT got no answer (or that failed before writing) as separate rows
+    under the same number; an operator sees one checkpoint."""
+
+    number: int
+    after: str
+    outcome: str
+    outcome_label: str
+    xid: int | None
+    at: dt.datetime
+    history: list[Step] = field(default_factory=list)
+
+    @property
+    def summary(self) -> str:
+        return "; ".join(
+            f"{step.what}{': ' + step.detail if step.detail else ''}" for step in self.history
+        )
+
+
+def checkpoint_rows(records: Iterable[Checkpoint]) -> list[CheckpointRow]:
+    """One row per checkpoint number.  Its outcome: unknown while any attempt
+    is still unknown (an open item says so too); else written when a saved
+    state exists (settled by evidence if an attempt needed settling); else
+    the last attempt's outcome."""
+    by_number: dict[int, list[Checkpoint]] = {}
+    for record in records:
+        by_number.setdefault(record.number, []).append(record)
+    rows = []
+    for number, group in sorted(by_number.items()):
+        saved = next((r for r in group if r.state is not None), None)
+        attempts = [r for r in group if r.state is None]
+        outcomes = {r.outcome for r in attempts}
+        if CheckpointOutcome.UNKNOWN in outcomes:
+            outcome = CheckpointOutcome.UNKNOWN
+        elif saved is not None:
+            settled = CheckpointOutcome.RESOLVED_COMMITTED in outcomes
+            outcome = CheckpointOutcome.RESOLVED_COMMITTED if settled else saved.outcome
+        else:
+            outcome = attempts[-1].outcome
+        history = []
+        for record in attempts:
+            if record.outcome == CheckpointOutcome.FAILED_BEFORE_WRITE:
+                history.append(Step(record.created_at, "failed before write", record.error))
+                continue
+            # Unknown first, whatever settled it since.
+            history.append(Step(record.created_at, record.error or "COMMIT sent, no answer"))
+            if record.resolved_at:
+                history.append(Step(record.resolved_at, "settled", record.resolution))
+        history.sort(key=lambda step: step.at)
+        if saved is not None and attempts:  # alone, a saved state needs no history
+            history.append(Step(None, "its saved state is readable"))
+        rows.append(
+            CheckpointRow(
+                number=number,
+                after=group[0].after_action.step_key,
+                outcome=outcome,
+                outcome_label=plain(CheckpointOutcome, outcome),
+                xid=next((r.xid for r in group if r.xid is not None), None),
+                at=min(r.created_at for r in group),
+                history=history,
+            )
+        )
+    return rows
 
 
 def _events(run: Run, before: str) -> dict[str, Any]:
@@ -162,6 +283,8 @@ def _events(run: Run, before: str) -> dict[str, Any]:
         events = _older_than(events, before)
     page = list(events[: EVENTS_PAGE + 1])
     more, page = len(page) > EVENTS_PAGE, page[:EVENTS_PAGE]
+    for event in page:
+        event.kind_label = plain(EventKind, event.kind)
     return {
         "run": run,
         "events": page,
@@ -171,7 +294,7 @@ def _events(run: Run, before: str) -> dict[str, Any]:
 
 def _answer_html(content: str) -> SafeString:
     """Model output, rendered from markdown and sanitised: no script, no
-    event handler attribute survives."""
+    event handler attribute survives.  Drafts and the final answer alike."""
     html = markdown.markdown(content, extensions=["tables"])
     return mark_safe(nh3.clean(html))  # noqa: S308 (sanitised by nh3 just above)
 
@@ -218,6 +341,7 @@ def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
         "incident": incident,
         "waits": incident.waits.order_by("id"),
         "graph": json.loads(charts.lock_graph(incident)),
+        "plotly": True,
     }
     return render(request, "lock_detail.html", context)
 
@@ -262,16 +386,30 @@ def gaps(request: HttpRequest) -> HttpResponse:
     costs the same however many gaps there are."""
     since = timezone.now() - dt.timedelta(days=7)
     hours = CaptureGapHour.objects.filter(hour__gte=since)
-    hourly = hours.order_by("hour").values_list("hour", "reason", "count")
+    hourly = list(hours.order_by("hour").values_list("hour", "reason", "count"))
+    by_reason = list(hours.values("reason").annotate(n=Sum("count")).order_by("-n"))
+    for row in by_reason:
+        row["label"] = plain(GapReason, row["reason"])
+    by_run = list(
+        CaptureStats.objects.filter(lost__gt=0).select_related("run").order_by("-lost")[:50]
+    )
+    for stats in by_run:
+        stats.run.status_label = status_words(stats.run)
+    latest = list(CaptureGap.objects.order_by("-created_at", "-id")[:50])
+    for gap in latest:
+        gap.reason_label = plain(GapReason, gap.reason)
     context = {
         "chart": json.loads(
-            charts.gaps_over_time((hour.isoformat(), reason, n) for hour, reason, n in hourly)
-        ),
-        "by_reason": hours.values("reason").annotate(n=Sum("count")).order_by("-n"),
-        "by_run": CaptureStats.objects.filter(lost__gt=0)
-        .select_related("run")
-        .order_by("-lost")[:50],
-        "latest": CaptureGap.objects.order_by("-created_at", "-id")[:50],
+            charts.gaps_over_time(
+                (hour.isoformat(), plain(GapReason, reason), n) for hour, reason, n in hourly
+            )
+        )
+        if hourly
+        else None,
+        "plotly": bool(hourly),
+        "by_reason": by_reason,
+        "by_run": by_run,
+        "latest": latest,
         "since": since,
     }
     return render(request, "gaps.html", context)

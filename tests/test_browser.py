@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import Group, Permission, User
+from django.utils import timezone
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from evidence import locks, pglog
@@ -97,10 +98,10 @@ def test_runs_list_and_a_run_page_with_its_timeline_drawn(page: Page):
     timeline.flush()
     page.goto("/")
     lost_row = page.locator("#run-rows tr", has_text="delivery answer is lost")
-    expect(lost_row.locator(".status")).to_have_text("Needs Operator")
+    expect(lost_row.locator(".status")).to_have_text("waits for an operator")
     expect(lost_row.locator(".state.unknown")).to_have_text("1")
     row = page.locator("#run-rows tr", has_text="Which fund is cheapest")
-    expect(row.locator(".status")).to_have_text("Completed")
+    expect(row.locator(".status")).to_have_text("completed")
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=SCREENSHOTS / "runs-list.png", full_page=True)
 
@@ -108,7 +109,7 @@ def test_runs_list_and_a_run_page_with_its_timeline_drawn(page: Page):
     expect(page.locator("#run-live > h1")).to_contain_text(f"Run {run.pk}")
     expect(page.locator("#chart-timeline svg.main-svg").first).to_be_visible()
     expect(page.locator("#chart-timeline .bars path").first).to_be_attached()
-    expect(page.locator(".answer table")).to_be_visible()  # the final answer, rendered
+    expect(page.locator(".answer.final table")).to_be_visible()  # the final answer, rendered
     page.screenshot(path=SCREENSHOTS / "run-page.png", full_page=True)
 
 
@@ -117,11 +118,11 @@ def test_a_run_is_followed_live_until_it_completes(page: Page):
         question="Follow me live", documents=DOCS[:2], faults=[{"point": "tool_delay", "ms": 400}]
     )
     page.goto(f"/runs/{run.pk}/")
-    expect(page.locator("#run-status")).to_have_text("Queued")
+    expect(page.locator("#run-status")).to_have_text("queued")
     worker = threading.Thread(target=_execute_in_thread, args=(run.pk,))
     worker.start()
-    expect(page.locator("#run-status")).to_have_text("Running", timeout=15_000)
-    expect(page.locator("#run-status")).to_have_text("Completed", timeout=30_000)
+    expect(page.locator("#run-status")).to_have_text("running", timeout=15_000)
+    expect(page.locator("#run-status")).to_have_text("completed", timeout=30_000)
     worker.join(30)
     expect(page.locator("#chart-timeline svg.main-svg").first).to_be_visible()
 
@@ -143,15 +144,60 @@ def test_the_live_region_refreshes_and_keeps_what_the_reader_did(page: Page):
         """() => Plotly.relayout("chart-timeline",
             {"xaxis.range": ["2020-01-01 00:00:00", "2020-01-02 00:00:00"]})"""
     )
-    page.locator(f"#item-{item.pk}-evidence summary").click()
+    # An open item's evidence is shown at once, as labelled fields; the
+    # reader closes it.
+    evidence = page.locator(f"#item-{item.pk}-evidence")
+    expect(evidence).to_have_attribute("open", "")
+    expect(evidence.locator("dd").first).to_have_text("1234")
+    evidence.locator("summary").click()
+    expect(evidence).not_to_have_attribute("open", "")
     lease.record_boundary(step_key="read:a.md", kind="read_document", effect_class="read", input={})
-    # The next refresh shows the new action, and the zoom and the opened
+    # The next refresh shows the new action, and the zoom and the closed
     # evidence are still as the reader left them.
     expect(page.locator("#run-live code", has_text="read:a.md")).to_be_visible(timeout=10_000)
     zoom = page.evaluate("document.getElementById('chart-timeline').layout.xaxis.range")
     assert zoom == ["2020-01-01 00:00:00", "2020-01-02 00:00:00"]
-    expect(page.locator(f"#item-{item.pk}-evidence")).to_have_attribute("open", "")
-    expect(page.locator(f"#item-{item.pk}-evidence pre")).to_contain_text("1234")
+    expect(evidence).not_to_have_attribute("open", "")
+    evidence.locator("summary").click()
+    expect(evidence.locator("dt").first).to_have_text("Transaction id (xid)")
+
+
+def test_a_run_with_an_open_item_and_a_settled_checkpoint_reads_in_plain_words(page: Page):
+    """Checkpoint 1's COMMIT got no answer and evidence settled it; the lease
+    was taken away before action 4 and the run resumed; the delivery's
+    answer was lost, so the run waits for an operator."""
+    run = Run.objects.submit(
+        question="Compare the three funds and deliver the report",
+        documents=DOCS,
+        faults=[
+            {"point": "drop_connection_at_commit", "write": "checkpoint", "action": 1},
+            {"point": "lease_stolen", "action": 4},
+            {"point": "delivery_timeout"},
+        ],
+    )
+    assert execute(run.pk) == "lease_lost"
+    Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now())
+    assert execute(run.pk) == "needs_operator"
+    timeline.flush()
+    page.goto(f"/runs/{run.pk}/")
+    expect(page.locator("#run-status")).to_have_text("waits for an operator")
+    expect(page.locator("#nav-inbox .badge")).to_have_text("1")
+    item = page.locator("article.item.open")
+    expect(item.locator("dt", has_text="Idempotency-Key sent")).to_be_visible()
+    expect(page.locator("#checkpoint-1")).to_contain_text("committed (settled by evidence)")
+    expect(page.locator("table.checkpoints tbody tr")).to_have_count(
+        len(set(run.checkpoints.values_list("number", flat=True)))
+    )
+    chart = page.locator("#chart-timeline")
+    expect(chart.locator("svg.main-svg").first).to_be_visible()
+    expect(chart.get_by_text("lease lost").first).to_be_attached()
+    expect(chart.get_by_text("resumed").first).to_be_attached()
+    run.refresh_from_db()
+    expect(chart.get_by_text(f"lease taken, epoch {run.lease_epoch}")).to_be_attached()
+    page.screenshot(path=SCREENSHOTS / "run-page-outcomes.png", full_page=True)
+    # The runs list has no chart: plotly.js is not even loaded there.
+    page.goto("/")
+    assert page.evaluate("typeof window.Plotly") == "undefined"
 
 
 def _execute_in_thread(run_id: int) -> None:

@@ -4,7 +4,9 @@
 //
 // A live region is swapped every few seconds; what the reader did in it
 // stays: a chart marked hx-preserve keeps its zoom (plotly's uirevision),
-// and <details> the reader opened stay open.
+// and a <details> stays open or closed as the reader left it (the server
+// opens an open outcome item's evidence; a reader who closed it keeps it
+// closed).  plotly.js is loaded only on pages that have a chart.
 "use strict";
 
 function drawCharts(root) {
@@ -16,15 +18,20 @@ function drawCharts(root) {
   });
 }
 
-let openDetails = [];
+let detailsState = new Map();
 
 document.addEventListener("DOMContentLoaded", () => drawCharts(document));
 document.addEventListener("htmx:beforeSwap", (event) => {
-  openDetails = [...event.detail.target.querySelectorAll("details[open][id]")].map((d) => d.id);
+  detailsState = new Map(
+    [...event.detail.target.querySelectorAll("details[id]")].map((d) => [d.id, d.open]),
+  );
 });
 document.addEventListener("htmx:afterSettle", (event) => {
-  openDetails.forEach((id) => document.getElementById(id)?.setAttribute("open", ""));
-  openDetails = [];
+  detailsState.forEach((open, id) => {
+    const details = document.getElementById(id);
+    if (details) details.open = open;
+  });
+  detailsState = new Map();
   drawCharts(event.detail.elt);
 });
 // A chart swapped out for good lets go of plotly's resize handler.
