@@ -4,12 +4,16 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from dashboard import views
+from dashboard import inbox, views
 
 urlpatterns = [
     path("", views.runs_list, name="runs-list"),
     path("runs/<int:run_id>/", views.run_detail, name="run-detail"),
     path("runs/<int:run_id>/cancel/", views.run_cancel, name="run-cancel"),
+    path("runs/<int:run_id>/decide/", inbox.run_decide, name="run-decide"),
+    path("inbox/", inbox.inbox, name="inbox"),
+    path("inbox/<int:item_id>/", inbox.item_detail, name="inbox-item"),
+    path("inbox/<int:item_id>/decide/", inbox.item_decide, name="inbox-decide"),
     path("locks/", views.locks_list, name="locks"),
     path("locks/import/", views.locks_import, name="locks-import"),
     path("locks/<int:incident_id>/", views.lock_detail, name="lock-detail"),

@@ -223,29 +223,35 @@ class CopyTransaction:
         limit = settings.RUNDESK_CAPTURE_MAX_BYTES
         input, input_bytes, cut_input = _cap(self.copy.input, limit)
         output, output_bytes, cut_output = _cap(self.copy.output, limit)
+        # A model call has one copy: handed over again (a resumed run
+        # re-submits what an owner that died may not have saved), it is
+        # saved only if it is not there yet, and counted only then.
         cursor.execute(
             """WITH copy AS (
                    INSERT INTO evidence_evidencecopy (run_id, model_call_id, input, output,
                        input_bytes, output_bytes, truncated, created_at)
-                   VALUES (%s, %s, %s, %s, %s, %s, %s, now()) RETURNING id),
+                   SELECT %(run)s, %(call)s, %(input)s, %(output)s, %(input_bytes)s,
+                       %(output_bytes)s, %(truncated)s, now()
+                   WHERE NOT EXISTS (
+                       SELECT 1 FROM evidence_evidencecopy WHERE model_call_id = %(call)s)
+                   RETURNING id),
                linked AS (
                    INSERT INTO evidence_evidencecopy_sources (evidencecopy_id, source_id)
                    SELECT copy.id, link.source_id FROM copy, evidence_modelcall_sources link
-                   WHERE link.modelcall_id = %s)
-               INSERT INTO evidence_capturestats (run_id, captured, lost) VALUES (%s, 1, 0)
+                   WHERE link.modelcall_id = %(call)s)
+               INSERT INTO evidence_capturestats (run_id, captured, lost)
+               SELECT %(run)s, count(*), 0 FROM copy
                ON CONFLICT (run_id) DO UPDATE
-                   SET captured = evidence_capturestats.captured + 1""",
-            [
-                self.copy.run_id,
-                self.copy.model_call_id,
-                input,
-                output,
-                input_bytes,
-                output_bytes,
-                cut_input or cut_output,
-                self.copy.model_call_id,
-                self.copy.run_id,
-            ],
+                   SET captured = evidence_capturestats.captured + EXCLUDED.captured""",
+            {
+                "run": self.copy.run_id,
+                "call": self.copy.model_call_id,
+                "input": input,
+                "output": output,
+                "input_bytes": input_bytes,
+                "output_bytes": output_bytes,
+                "truncated": cut_input or cut_output,
+            },
         )
 
     def save(self) -> None:
@@ -354,6 +360,16 @@ class Capture:
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait(None)  # wakes an idle writer at once
         thread.join(grace + 5)
+        if thread.is_alive():
+            # Stuck in a statement: what it holds may go with the process.
+            with self._lock:
+                pending = sum(self._gaps.values())
+            logger.warning(
+                "capture: the writer did not stop in time; %s records queued and %s gaps "
+                "counted may be lost with this process",
+                self._queue.qsize(),
+                pending,
+            )
 
     def lose(self, run_id: int, model_call_id: int | None, reason: str, detail: str) -> None:
         """Counts a record that will not be made; the writer records the gap

@@ -233,24 +233,29 @@ class LockSampler:
 
     def serve(self, stop: threading.Event) -> None:
         try:
-            with connection.cursor() as cursor:
-                cursor.execute("SET application_name = 'rundesk:sampler'")
-                # Its incidents are evidence: a lock on their tables held by
-                # anyone costs a sample, never a stuck sampler (the executor
-                # joins it on shutdown).
-                cursor.execute(
-                    "SELECT set_config('lock_timeout', %s, false)",
-                    [f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"],
-                )
             while not stop.wait(self.interval):
                 if self.active() or self.incident is not None:
                     try:
+                        self._configure()
                         self.tick()
                     except DatabaseError as error:
                         logger.warning("lock sampler: %s", error)
                         connection.close()
         finally:
             connection.close()
+
+    def _configure(self) -> None:
+        """Names a new connection, and bounds its lock waits: incidents are
+        evidence, and a lock on their tables held by anyone costs a sample,
+        never a stuck sampler (the executor joins it on shutdown)."""
+        if connection.connection is not None:
+            return
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT set_config('application_name', 'rundesk:sampler', false),"
+                " set_config('lock_timeout', %s, false)",
+                [f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"],
+            )
 
     def tick(self) -> None:
         graph = sample()

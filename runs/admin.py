@@ -17,6 +17,7 @@ from runs.models import (
     Action,
     AnswerRevision,
     Checkpoint,
+    OperatorDecision,
     OutcomeItem,
     Receipt,
     Run,
@@ -96,3 +97,23 @@ class OutcomeItemAdmin(ReadOnlyAdmin):
     list_filter = ["state", "kind"]
     search_fields = ["subject", "summary"]
     list_select_related = ["run"]
+
+
+@admin.register(OperatorDecision)
+class OperatorDecisionAdmin(ReadOnlyAdmin):
+    """Decisions are immutable (a trigger, migration 0008): made through the
+    inbox or `manage.py outcomes`, read here."""
+
+    list_display = [
+        "id",
+        "run",
+        "item",
+        "choice",
+        "decided_by",
+        "state_before",
+        "state_after",
+        "created_at",
+    ]
+    list_filter = ["choice", "state_after"]
+    search_fields = ["decided_by", "reason", "reference", "request_token"]
+    list_select_related = ["run", "item"]

@@ -82,13 +82,14 @@ class ResearchAgent:
     def _model_call(
         self, step_key: str, messages: list[dict[str, str]], paths: list[str]
     ) -> dict[str, Any]:
-        """A model call, and (when it ran now) its evidence handed to capture:
-        the model record and a bounded copy, written off the main path."""
+        """A model call, and its evidence handed to capture: the model record
+        and a bounded copy, written off the main path.  A call settled by an
+        earlier owner's receipt is handed over again: that owner may have
+        died before capture saved it (capture saves each once)."""
         input = {"messages": messages}
         result = self.d.step(step_key, "model_call", input)
-        if step_key in self.d.completed_now:
-            action_id = self.d.action_id(step_key)
-            capture.submit(ModelCallRecord.of(self.run.pk, action_id, input, result, paths))
+        action_id = self.d.action_id(step_key)
+        capture.submit(ModelCallRecord.of(self.run.pk, action_id, input, result, paths))
         return result
 
     def _may_research(self, *, actions_needed: int) -> bool:

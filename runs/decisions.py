@@ -28,12 +28,13 @@ the queue in the same transaction.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import IntegrityError, transaction
-from django.db.models import Q
+from django.db.models import Exists, OuterRef
 from django.db.models.functions import Now
 from django.utils import timezone
 from psycopg.types.json import Jsonb
@@ -58,6 +59,8 @@ from runs.models import (
 from runs.outcomes import CommitUnanswered, Settlement, settle, written, written_by
 from runs.sql import server_cursor
 from runs.timeline import timeline
+
+logger = logging.getLogger(__name__)
 
 OPERATE = "runs.operate_run"
 
@@ -320,8 +323,7 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
         waiting = Run.objects.filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR)
         if request.choice == DecisionChoice.RESUME:
             changed = waiting.exclude(
-                Q(outcome_items__state=OutcomeState.OPEN)
-                & ~Q(outcome_items__kind=OutcomeKind.CHECKPOINT)
+                Exists(OutcomeItem.objects.holding_runs().filter(run=OuterRef("pk")))
             ).update(
                 status=RunStatus.QUEUED,
                 status_reason=f"resumed by {request.who.name}: {request.reason}",
@@ -342,6 +344,24 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
         decision = _record(run_id, None, None, request, shown, after, before=run.status)
     _tell(run_id, decision, f"run {run_id}")
     return decision
+
+
+def resume_if_settled_meanwhile(run_id: int, item_id: int) -> bool:
+    """A run that has just started waiting for `item_id`: if a decision
+    settled the item while the run was still running (it could not resume
+    a run that was not waiting yet), the run goes back to the queue now."""
+    with transaction.atomic():
+        Run.objects.lock_waiting(run_id)
+        item = OutcomeItem.objects.select_for_update().filter(pk=item_id).first()
+        why = f"{item.subject if item else 'its item'} was settled while it stopped: continues"
+        resumed = (
+            item is not None
+            and item.state != OutcomeState.OPEN
+            and Run.objects.resume_if_settled(run_id, why)
+        )
+    if resumed:
+        timeline.record(run_id, EventKind.RUN_REQUEUED, why)
+    return resumed
 
 
 def settle_by_evidence(item: OutcomeItem, settlement: Settlement) -> OperatorDecision | None:
@@ -518,10 +538,15 @@ def settle_open_items() -> Settled:
         kind__in=[OutcomeKind.CHECKPOINT, OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION],
     ).select_related("checkpoint")
     for item in items:
-        settlement = check(item)
-        if settlement.outcome == "unknown":
+        try:
+            settlement = check(item)
+            decision = (
+                None if settlement.outcome == "unknown" else settle_by_evidence(item, settlement)
+            )
+        except Exception:
+            # One item that cannot be asked about holds up no other.
+            logger.exception("sweep: item %s not settled", item.pk)
             continue
-        decision = settle_by_evidence(item, settlement)
         if decision is not None and decision.state_after == OutcomeState.RESOLVED:
             swept.settled += 1
             if decision.run_resumed:

@@ -246,7 +246,7 @@ class Dispatcher:
         item are written together: never one without the other."""
         with transaction.atomic():
             self.lease.record_action_outcome(action_id, ActionState.UNKNOWN, reason)
-            open_item(
+            item = open_item(
                 run_id=self.run.pk,
                 kind=OutcomeKind.EFFECT,
                 subject=f"effect:action-{action_id}:attempt-{self._attempts(action_id)}",
@@ -260,7 +260,7 @@ class Dispatcher:
                 action_id=action_id,
             )
         timeline.record(self.run.pk, EventKind.ACTION_UNKNOWN, reason, action_id=action_id)
-        raise NeedsOperator(reason)
+        raise NeedsOperator(reason, item.pk)
 
     def _attempts(self, action_id: int) -> int:
         return Action.objects.filter(pk=action_id).values_list("attempts", flat=True).get()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,7 +21,7 @@ from django.db import DatabaseError, connection
 
 from evidence.capture import SourceCheck, capture
 from evidence.locks import LockSampler
-from runs import sweep
+from runs import decisions, sweep
 from runs.agent import ResearchAgent
 from runs.dispatch import ActionFailed, Dispatcher, Stopping
 from runs.leases import Lease, LeaseLost, new_owner_name
@@ -88,7 +89,7 @@ def drive(lease: Lease, stop: threading.Event) -> str:
     except Stopping:
         return _release(lease)
     except NeedsOperator as reason:
-        return _end(lease, RunStatus.NEEDS_OPERATOR, str(reason))
+        return _end(lease, RunStatus.NEEDS_OPERATOR, str(reason), item_id=reason.item_id)
     except ActionFailed as reason:
         return _end(lease, RunStatus.FAILED, str(reason))
     except LeaseLost as refused:
@@ -116,15 +117,26 @@ ENDED = {
 }
 
 
-def _end(lease: Lease, status: RunStatus, reason: str, said: str = "") -> str:
+def _end(
+    lease: Lease, status: RunStatus, reason: str, said: str = "", item_id: int | None = None
+) -> str:
     """Ends this ownership with `status`.  Fenced out at this last write
     (another owner took the run meanwhile), it ends nothing: the new owner
-    decides."""
+    decides.  A run about to wait for an operator ends as cancelled if a
+    cancel was asked meanwhile, and goes back to the queue if the item it
+    waits for (`item_id`) was settled meanwhile."""
     try:
-        lease.finish(status, reason)
+        ended = lease.finish(status, reason)
     except LeaseLost as refused:
         return _after_refused_write(lease, refused)
+    if ended != status:
+        timeline.record(
+            lease.run_id, EventKind.RUN_CANCELLED, f"cancelled instead of waiting: {reason}"
+        )
+        return ended
     timeline.record(lease.run_id, ENDED[status], said or reason)
+    if item_id is not None and decisions.resume_if_settled_meanwhile(lease.run_id, item_id):
+        return "requeued"
     return status
 
 
@@ -180,6 +192,7 @@ class Executor:
         self.results: list[tuple[int, str]] = []
         self.running = 0  # runs being driven now (the lock sampler samples while > 0)
         self._count = threading.Lock()
+        self._sweep_due = 0.0  # monotonic time of the next sweep
 
     def serve(self, *, once: bool = False) -> list[tuple[int, str]]:
         """Claims and runs runs until stopped (or, with once, until the queue
@@ -213,13 +226,20 @@ class Executor:
             with self._count:
                 self.running -= 1
 
-    def _sweep(self) -> None:
-        """While idle: the sweep (runs/sweep.py).  Runs it requeues are
-        claimed by the next claim, here or elsewhere."""
+    def _sweep_if_due(self) -> None:
+        """The sweep (runs/sweep.py), by one worker at a time, at most every
+        RUNDESK_SWEEP_SECONDS, busy or idle: a backlog of runs never keeps
+        settled runs waiting.  Runs it requeues are claimed by the next
+        claim, here or elsewhere.  A sweep that fails is logged; the
+        worker goes on."""
+        with self._count:
+            if time.monotonic() < self._sweep_due:
+                return
+            self._sweep_due = time.monotonic() + settings.RUNDESK_SWEEP_SECONDS
         try:
             swept = sweep.sweep()
-        except DatabaseError as error:
-            logger.warning("executor: sweep failed: %s", error)
+        except Exception as error:
+            logger.warning("executor: sweep failed: %r", error)
             connection.close()
             return
         if swept.settled or swept.cancelled or swept.requeued:
@@ -229,17 +249,17 @@ class Executor:
         owner = new_owner_name()
         try:
             while not self.stop.is_set():
+                self._sweep_if_due()
                 try:
                     lease = Lease.claim_next(owner)
-                except DatabaseError as error:
-                    logger.warning("executor: cannot claim: %s", error)
+                except Exception as error:
+                    logger.warning("executor: cannot claim: %r", error)
                     connection.close()
                     self.stop.wait(self.poll_seconds)
                     continue
                 if lease is None:
                     if once:
                         return
-                    self._sweep()
                     self.stop.wait(self.poll_seconds)
                     continue
                 try:

@@ -300,24 +300,36 @@ class Lease:
             reason=reason,
         )
 
-    def finish(self, status: RunStatus, reason: str = "") -> None:
+    def finish(self, status: RunStatus, reason: str = "") -> RunStatus:
         """Ends this ownership with the run's new status: completed, failed,
         cancelled (its reason names who asked), or needs_operator (the run
-        waits for a person)."""
-        self._require(
-            f"""UPDATE runs_run SET status = %(status)s::text,
-                   status_reason = CASE WHEN %(status)s::text = 'cancelled' THEN {CANCELLED_BY}
-                                   ELSE %(reason)s END,
+        waits for a person) -- unless a cancel was asked meanwhile: a run
+        that would wait ends as cancelled instead, since nobody is to decide
+        for it any more.  Returns the status written."""
+        cancelled = (
+            "(%(status)s::text = 'cancelled' OR (%(status)s::text = 'needs_operator'"
+            " AND cancel_requested_at IS NOT NULL))"
+        )
+        row = self._fetch(
+            f"""UPDATE runs_run SET
+                   status = CASE WHEN {cancelled} THEN 'cancelled' ELSE %(status)s::text END,
+                   status_reason = CASE WHEN {cancelled} THEN {CANCELLED_BY} ELSE %(reason)s END,
                    phase = CASE WHEN %(status)s::text = 'completed' THEN 'done' ELSE phase END,
-                   finished_at = CASE WHEN %(status)s::text IN ('completed', 'failed', 'cancelled')
+                   finished_at = CASE WHEN {cancelled}
+                                      OR %(status)s::text IN ('completed', 'failed')
                                  THEN now() END,
                    lease_owner = '', lease_expires_at = NULL
-               WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
-                 AND status = 'running'""",
-            f"finish as {status}",
+                WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
+                  AND status = 'running'
+                RETURNING status""",
             status=status.value,
             reason=reason,
         )
+        if row is None:
+            raise LeaseLost(
+                f"finish as {status} refused: run {self.run_id} epoch {self.epoch} not held"
+            )
+        return RunStatus(row[0])
 
     # -- plumbing ----------------------------------------------------------
 

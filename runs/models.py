@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from django.contrib.postgres.fields import ArrayField
-from django.db import models, transaction
+from django.db import connection, models, transaction
 from django.db.models import Count, Exists, F, OuterRef, Q, Subquery, Value
 from django.db.models.functions import Coalesce, Concat, Now
 
@@ -120,8 +120,9 @@ class RunQuerySet(models.QuerySet["Run"]):
 
     def end_abandoned_cancels(self) -> list[int]:
         """Ends, as cancelled, the runs whose cancel was asked and whose owner
-        died before it could carry it out.  Fenced like a claim: the epoch
-        goes up, so the old owner's writes change nothing if it wakes up."""
+        died before it could carry it out.  The old owner's fenced writes
+        change nothing if it wakes up (the run is no longer running, nor
+        its)."""
         with transaction.atomic():
             ended = list(
                 self.abandoned()
@@ -137,7 +138,6 @@ class RunQuerySet(models.QuerySet["Run"]):
                     Value("; its owner had stopped"),
                 ),
                 lease_owner="",
-                lease_epoch=F("lease_epoch") + 1,
                 lease_expires_at=None,
                 finished_at=Now(),
             )
@@ -146,7 +146,8 @@ class RunQuerySet(models.QuerySet["Run"]):
     def requeue_abandoned(self) -> list[int]:
         """Gives back to the queue the runs whose owner stopped renewing its
         lease, so any executor or Celery worker resumes them from their
-        receipts.  Fenced like a claim (the epoch goes up)."""
+        receipts (the next claim raises the epoch; the old owner's fenced
+        writes already change nothing: the run is no longer its)."""
         with transaction.atomic():
             requeued = list(
                 self.abandoned()
@@ -158,7 +159,6 @@ class RunQuerySet(models.QuerySet["Run"]):
                 status=RunStatus.QUEUED,
                 status_reason="its owner stopped renewing the lease: queued again",
                 lease_owner="",
-                lease_epoch=F("lease_epoch") + 1,
                 lease_expires_at=None,
                 queued_at=Now(),
             )
@@ -347,25 +347,34 @@ class Run(models.Model):
         was already asked."""
         from runs.timeline import timeline
 
-        now = Now()
-        ended = Run.objects.filter(
-            pk=self.pk, status__in=[RunStatus.QUEUED, RunStatus.NEEDS_OPERATOR]
-        ).update(
-            status=RunStatus.CANCELLED,
-            status_reason=f"cancelled by {by}",
-            cancel_requested_at=now,
-            cancel_requested_by=by,
-            finished_at=now,
-        )
-        asked = ended or Run.objects.filter(
-            pk=self.pk, status=RunStatus.RUNNING, cancel_requested_at__isnull=True
-        ).update(cancel_requested_at=now, cancel_requested_by=by)
-        if asked:
-            done = "the run ended" if ended else "its owner stops before its next boundary"
-            timeline.record(
-                self.pk, EventKind.CANCEL_REQUESTED, f"cancel requested by {by}: {done}", by=by
+        # One statement: a run that moves between queued, running and waiting
+        # while the cancel is asked is cancelled all the same (the CASE sees
+        # the row as it is when the UPDATE takes it).
+        with connection.cursor() as cursor:
+            cursor.execute(
+                """UPDATE runs_run SET
+                       status = CASE WHEN status = 'running' THEN status ELSE 'cancelled' END,
+                       status_reason = CASE WHEN status = 'running' THEN status_reason
+                                            ELSE 'cancelled by ' || %(by)s END,
+                       finished_at = CASE WHEN status = 'running' THEN NULL ELSE now() END,
+                       cancel_requested_at = now(), cancel_requested_by = %(by)s
+                   WHERE id = %(run)s AND cancel_requested_at IS NULL
+                     AND status IN ('queued', 'running', 'needs_operator')
+                   RETURNING status""",
+                {"run": self.pk, "by": by},
             )
-        return bool(asked)
+            row = cursor.fetchone()
+        if row is None:
+            return False
+        done = (
+            "the run ended"
+            if row[0] == RunStatus.CANCELLED
+            else "its owner stops before its next boundary"
+        )
+        timeline.record(
+            self.pk, EventKind.CANCEL_REQUESTED, f"cancel requested by {by}: {done}", by=by
+        )
+        return True
 
 
 class EffectClass(models.TextChoices):

@@ -57,7 +57,12 @@ T = TypeVar("T")
 
 
 class NeedsOperator(Exception):
-    """The runtime cannot settle this itself: the run waits for a person."""
+    """The runtime cannot settle this itself: the run waits for a person
+    (for the outcome item `item_id`, when one holds it)."""
+
+    def __init__(self, reason: str, item_id: int | None = None) -> None:
+        super().__init__(reason)
+        self.item_id = item_id
 
 
 class CommitUnanswered(OperationalError):
@@ -89,6 +94,8 @@ def unanswered_as(what: str) -> Iterator[None]:
 class Settlement:
     outcome: Literal["committed", "not_written", "unknown"]
     evidence: dict[str, Any] = field(default_factory=dict)
+    # The item opened for an operator when the outcome stayed unknown.
+    item_id: int | None = None
 
     def describe(self) -> str:
         last = self.evidence["checks"][-1] if self.evidence.get("checks") else {}
@@ -229,7 +236,7 @@ def settle_unanswered(
     )
     settlement = settle(unanswered, probe)
     if settlement.outcome == "unknown":
-        open_item(
+        settlement.item_id = open_item(
             run_id=run_id,
             kind=kind,
             subject=subject,
@@ -238,7 +245,7 @@ def settle_unanswered(
             evidence={**settlement.evidence, "lease_epoch": lease_epoch, "afterwards": afterwards},
             xid=settlement.evidence["xid"],
             **about,
-        )
+        ).pk
     else:
         timeline.record(
             run_id, EventKind.OUTCOME_SETTLED, f"{unanswered.what}: {settlement.describe()}"
@@ -280,7 +287,7 @@ def write_settled(
         if settlement.outcome == "committed":
             return None
         if settlement.outcome == "unknown":
-            raise NeedsOperator(f"whether the {what} committed is unknown")
+            raise NeedsOperator(f"whether the {what} committed is unknown", settlement.item_id)
     raise NeedsOperator(f"the {what} got no answer {attempts} times, and was not written")
 
 

@@ -142,7 +142,7 @@ def test_a_cancel_of_a_run_whose_owner_died_ends_it_by_the_sweep():
     run.refresh_from_db()
     assert run.status == RunStatus.CANCELLED
     assert run.status_reason == "cancelled by alice; its owner had stopped"
-    assert run.finished_at is not None and run.lease_epoch == 2  # fenced
+    assert run.finished_at is not None and run.lease_owner == ""
     with pytest.raises(LeaseLost):
         dead.record_boundary(
             step_key="read:0", kind="read_document", effect_class="read", input={"path": DOCS[0]}
@@ -225,7 +225,7 @@ def test_a_finish_fenced_out_stays_in_its_run_and_the_executor_goes_on(journal, 
     later = Run.objects.submit(question="q", documents=DOCS[:1])
     finish = Lease.finish
 
-    def taken_over_first(lease: Lease, status: RunStatus, reason: str = "") -> None:
+    def taken_over_first(lease: Lease, status: RunStatus, reason: str = "") -> RunStatus:
         # Another owner takes the run between its last fenced write and
         # its finish.
         if lease.run_id == failing.pk:
@@ -235,7 +235,7 @@ def test_a_finish_fenced_out_stays_in_its_run_and_the_executor_goes_on(journal, 
                     " WHERE id = %s",
                     (failing.pk,),
                 )
-        finish(lease, status, reason)
+        return finish(lease, status, reason)
 
     monkeypatch.setattr(Lease, "finish", taken_over_first)
     results = Executor(concurrency=1).serve(once=True)
@@ -273,3 +273,88 @@ def test_an_effect_marked_unknown_always_has_its_item(journal, settings):
     assert deliver.state == ActionState.UNKNOWN
     assert OutcomeItem.objects.get(run=run).action_id == deliver.pk
     assert executions(journal, run, "deliver") == 1
+
+
+# -- races between an owner stopping, a cancel and a settlement ---------------------
+
+
+def late_receipt_with(monkeypatch, at_finish) -> Run:
+    """A run whose receipt COMMIT answer is lost; `at_finish(lease)` happens
+    just before its owner writes that it waits for an operator."""
+    finish = Lease.finish
+
+    def first(lease: Lease, status: RunStatus, reason: str = "") -> RunStatus:
+        if status == RunStatus.NEEDS_OPERATOR:
+            at_finish(lease)
+        return finish(lease, status, reason)
+
+    monkeypatch.setattr(Lease, "finish", first)
+    fault = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
+    run, _ = run_with([{**fault, "outcome": "late", "stall_ms": 3000}])
+    monkeypatch.setattr(Lease, "finish", finish)
+    return run
+
+
+def test_a_cancel_asked_while_the_owner_settles_ends_the_run(journal, settings, monkeypatch):
+    settings.RUNDESK_SETTLE_SECONDS = 1
+    run = late_receipt_with(
+        monkeypatch, lambda lease: Run.objects.get(pk=lease.run_id).request_cancel(by="alice")
+    )
+    assert (run.status, run.status_reason) == (RunStatus.CANCELLED, "cancelled by alice")
+    assert run.finished_at is not None
+    item = OutcomeItem.objects.get(run=run)
+    assert item.state == OutcomeState.OPEN  # still unknown, still visible
+
+
+def test_an_item_settled_before_its_owner_stops_still_resumes_the_run(
+    journal, settings, monkeypatch
+):
+    settings.RUNDESK_SETTLE_SECONDS = 1
+
+    def settled_meanwhile(lease: Lease) -> None:
+        item = OutcomeItem.objects.get(run_id=lease.run_id, state=OutcomeState.OPEN)
+        wait_for(lambda: xact_status(item.xid) == "committed")
+        assert sweep().settled == 1  # another executor's sweep, or beat's
+
+    run = late_receipt_with(monkeypatch, settled_meanwhile)
+    assert run.status == RunStatus.QUEUED
+    assert execute(run.pk) == RunStatus.COMPLETED
+    assert all(executions(journal, run, key) == 1 for key in KEYS)
+
+
+@pytest.mark.parametrize("moved_to", [RunStatus.QUEUED, RunStatus.NEEDS_OPERATOR])
+def test_a_cancel_is_never_lost_while_the_run_changes_state(moved_to):
+    run = Run.objects.submit(question="q", documents=DOCS)
+    Lease.claim(run.pk, "owner")
+    asked: list[bool] = []
+    with psycopg.connect(database_url()) as other:
+        # The owner releases it, or starts waiting, as the cancel arrives.
+        other.execute(
+            "UPDATE runs_run SET status = %s, lease_owner = '', lease_expires_at = NULL"
+            " WHERE id = %s",
+            (moved_to, run.pk),
+        )
+
+        def cancel() -> None:
+            try:
+                asked.append(Run.objects.get(pk=run.pk).request_cancel(by="alice"))
+            finally:
+                connection.close()
+
+        canceller = threading.Thread(target=cancel)
+        canceller.start()
+        wait_for(lambda: _waits_on_a_lock())
+        other.commit()
+    canceller.join(10)
+    run.refresh_from_db()
+    assert asked == [True]
+    assert (run.status, run.status_reason) == (RunStatus.CANCELLED, "cancelled by alice")
+
+
+def _waits_on_a_lock() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND datname = current_database())"
+        )
+        return cursor.fetchone()[0]

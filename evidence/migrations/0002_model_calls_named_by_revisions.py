@@ -9,6 +9,7 @@ from django.db import migrations
 class Migration(migrations.Migration):
     dependencies = [
         ("evidence", "0001_initial"),
+        ("runs", "0007_run_cancel_by_queued_at_revision_model_calls"),
     ]
 
     operations = [

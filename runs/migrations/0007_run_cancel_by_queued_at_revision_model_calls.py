@@ -10,6 +10,19 @@ import django.db.models.functions.datetime
 from django.db import migrations, models
 
 
+# Revisions published before this migration: the model calls the run had
+# recorded by then, which a publication marked (the last one to mark a call
+# left its number: at least this revision's).  Revisions are immutable (a
+# trigger); the new column is filled once, here, with the trigger off.
+BACKFILL = """
+ALTER TABLE runs_answerrevision DISABLE TRIGGER runs_answerrevision_immutable;
+UPDATE runs_answerrevision r SET model_call_actions = coalesce((
+    SELECT array_agg(m.action_id ORDER BY m.action_id) FROM evidence_modelcall m
+    WHERE m.run_id = r.run_id AND m.published_revision >= r.number
+      AND m.created_at <= r.committed_at), '{}');
+ALTER TABLE runs_answerrevision ENABLE TRIGGER runs_answerrevision_immutable;
+"""
+
 FENCED_OUT = importlib.import_module("runs.migrations.0006_fenced_out").FUNCTION
 
 
@@ -17,6 +30,8 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('runs', '0006_fenced_out'),
+        # The backfill reads the model calls' old marks (dropped by evidence 0002).
+        ('evidence', '0001_initial'),
     ]
 
     operations = [
@@ -35,6 +50,7 @@ class Migration(migrations.Migration):
             name='queued_at',
             field=models.DateTimeField(db_default=django.db.models.functions.datetime.Now()),
         ),
+        migrations.RunSQL(BACKFILL, migrations.RunSQL.noop),
         migrations.RunSQL("DROP FUNCTION rundesk_fenced_out();", FENCED_OUT),
         migrations.AlterField(
             model_name='runevent',

@@ -1,0 +1,579 @@
+"""The operators' inbox: what the runtime could not settle itself, the
+evidence for each item, and the decisions on it.
+
+Pages do HTTP only.  What is shown comes from runs.decisions (`gather`, the
+evidence, fresh on every load; `offers` and `run_offers`, the choices the
+evidence allows) and every decision goes through `decide` / `decide_run`,
+which hold the rules: who may decide, idempotency by request token, one
+decision settles an item.  The permission is also checked here, in the view
+(a client can post to any URL): viewers read, operators decide.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from django.contrib import messages
+from django.core.exceptions import BadRequest
+from django.db.models import Q, QuerySet
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_GET, require_POST
+from django_htmx.http import HttpResponseStopPolling
+
+from dashboard.context import Field, evidence_fields, plain, status_words
+from dashboard.security import rejects_bad_input
+from dashboard.views import operator_required
+from runs.decisions import (
+    OPERATE,
+    DecisionRefused,
+    Offer,
+    Request,
+    Who,
+    decide,
+    decide_run,
+    gather,
+    offers,
+    run_offers,
+)
+from runs.models import (
+    TERMINAL_STATUSES,
+    ActionState,
+    EventKind,
+    OperatorDecision,
+    OutcomeItem,
+    OutcomeKind,
+    OutcomeState,
+    Run,
+    RunStatus,
+)
+
+PAGE_SIZE = 50
+TOKEN_MAX = 100  # OperatorDecision.request_token
+REFERENCE_MAX = 300  # OperatorDecision.reference
+EVENTS_AFTER = 20
+
+# -- what an item holds up ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Blocks:
+    code: str  # "nothing", "further_effects", "whole_run": stable, the CLI's JSON says it
+    words: str
+    why: str
+
+
+def blocks(item: OutcomeItem) -> Blocks:
+    """What an open item holds up.  The rule, in this order:
+
+    - nothing: a settled item; a checkpoint item (an unknown checkpoint
+      never holds a run: it went on with independent work and does not
+      resume from that checkpoint); or an item of a run that has ended
+      (completed, failed or cancelled: nothing in it waits any more);
+    - the whole run: a receipt, publication or effect item of a run that
+      waits for an operator: nothing more happens in it until the item is
+      settled or the run is abandoned;
+    - further effects: a receipt, publication or effect item of a run that
+      is queued or running again (its owner died before it could stop, and
+      it was requeued): the run goes on from its receipts, but stops for an
+      operator when it reaches this action again; nothing after it, no
+      effect, is dispatched while the item is open.
+    """
+    run = item.run
+    if item.state != OutcomeState.OPEN:
+        return Blocks("nothing", "nothing", "settled")
+    if item.kind == OutcomeKind.CHECKPOINT:
+        return Blocks("nothing", "nothing", "a checkpoint: the run went on with independent work")
+    if run.status in TERMINAL_STATUSES:
+        return Blocks("nothing", "nothing", f"the run has ended ({status_words(run)})")
+    if run.status == RunStatus.NEEDS_OPERATOR:
+        return Blocks(
+            "whole_run", "the whole run", "the run waits for an operator until this is settled"
+        )
+    return Blocks(
+        "further_effects",
+        "further effects",
+        f"the run is {plain(RunStatus, run.status)}; it stops again at this action while "
+        "this is open",
+    )
+
+
+def what(item: OutcomeItem) -> str:
+    """The write or action an item is about, as an operator names it."""
+    if item.action_id is not None:
+        return item.action.identity
+    if item.checkpoint_id is not None:
+        checkpoint = item.checkpoint
+        return f"checkpoint {checkpoint.number} after {checkpoint.after_action.step_key}"
+    if item.revision_number is not None:
+        return f"answer revision {item.revision_number}"
+    return item.subject
+
+
+def items_listed(queryset: QuerySet[OutcomeItem]) -> QuerySet[OutcomeItem]:
+    return queryset.select_related("run", "action", "checkpoint__after_action")
+
+
+def listing_row(item: OutcomeItem, now: dt.datetime) -> dict[str, Any]:
+    """An item as the CLI's JSON lists it (stable keys; see `outcomes --help`)."""
+    found = blocks(item)
+    return {
+        "id": item.pk,
+        "kind": item.kind,
+        "state": item.state,
+        "run_id": item.run_id,
+        "run_status": item.run.status,
+        "subject": item.subject,
+        "what": what(item),
+        "summary": item.summary,
+        "opened_at": item.created_at.isoformat(),
+        "age_seconds": int((now - item.created_at).total_seconds()),
+        "blocks": found.code,
+        "blocks_why": found.why,
+        "resolution": item.resolution,
+        "resolved_at": item.resolved_at.isoformat() if item.resolved_at else None,
+    }
+
+
+# -- what is known, in sentences ------------------------------------------------------
+
+
+def known(item: OutcomeItem, shown: dict[str, Any]) -> list[str]:
+    """What is known and what is not, in plain sentences, from the evidence
+    shown (gather)."""
+    subject = what(item)
+    if item.state != OutcomeState.OPEN:
+        when = timezone.localtime(item.resolved_at).strftime("%Y-%m-%d %H:%M:%S")
+        return [f"Settled at {when}: {item.resolution}", "Nothing is left to decide on this item."]
+    opened = timezone.localtime(item.created_at).strftime("%Y-%m-%d %H:%M:%S")
+    if item.kind == OutcomeKind.EFFECT:
+        boundary = shown.get("boundary", {})
+        delivery = shown["delivery"]
+        sent = _moment(boundary["dispatched_at"]) if boundary else opened
+        return [
+            f"Known: {subject} was dispatched at {sent} (attempt {boundary.get('attempts', 1)}) "
+            f"under Idempotency-Key {delivery['idempotency_key']}, and no answer was recorded: "
+            f"{item.summary}.",
+            "Not known: whether the receiver has it. Only the receiver can say: look it up "
+            "there (by the Idempotency-Key). Nothing is sent again until someone decides.",
+        ]
+    now = shown["now"]
+    kind = plain(OutcomeKind, item.kind)
+    xid = f"transaction {now['xid']}" if now["xid"] is not None else "its transaction (no xid)"
+    status = now["xid_status"] or "gone (too old to tell, or never known)"
+    row = {True: "is there", False: "is not there", None: "could not be looked up"}[
+        now["row_found"]
+    ]
+    writer = "still runs" if now["writer_alive"] else "has ended"
+    sentences = [
+        f"Known: the {kind} write of {subject} sent COMMIT and got no answer (opened {opened}). "
+        f"Checked just now: {xid} is {status}; the row {row}; the writer {writer}."
+    ]
+    if now["error"]:
+        sentences.append(f"The database could not be asked just now: {now['error']}.")
+    elif now["settles_as"] != "unknown":
+        settles = "written" if now["settles_as"] == "committed" else "not written"
+        sentences.append(
+            f"The evidence now says: {settles}. Checking again settles the item as that."
+        )
+    elif now["xid_status"] == "in progress":
+        sentences.append(
+            "Not known: whether it will commit. Its transaction is still in progress, so it "
+            "can still commit: nobody may decide yet; check again later."
+        )
+    else:
+        sentences.append(
+            "Not known: whether it was written. The transaction status and the row disagree, "
+            "or the status is gone: you decide from the row, with a reason."
+        )
+    return sentences
+
+
+# -- evidence panels ----------------------------------------------------------------
+
+
+def _moment(value: str | None) -> str:
+    if not value:
+        return "—"
+    moment = timezone.localtime(dt.datetime.fromisoformat(value))
+    return moment.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _yes(value: bool | None, none: str = "not known") -> str:
+    return none if value is None else ("yes" if value else "no")
+
+
+def _answer(item: OutcomeItem, delivery: dict[str, Any]) -> str:
+    # gather() offers the action's error as the receiver's answer: for an
+    # effect still unknown that is the runtime's account of the lost answer.
+    said = delivery["receiver_answer"]
+    if item.action_id is not None and item.action.state == ActionState.UNKNOWN:
+        return f"none came back: {said}" if said else "none came back"
+    return said or "none recorded"
+
+
+def panels(item: OutcomeItem, shown: dict[str, Any]) -> list[tuple[str, list[Field]]]:
+    """The evidence, side by side, as labelled fields (never a raw dict):
+    the boundary, what the runtime saw, the evidence now, the delivery."""
+    result: list[tuple[str, list[Field]]] = []
+    if boundary := shown.get("boundary"):
+        result.append(
+            (
+                "The boundary (written before dispatch)",
+                [
+                    Field("identity", "Action identity", text=boundary["identity"]),
+                    Field("kind", "Tool", text=boundary["kind"]),
+                    Field("class", "Class", text=boundary["effect_class"]),
+                    Field("input_digest", "Input digest (SHA-256)", text=boundary["input_digest"]),
+                    Field("epoch", "Lease epoch", text=str(boundary["epoch"])),
+                    Field("at", "Dispatched at", text=_moment(boundary["dispatched_at"])),
+                    Field("attempts", "Dispatches", text=str(boundary["attempts"])),
+                    Field("state", "State now", text=boundary["state"].replace("_", " ")),
+                ],
+            )
+        )
+    elif item.checkpoint_id is not None:
+        checkpoint = item.checkpoint
+        result.append(
+            (
+                "The write",
+                [
+                    Field("number", "Checkpoint", text=str(checkpoint.number)),
+                    Field("after", "After action", text=checkpoint.after_action.identity),
+                    Field("epoch", "Lease epoch", text=str(checkpoint.epoch)),
+                    Field("xid", "Transaction id (xid)", text=str(checkpoint.xid or "none")),
+                    Field("at", "Attempted at", text=_moment(checkpoint.created_at.isoformat())),
+                ],
+            )
+        )
+    elif item.revision_number is not None:
+        result.append(
+            (
+                "The write",
+                [
+                    Field("revision", "Answer revision", text=str(item.revision_number)),
+                    Field("at", "Opened at", text=_moment(item.created_at.isoformat())),
+                ],
+            )
+        )
+    recorded = shown["item"]["recorded"]
+    result.append(
+        (
+            "What the runtime saw",
+            [Field("summary", "Summary", text=item.summary), *evidence_fields(recorded)],
+        )
+    )
+    if delivery := shown.get("delivery"):
+        result.append(
+            (
+                "The delivery",
+                [
+                    Field("key", "Idempotency-Key sent", text=delivery["idempotency_key"]),
+                    Field("answer", "Receiver's answer", text=_answer(item, delivery)),
+                ],
+            )
+        )
+    if now := shown.get("now"):
+        settles = {"committed": "written", "not_written": "not written"}.get(
+            now["settles_as"], "cannot tell"
+        )
+        result.append(
+            (
+                "Now (checked when this page loaded)",
+                [
+                    Field("xid", "Transaction id (xid)", text=str(now["xid"] or "none")),
+                    Field(
+                        "xid_status",
+                        "Its status",
+                        text=now["xid_status"] or "no status (too old to tell, or no xid)",
+                    ),
+                    Field("writer", "Writer still running", text=_yes(now["writer_alive"])),
+                    Field("row", "Row found by identity (probe)", text=_yes(now["row_found"])),
+                    Field("says", "The evidence says", text=settles),
+                    *([Field("error", "Error", text=now["error"])] if now["error"] else []),
+                ],
+            )
+        )
+    return result
+
+
+def receipts(item: OutcomeItem, shown: dict[str, Any]) -> dict[str, list[dict[str, str]]]:
+    rows = [
+        {
+            "step_key": receipt["step_key"],
+            "digest": receipt["result_digest"],
+            "at": _moment(receipt["at"]),
+            "after": receipt["after_item"],
+        }
+        for receipt in shown["receipts"]
+    ]
+    return {
+        "before": [row for row in rows if not row["after"]],
+        "after": [row for row in rows if row["after"]],
+    }
+
+
+def afterwards(item: OutcomeItem) -> list[dict[str, str]]:
+    """What the run did after the item was opened: its timeline from then."""
+    events = item.run.events.filter(created_at__gte=item.created_at).order_by("created_at", "id")
+    return [
+        {
+            "at": timezone.localtime(event.created_at).strftime("%H:%M:%S.%f")[:-3],
+            "what": plain(EventKind, event.kind),
+            "detail": event.message,
+        }
+        for event in events[:EVENTS_AFTER]
+    ]
+
+
+def history(decisions: QuerySet[OperatorDecision]) -> list[OperatorDecision]:
+    rows = list(decisions.select_related("user").order_by("created_at", "id"))
+    for decision in rows:
+        decision.after_label = decision.state_after.replace("_", " ")
+    return rows
+
+
+# -- pages --------------------------------------------------------------------------
+
+
+def _is_target(request: HttpRequest, target: str) -> bool:
+    return bool(request.htmx) and request.htmx.target == target  # type: ignore[attr-defined]
+
+
+def _cursor(item: OutcomeItem) -> str:
+    return f"{item.created_at.isoformat()}|{item.pk}"
+
+
+def _after(rows: QuerySet[OutcomeItem], cursor: str) -> QuerySet[OutcomeItem]:
+    """The rows after `cursor` in (created_at, id) order, oldest first."""
+    created, _, pk = cursor.rpartition("|")
+    try:
+        created_at, row_id = dt.datetime.fromisoformat(created), int(pk)
+    except ValueError:
+        raise BadRequest(f"after={cursor!r} is not a page cursor") from None
+    return rows.filter(created_at__gte=created_at).filter(
+        Q(created_at__gt=created_at) | Q(id__gt=row_id)
+    )
+
+
+def _filters(request: HttpRequest) -> dict[str, Any]:
+    kind = request.GET.get("kind", "")
+    if kind and kind not in OutcomeKind.values:
+        raise BadRequest(f"kind={kind!r} is not one of: {', '.join(OutcomeKind.values)}")
+    run = request.GET.get("run", "").strip()
+    if run and not (run.isascii() and run.isdigit()):
+        raise BadRequest(f"run={run!r} is not a run number")
+    return {"kind": kind, "run": int(run) if run else None}
+
+
+@require_GET
+@rejects_bad_input
+def inbox(request: HttpRequest) -> HttpResponse:
+    """Open items, oldest first (served by outcome_open_idx), a page at a
+    time; the rows refresh while anything is open."""
+    filters = _filters(request)
+    items = OutcomeItem.objects.filter(state=OutcomeState.OPEN)
+    if filters["kind"]:
+        items = items.filter(kind=filters["kind"])
+    if filters["run"] is not None:
+        items = items.filter(run_id=filters["run"])
+    total = items.count()
+    if cursor := request.GET.get("after", ""):
+        items = _after(items, cursor)
+    page = list(items_listed(items).order_by("created_at", "id")[: PAGE_SIZE + 1])
+    more, page = len(page) > PAGE_SIZE, page[:PAGE_SIZE]
+    for item in page:
+        item.kind_label = plain(OutcomeKind, item.kind)
+        item.what = what(item)
+        item.blocks = blocks(item)
+        item.run.status_label = status_words(item.run)
+    context = {
+        "items": page,
+        "total": total,
+        "filters": filters,
+        "kinds": [(value, plain(OutcomeKind, value)) for value in OutcomeKind.values],
+        "next_cursor": _cursor(page[-1]) if more else "",
+        "live": total > 0,
+        "now": timezone.now(),
+    }
+    if _is_target(request, "inbox-rows"):
+        response = render(request, "inbox.html#rows", context)
+        return response if context["live"] else HttpResponseStopPolling(response.content)
+    return render(request, "inbox.html", context)
+
+
+def _token() -> str:
+    return uuid.uuid4().hex
+
+
+def _item_context(request: HttpRequest, item: OutcomeItem) -> dict[str, Any]:
+    shown = gather(item)  # fresh: the xid's status and the probe are asked again
+    choices: list[Offer] = offers(item, shown)
+    run = item.run
+    return {
+        "item": item,
+        "kind_label": plain(OutcomeKind, item.kind),
+        "state_label": plain(OutcomeState, item.state),
+        "what": what(item),
+        "blocks": blocks(item),
+        "known": known(item, shown),
+        "panels": panels(item, shown),
+        "receipts": receipts(item, shown),
+        "afterwards_said": shown["afterwards"],
+        "afterwards": afterwards(item),
+        "offers": choices,
+        "effect": item.kind == OutcomeKind.EFFECT,
+        "token": _token(),
+        "decisions": history(item.decisions.all()),
+        **run_choices(request, run),
+    }
+
+
+def run_choices(request: HttpRequest, run: Run) -> dict[str, Any]:
+    """The context templates/run_decisions.html needs (resume / abandon for
+    a run that waits for an operator), for any page that includes it."""
+    run.status_label = status_words(run)
+    return {
+        "run": run,
+        "run_offers": run_offers(run),
+        "run_token": _token(),
+        "run_decisions": history(run.decisions.filter(item__isnull=True)),
+        "can_decide": request.user.has_perm(OPERATE),
+        # Where a plain run decision returns to: the page it was taken on.
+        "back": request.get_full_path()
+        if request.method == "GET"
+        else request.POST.get("next", ""),
+    }
+
+
+@require_GET
+@rejects_bad_input
+def item_detail(request: HttpRequest, item_id: int) -> HttpResponse:
+    item = get_object_or_404(items_listed(OutcomeItem.objects.all()), pk=item_id)
+    return render(request, "outcome_item.html", _item_context(request, item))
+
+
+@dataclass
+class Asked:
+    choice: str
+    token: str
+    reason: str
+    reference: str
+
+
+def _asked(request: HttpRequest) -> Asked:
+    """The decision form's fields.  A missing or malformed request token is
+    the client's fault (400); what the operator typed is judged by decide."""
+    token = request.POST.get("token", "").strip()
+    if not token or len(token) > TOKEN_MAX:
+        raise BadRequest("the request token is missing or too long: reload the page")
+    reference = request.POST.get("reference", "").strip()
+    if len(reference) > REFERENCE_MAX:
+        raise BadRequest(f"the reference is longer than {REFERENCE_MAX} characters")
+    return Asked(
+        choice=request.POST.get("choice", ""),
+        token=token,
+        reason=request.POST.get("reason", ""),
+        reference=reference,
+    )
+
+
+def _said(decision: OperatorDecision, repeated: bool) -> str:
+    if repeated:
+        return (
+            f"Already recorded: {decision.get_choice_display()} by {decision.decided_by} at "
+            f"{timezone.localtime(decision.created_at):%H:%M:%S} (decision {decision.pk}). "
+            "Nothing changed."
+        )
+    said = f"Recorded: {decision.get_choice_display()} by {decision.decided_by}."
+    if decision.state_after == OutcomeState.OPEN:
+        said += " The evidence still cannot tell: the item stays open."
+    if getattr(decision, "run_resumed", False):
+        said += f" Run {decision.run_id} is back in the queue: it continues from its receipts."
+    return said
+
+
+def _refused(refused: DecisionRefused) -> str:
+    said = f"Not decided: {refused}."
+    if (winner := refused.decision) is not None:
+        said += (
+            f" The decision that stands: {winner.get_choice_display()} by {winner.decided_by} "
+            f"at {timezone.localtime(winner.created_at):%H:%M:%S} (decision {winner.pk}): "
+            f"{winner.reason}"
+        )
+    return said
+
+
+@require_POST
+@operator_required
+@rejects_bad_input
+def item_decide(request: HttpRequest, item_id: int) -> HttpResponse:
+    item = get_object_or_404(OutcomeItem, pk=item_id)
+    asked = _asked(request)
+    repeated = OperatorDecision.objects.filter(request_token=asked.token).exists()
+    status, refused = 200, False
+    try:
+        if not asked.choice:
+            raise DecisionRefused("choose one of the choices")
+        decision = decide(
+            item.pk,
+            Request(
+                choice=asked.choice,
+                who=Who(user=request.user),
+                token=asked.token,
+                reason=asked.reason,
+                reference=asked.reference,
+            ),
+        )
+        said = _said(decision, repeated)
+    except DecisionRefused as refusal:
+        said, status, refused = _refused(refusal), 409, True
+    if request.htmx:  # type: ignore[attr-defined]
+        item = items_listed(OutcomeItem.objects.all()).get(pk=item_id)
+        context = {**_item_context(request, item), "notice": said, "refused": refused}
+        return render(request, "outcome_item.html#item", context, status=status)
+    (messages.error if refused else messages.success)(request, said)
+    return redirect("inbox-item", item_id=item_id)
+
+
+@require_POST
+@operator_required
+@rejects_bad_input
+def run_decide(request: HttpRequest, run_id: int) -> HttpResponse:
+    """Resume or abandon a run that waits for an operator."""
+    run = get_object_or_404(Run, pk=run_id)
+    asked = _asked(request)
+    repeated = OperatorDecision.objects.filter(request_token=asked.token).exists()
+    status, refused = 200, False
+    try:
+        if not asked.choice:
+            raise DecisionRefused("choose resume or abandon")
+        decision = decide_run(
+            run.pk,
+            Request(
+                choice=asked.choice,
+                who=Who(user=request.user),
+                token=asked.token,
+                reason=asked.reason,
+            ),
+        )
+        said = _said(decision, repeated)
+    except DecisionRefused as refusal:
+        said, status, refused = _refused(refusal), 409, True
+    if request.htmx:  # type: ignore[attr-defined]
+        run.refresh_from_db()
+        context = {**run_choices(request, run), "notice": said, "refused": refused}
+        return render(request, "run_decisions.html", context, status=status)
+    (messages.error if refused else messages.success)(request, said)
+    back = request.POST.get("next", "")
+    if not url_has_allowed_host_and_scheme(
+        back, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    ):
+        back = reverse("run-detail", args=[run.pk])
+    return redirect(back)

@@ -1,0 +1,354 @@
+from __future__ import annotations
+
+import argparse
+import json
+import uuid
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError, DjangoHelpFormatter
+from django.utils import timezone
+
+from dashboard.context import Field
+from dashboard.inbox import (
+    blocks,
+    items_listed,
+    known,
+    listing_row,
+    panels,
+    receipts,
+    what,
+)
+from runs.decisions import (
+    OPERATE,
+    DecisionRefused,
+    Offer,
+    Request,
+    Who,
+    decide,
+    decide_run,
+    gather,
+    offers,
+    run_offers,
+)
+from runs.models import DecisionChoice, OperatorDecision, OutcomeItem, OutcomeState, Run
+
+HELP = """\
+The operators' inbox on the command line: what the runtime could not settle
+itself (outcome items), the evidence, and decisions.  The same rules and
+audit as the pages: every decision goes through runs.decisions, names the
+person (--as, a user with the operator permission), says why (--reason),
+and is idempotent by its request token (--token; a repeat changes nothing
+and prints the first decision).
+
+  outcomes list [--open] [--kind K] [--run N] [--json]
+  outcomes show ID [--json]
+  outcomes decide ID --choice C --reason TEXT --as USER [--reference R] [--token T] [--json]
+  outcomes decide-run RUN_ID --choice resume|abandon --reason TEXT --as USER [--token T] [--json]
+
+A refused decision (not offered by the evidence now, settled meanwhile, no
+permission) exits with status 1 and says why on stderr; with --json it also
+prints {"refused": MESSAGE, "winner": DECISION or null} on stdout.
+
+JSON (one document on stdout; keys are stable, new keys may be added):
+  ITEM      {"id", "kind": checkpoint|receipt|publication|effect,
+             "state": open|resolved, "run_id", "run_status", "subject",
+             "what" (action identity or write), "summary", "opened_at" (ISO 8601),
+             "age_seconds", "blocks": nothing|further_effects|whole_run,
+             "blocks_why", "resolution", "resolved_at" (ISO 8601 or null)}
+  DECISION  {"id", "item_id" (null on the run), "run_id", "choice",
+             "decided_by", "reason", "reference", "state_before",
+             "state_after", "request_token", "evidence_digest" (SHA-256 of
+             the evidence kept with it), "at" (ISO 8601)}
+  OFFER     {"choice", "label", "does"}
+  list        {"items": [ITEM, ...]}  oldest first
+  show        {"item": ITEM, "known": [sentence, ...], "evidence": {...} (as
+              gathered now: runs.decisions.gather), "offers": [OFFER, ...],
+              "run_offers": [OFFER, ...], "decisions": [DECISION, ...]}
+  decide      {"decision": DECISION, "repeated": bool, "run_resumed": bool,
+              "item": ITEM}
+  decide-run  {"decision": DECISION, "repeated": bool,
+              "run": {"id", "status", "status_reason"}}
+"""
+
+
+RUN_CHOICES = [DecisionChoice.RESUME.value, DecisionChoice.ABANDON.value]
+
+
+class Formatter(DjangoHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def offer_json(offer: Offer) -> dict[str, str]:
+    return {"choice": str(offer.choice), "label": offer.label, "does": offer.does}
+
+
+def decision_json(decision: OperatorDecision) -> dict[str, Any]:
+    return {
+        "id": decision.pk,
+        "item_id": decision.item_id,
+        "run_id": decision.run_id,
+        "choice": decision.choice,
+        "decided_by": decision.decided_by,
+        "reason": decision.reason,
+        "reference": decision.reference,
+        "state_before": decision.state_before,
+        "state_after": decision.state_after,
+        "request_token": decision.request_token,
+        "evidence_digest": decision.evidence_digest,
+        "at": decision.created_at.isoformat(),
+    }
+
+
+def field_lines(fields: list[Field], indent: str) -> list[str]:
+    lines = []
+    for field in fields:
+        if field.table is not None:
+            lines.append(f"{indent}{field.label}:")
+            for row in field.table.rows:
+                cells = ", ".join(
+                    f"{column}: {cell}"
+                    for column, cell in zip(field.table.columns, row, strict=True)
+                    if cell
+                )
+                lines.append(f"{indent}  - {cells}")
+        elif field.fields:
+            lines.append(f"{indent}{field.label}:")
+            lines.extend(field_lines(field.fields, indent + "  "))
+        else:
+            lines.append(f"{indent}{field.label}: {field.text}")
+    return lines
+
+
+class Command(BaseCommand):
+    help = HELP
+
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> Any:
+        kwargs["formatter_class"] = Formatter
+        return super().create_parser(prog_name, subcommand, **kwargs)
+
+    def add_arguments(self, parser: Any) -> None:
+        commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+        listing = commands.add_parser("list", help="outcome items, oldest first")
+        listing.add_argument("--open", action="store_true", help="only the open ones")
+        listing.add_argument("--kind", choices=["checkpoint", "receipt", "publication", "effect"])
+        listing.add_argument("--run", type=int, help="only this run's")
+        listing.add_argument("--json", action="store_true")
+
+        show = commands.add_parser("show", help="an item: evidence (gathered now) and choices")
+        show.add_argument("item_id", type=int, metavar="ID")
+        show.add_argument("--json", action="store_true")
+
+        item = commands.add_parser("decide", help="decide an item")
+        item.add_argument("item_id", type=int, metavar="ID")
+        self._decision_arguments(item, [c for c in DecisionChoice.values if c not in RUN_CHOICES])
+        item.add_argument("--reference", default="", help="e.g. the receiver's delivery id")
+
+        run = commands.add_parser("decide-run", help="resume or abandon a waiting run")
+        run.add_argument("run_id", type=int, metavar="RUN_ID")
+        self._decision_arguments(run, RUN_CHOICES)
+
+    def _decision_arguments(self, parser: Any, choices: list[str]) -> None:
+        parser.add_argument("--choice", required=True, choices=choices)
+        parser.add_argument("--reason", required=True, help="why: kept with the decision")
+        parser.add_argument(
+            "--as",
+            dest="username",
+            required=True,
+            metavar="USER",
+            help="the person deciding: a user with the operator permission",
+        )
+        parser.add_argument(
+            "--token",
+            default="",
+            help="request token (default: a new one); the same token again changes nothing",
+        )
+        parser.add_argument("--json", action="store_true")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        handler = {
+            "list": self.list,
+            "show": self.show,
+            "decide": self.decide,
+            "decide-run": self.decide_run,
+        }[options["command"]]
+        handler(options)
+
+    def emit(self, options: dict[str, Any], document: dict[str, Any], text: list[str]) -> None:
+        if options["json"]:
+            self.stdout.write(json.dumps(document, ensure_ascii=False))
+        else:
+            self.stdout.write("\n".join(text))
+
+    # -- reading ----------------------------------------------------------------
+
+    def list(self, options: dict[str, Any]) -> None:
+        items = OutcomeItem.objects.all()
+        if options["open"]:
+            items = items.filter(state=OutcomeState.OPEN)
+        if options["kind"]:
+            items = items.filter(kind=options["kind"])
+        if options["run"] is not None:
+            items = items.filter(run_id=options["run"])
+        now = timezone.now()
+        rows = [listing_row(item, now) for item in items_listed(items).order_by("created_at", "id")]
+        text = [
+            f"#{row['id']}  {row['state']:<8}  {row['kind']:<11}  run {row['run_id']}  "
+            f"{row['what']}  {_age(row['age_seconds'])}  blocks: {row['blocks'].replace('_', ' ')}"
+            for row in rows
+        ] or ["no outcome items" + (" open" if options["open"] else "")]
+        self.emit(options, {"items": rows}, text)
+
+    def show(self, options: dict[str, Any]) -> None:
+        item = self._item(options["item_id"])
+        shown = gather(item)
+        choices = offers(item, shown)
+        for_run = run_offers(item.run)
+        decisions = list(item.decisions.order_by("created_at", "id"))
+        document = {
+            "item": listing_row(item, timezone.now()),
+            "known": known(item, shown),
+            "evidence": shown,
+            "offers": [offer_json(offer) for offer in choices],
+            "run_offers": [offer_json(offer) for offer in for_run],
+            "decisions": [decision_json(decision) for decision in decisions],
+        }
+        found = blocks(item)
+        text = [
+            f"Item {item.pk}: {item.kind} {what(item)} ({item.state}), run {item.run_id} "
+            f"({item.run.status}), blocks {found.words}: {found.why}",
+            "",
+            *known(item, shown),
+        ]
+        for title, fields in panels(item, shown):
+            text += ["", title, *field_lines(fields, "  ")]
+        split = receipts(item, shown)
+        text += ["", "Receipts of the run"]
+        for when, rows in (("before the item", split["before"]), ("after", split["after"])):
+            text.append(f"  {when}: " + (", ".join(r["step_key"] for r in rows) or "none"))
+        text += ["", "Choices" + ("" if choices else ": none (settled)")]
+        text += [f"  {offer.choice}: {offer.does}" for offer in choices]
+        if for_run:
+            text += ["", f"Run {item.run_id} choices (outcomes decide-run)"]
+            text += [f"  {offer.choice}: {offer.does}" for offer in for_run]
+        text += ["", "Decisions" + ("" if decisions else ": none")]
+        text += [_decision_line(decision) for decision in decisions]
+        self.emit(options, document, text)
+
+    # -- deciding ---------------------------------------------------------------
+
+    def decide(self, options: dict[str, Any]) -> None:
+        item = self._item(options["item_id"])
+        token, repeated = self._token(options)
+        request = Request(
+            choice=options["choice"],
+            who=Who(user=self._operator(options["username"])),
+            token=token,
+            reason=options["reason"],
+            reference=options["reference"],
+        )
+        try:
+            decision = decide(item.pk, request)
+        except DecisionRefused as refused:
+            self._refused(options, refused)
+        item = self._item(item.pk)
+        resumed = bool(getattr(decision, "run_resumed", False))
+        document = {
+            "decision": decision_json(decision),
+            "repeated": repeated,
+            "run_resumed": resumed,
+            "item": listing_row(item, timezone.now()),
+        }
+        text = [
+            ("already recorded (same token): " if repeated else "recorded: ")
+            + _decision_line(decision).strip(),
+            f"item {item.pk} is {item.state}"
+            + (f"; run {item.run_id} is back in the queue" if resumed else ""),
+        ]
+        self.emit(options, document, text)
+
+    def decide_run(self, options: dict[str, Any]) -> None:
+        if not Run.objects.filter(pk=options["run_id"]).exists():
+            raise CommandError(f"no run {options['run_id']}")
+        token, repeated = self._token(options)
+        request = Request(
+            choice=options["choice"],
+            who=Who(user=self._operator(options["username"])),
+            token=token,
+            reason=options["reason"],
+        )
+        try:
+            decision = decide_run(options["run_id"], request)
+        except DecisionRefused as refused:
+            self._refused(options, refused)
+        run = Run.objects.get(pk=options["run_id"])
+        document = {
+            "decision": decision_json(decision),
+            "repeated": repeated,
+            "run": {"id": run.pk, "status": run.status, "status_reason": run.status_reason},
+        }
+        text = [
+            ("already recorded (same token): " if repeated else "recorded: ")
+            + _decision_line(decision).strip(),
+            f"run {run.pk} is {run.status}: {run.status_reason}",
+        ]
+        self.emit(options, document, text)
+
+    def _item(self, item_id: int) -> OutcomeItem:
+        item = items_listed(OutcomeItem.objects.all()).filter(pk=item_id).first()
+        if item is None:
+            raise CommandError(f"no outcome item {item_id}")
+        return item
+
+    def _operator(self, username: str) -> Any:
+        """The person deciding: the audit names them, so there is no default."""
+        user = get_user_model().objects.filter(username=username).first()
+        if user is None:
+            raise CommandError(f"no user {username!r}: --as names the person deciding")
+        if not user.has_perm(OPERATE):
+            inactive = "" if user.is_active else "; the user is inactive"
+            raise CommandError(
+                f"{username} may not decide: it needs the operator permission "
+                f"({OPERATE}, the operators group){inactive}"
+            )
+        return user
+
+    def _token(self, options: dict[str, Any]) -> tuple[str, bool]:
+        token = options["token"].strip() or uuid.uuid4().hex
+        if len(token) > 100:
+            raise CommandError("--token is longer than 100 characters")
+        return token, OperatorDecision.objects.filter(request_token=token).exists()
+
+    def _refused(self, options: dict[str, Any], refused: DecisionRefused) -> None:
+        winner = refused.decision
+        if options["json"]:
+            self.stdout.write(
+                json.dumps(
+                    {"refused": str(refused), "winner": decision_json(winner) if winner else None},
+                    ensure_ascii=False,
+                )
+            )
+        message = f"refused: {refused}"
+        if winner is not None:
+            message += f" (the decision that stands: {_decision_line(winner).strip()})"
+        raise CommandError(message)
+
+
+def _age(seconds: int) -> str:
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    if seconds < 172800:
+        return f"{seconds // 3600}h"
+    return f"{seconds // 86400}d"
+
+
+def _decision_line(decision: OperatorDecision) -> str:
+    at = timezone.localtime(decision.created_at).strftime("%Y-%m-%d %H:%M:%S")
+    reference = f" [reference {decision.reference}]" if decision.reference else ""
+    return (
+        f"  #{decision.pk} {at} {decision.decided_by}: {decision.choice} "
+        f"({decision.state_before} -> {decision.state_after}): {decision.reason}{reference}"
+    )

@@ -1,0 +1,121 @@
+"""The inbox in a real browser (Debian's Chromium, Playwright): an operator
+opens the inbox, reads an item's evidence, says why, resolves it, and sees
+the decision in the history; the run then completes with one delivery.
+
+Screenshots go to var/screenshots/ (`RUNDESK_SCREENSHOTS=docs/screenshots`
+refreshes the committed ones), as in tests/test_browser.py.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import Group, Permission, User
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from runs.executor import execute
+from runs.models import OperatorDecision, OutcomeItem, OutcomeKind, OutcomeState, RunStatus
+from tests.conftest import ROOT
+from tests.faultruns import run_with
+from tests.receivers import LocalServer, status
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.slow,
+    pytest.mark.usefixtures("short_settle"),
+]
+
+CHROMIUM = "/usr/bin/chromium"
+SCREENSHOTS = ROOT / os.environ.get("RUNDESK_SCREENSHOTS", "var/screenshots")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium")
+    # Playwright's sync API keeps an event loop running on this thread; the
+    # ORM calls the test makes between browser steps are plain sync code.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            yield browser
+            browser.close()
+    finally:
+        del os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"]
+
+
+@pytest.fixture
+def page(browser: Browser, live_server) -> Iterator[Page]:
+    operators, _ = Group.objects.get_or_create(name="operators")
+    operators.permissions.add(Permission.objects.get(codename="operate_run"))
+    User.objects.create_user("olga", password="a-long-password-1").groups.add(operators)
+    context = browser.new_context(base_url=live_server.url, viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("console", lambda message: message.type == "error" and problems.append(message.text))
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    page.goto("/login/")
+    page.fill("input[name=username]", "olga")
+    page.fill("input[name=password]", "a-long-password-1")
+    page.click("button[type=submit]")
+    expect(page.locator("h1")).to_have_text("Runs")
+    yield page
+    assert problems == []  # console errors, CSP refusals
+    context.close()
+
+
+def test_an_operator_resolves_a_lost_delivery_through_the_inbox(page: Page, settings, journal):
+    with LocalServer(status(200)) as receiver:
+        settings.RUNDESK_DELIVERY_URL = receiver.url
+        late = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
+        receipt_run, _ = run_with([{**late, "outcome": "late", "stall_ms": 3000}])
+        run, outcome = run_with([{"point": "delivery_timeout"}])
+        assert outcome == RunStatus.NEEDS_OPERATOR and len(receiver.requests) == 1
+        item = OutcomeItem.objects.get(run=run, kind=OutcomeKind.EFFECT)
+        identity = f"rundesk:run-{run.pk}:deliver"
+
+        page.goto("/inbox/")
+        expect(page.locator("main h1")).to_contain_text("2 open")
+        row = page.locator("#inbox-rows tr", has_text=identity)
+        expect(row.locator(".blocks")).to_have_text("the whole run")
+        expect(page.locator("#inbox-rows tr", has_text=f"run {receipt_run.pk}")).to_be_visible()
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=SCREENSHOTS / "inbox.png", full_page=True)
+
+        # A receipt whose COMMIT got no answer: its transaction has ended
+        # since, and the page, checking again on load, says so.
+        page.locator("#inbox-rows tr", has_text=f"run {receipt_run.pk}").locator("a").first.click()
+        expect(page.locator("#item-known")).to_contain_text("The evidence now says: written")
+        expect(page.locator("#item-decide")).to_contain_text("Check the evidence again")
+        page.screenshot(path=SCREENSHOTS / "inbox-item-receipt.png", full_page=True)
+
+        page.goto("/inbox/")
+        row.locator("a", has_text=identity).click()
+        expect(page.locator("#item h1")).to_contain_text(identity)
+        expect(page.locator("#item-known")).to_contain_text("Not known: whether the receiver")
+        expect(page.locator("dt", has_text="Idempotency-Key sent").first).to_be_visible()
+        page.screenshot(path=SCREENSHOTS / "inbox-item.png", full_page=True)
+
+        form = page.locator("#item-decide")
+        form.get_by_label("Confirmed: it happened").check()
+        form.locator("textarea[name=reason]").fill("Delivery D-7 is in the receiver's log")
+        form.locator("input[name=reference]").fill("D-7")
+        form.get_by_role("button", name="Record the decision").click()
+
+        expect(page.locator("ul.messages")).to_contain_text("Recorded: confirmed: it happened")
+        expect(page.locator("#item-state")).to_have_text("settled")
+        decision = OperatorDecision.objects.get(item=item)
+        history = page.locator(f"#decision-{decision.pk}")
+        expect(history).to_contain_text("olga")
+        expect(history).to_contain_text("Delivery D-7 is in the receiver's log")
+        expect(history).to_contain_text("open → resolved")
+        expect(page.locator("#item-decide")).to_have_count(0)  # nothing left to decide
+        page.screenshot(path=SCREENSHOTS / "inbox-item-decided.png", full_page=True)
+
+        assert OutcomeItem.objects.get(pk=item.pk).state == OutcomeState.RESOLVED
+        assert execute(run.pk) == RunStatus.COMPLETED
+        assert len(receiver.requests) == 1  # never sent again
