@@ -28,8 +28,7 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseStopPolling
 
 from dashboard.context import Field, evidence_fields, plain, status_words
-from dashboard.security import rejects_bad_input
-from dashboard.views import operator_required
+from dashboard.security import operator_required, rejects_bad_input
 from runs.decisions import (
     OPERATE,
     DecisionRefused,
@@ -484,8 +483,8 @@ def _asked(request: HttpRequest) -> Asked:
     )
 
 
-def _said(decision: OperatorDecision, repeated: bool) -> str:
-    if repeated:
+def _said(decision: OperatorDecision) -> str:
+    if decision.repeated:
         return (
             f"Already recorded: {decision.get_choice_display()} by {decision.decided_by} at "
             f"{timezone.localtime(decision.created_at):%H:%M:%S} (decision {decision.pk}). "
@@ -516,7 +515,6 @@ def _refused(refused: DecisionRefused) -> str:
 def item_decide(request: HttpRequest, item_id: int) -> HttpResponse:
     item = get_object_or_404(OutcomeItem, pk=item_id)
     asked = _asked(request)
-    repeated = OperatorDecision.objects.filter(request_token=asked.token).exists()
     status, refused = 200, False
     try:
         if not asked.choice:
@@ -531,7 +529,7 @@ def item_decide(request: HttpRequest, item_id: int) -> HttpResponse:
                 reference=asked.reference,
             ),
         )
-        said = _said(decision, repeated)
+        said = _said(decision)
     except DecisionRefused as refusal:
         said, status, refused = _refused(refusal), 409, True
     if request.htmx:  # type: ignore[attr-defined]
@@ -549,7 +547,6 @@ def run_decide(request: HttpRequest, run_id: int) -> HttpResponse:
     """Resume or abandon a run that waits for an operator."""
     run = get_object_or_404(Run, pk=run_id)
     asked = _asked(request)
-    repeated = OperatorDecision.objects.filter(request_token=asked.token).exists()
     status, refused = 200, False
     try:
         if not asked.choice:
@@ -563,7 +560,7 @@ def run_decide(request: HttpRequest, run_id: int) -> HttpResponse:
                 reason=asked.reason,
             ),
         )
-        said = _said(decision, repeated)
+        said = _said(decision)
     except DecisionRefused as refusal:
         said, status, refused = _refused(refusal), 409, True
     if request.htmx:  # type: ignore[attr-defined]

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import wraps
 from typing import Any
 
 import markdown
 import nh3
 from django.contrib import messages
-from django.core.exceptions import BadRequest, PermissionDenied
+from django.core.exceptions import BadRequest
 from django.db.models import Q, QuerySet, Sum
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -26,7 +25,8 @@ from django_htmx.http import HttpResponseStopPolling
 
 from dashboard import charts
 from dashboard.context import evidence_fields, plain, status_words, words
-from dashboard.security import rejects_bad_input
+from dashboard.inbox import run_choices
+from dashboard.security import operator_required, rejects_bad_input
 from evidence import locks, pglog
 from evidence.models import (
     CaptureGap,
@@ -56,21 +56,6 @@ from runs.models import (
 PAGE_SIZE = 50
 EVENTS_PAGE = 50
 LOG_UPLOAD_LIMIT = 5 * 1024 * 1024
-
-
-def operator_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    @wraps(view)
-    def checked(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-        if not request.user.has_perm("runs.operate_run"):
-            # Said on the 403 page (templates/403.html).
-            raise PermissionDenied(
-                "This needs the operator permission (Can operate runs), and "
-                f"{request.user.get_username() or 'this account'} has only a viewer's: "
-                "an administrator can add you to the operators group."
-            )
-        return view(request, *args, **kwargs)
-
-    return checked
 
 
 def _choice(request: HttpRequest, name: str, choices: list[str]) -> str:
@@ -157,7 +142,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     if _partial(request, "run-live"):
         response = render(request, "run_detail.html#live", context)
         return response if run.is_active else HttpResponseStopPolling(response.content)
-    return render(request, "run_detail.html", context)
+    return render(request, "run_detail.html", {**context, **run_choices(request, run)})
 
 
 def _live(run: Run) -> dict[str, Any]:

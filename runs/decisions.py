@@ -256,12 +256,16 @@ class Request:
 
 def decide(item_id: int, request: Request) -> OperatorDecision:
     """Takes a decision on an open item; returns it (or the first one taken
-    with the same token), with `run_resumed` saying whether it put the run
-    back in the queue.  DecisionRefused says why not."""
+    with the same token: `repeated`), with `run_resumed` saying whether it
+    put the run back in the queue.  DecisionRefused says why not."""
     if (earlier := _by_token(request.token, item_id=item_id)) is not None:
         return earlier
     _check_person(request)
-    item = OutcomeItem.objects.select_related("run", "action", "checkpoint").get(pk=item_id)
+    item = (
+        OutcomeItem.objects.select_related("run", "action", "checkpoint").filter(pk=item_id).first()
+    )
+    if item is None:
+        raise DecisionRefused(f"there is no outcome item {item_id}")
     shown = request.shown or gather(item)
     if request.who.user is not None and item.state == OutcomeState.OPEN:
         offered = {offer.choice for offer in offers(item, shown)}
@@ -283,6 +287,7 @@ def decide(item_id: int, request: Request) -> OperatorDecision:
                 raise DecisionRefused(f"already settled{by}: {item.resolution}", first)
             outcome = _outcome(item, request.choice, settlement)
             decision = _record(item.run_id, item, item.action_id, request, shown, outcome)
+            decision.repeated = False
             if outcome is not None:
                 _apply(item, decision, outcome)
             decision.run_resumed = outcome is not None and Run.objects.resume_if_settled(
@@ -308,7 +313,9 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
     if (earlier := _by_token(request.token, run_id=run_id)) is not None:
         return earlier
     _check_person(request)
-    run = Run.objects.get(pk=run_id)
+    run = Run.objects.filter(pk=run_id).first()
+    if run is None:
+        raise DecisionRefused(f"there is no run {run_id}")
     offered = {offer.choice for offer in run_offers(run)}
     if request.choice not in offered:
         raise DecisionRefused(
@@ -342,6 +349,7 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
         if not changed:
             raise DecisionRefused(f"run {run_id} changed meanwhile: nothing was decided")
         decision = _record(run_id, None, None, request, shown, after, before=run.status)
+        decision.repeated, decision.run_resumed = False, after == RunStatus.QUEUED
     _tell(run_id, decision, f"run {run_id}")
     return decision
 
@@ -399,7 +407,8 @@ def _by_token(token: str, **about: int) -> OperatorDecision | None:
     earlier = OperatorDecision.objects.filter(request_token=token).first()
     if earlier is None:
         return None
-    earlier.run_resumed = False  # it was taken before: this call resumes nothing
+    # It was taken before: this call changed nothing.
+    earlier.repeated, earlier.run_resumed = True, False
     item_id, run_id = about.get("item_id"), about.get("run_id")
     if (item_id is not None and earlier.item_id != item_id) or (
         run_id is not None and (earlier.run_id != run_id or earlier.item_id is not None)

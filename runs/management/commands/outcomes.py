@@ -240,7 +240,7 @@ class Command(BaseCommand):
 
     def decide(self, options: dict[str, Any]) -> None:
         item = self._item(options["item_id"])
-        token, repeated = self._token(options)
+        token = self._token(options)
         request = Request(
             choice=options["choice"],
             who=Who(user=self._operator(options["username"])),
@@ -252,8 +252,9 @@ class Command(BaseCommand):
             decision = decide(item.pk, request)
         except DecisionRefused as refused:
             self._refused(options, refused)
+        repeated = decision.repeated
         item = self._item(item.pk)
-        resumed = bool(getattr(decision, "run_resumed", False))
+        resumed = decision.run_resumed
         document = {
             "decision": decision_json(decision),
             "repeated": repeated,
@@ -271,7 +272,7 @@ class Command(BaseCommand):
     def decide_run(self, options: dict[str, Any]) -> None:
         if not Run.objects.filter(pk=options["run_id"]).exists():
             raise CommandError(f"no run {options['run_id']}")
-        token, repeated = self._token(options)
+        token = self._token(options)
         request = Request(
             choice=options["choice"],
             who=Who(user=self._operator(options["username"])),
@@ -282,6 +283,7 @@ class Command(BaseCommand):
             decision = decide_run(options["run_id"], request)
         except DecisionRefused as refused:
             self._refused(options, refused)
+        repeated = decision.repeated
         run = Run.objects.get(pk=options["run_id"])
         document = {
             "decision": decision_json(decision),
@@ -314,11 +316,11 @@ class Command(BaseCommand):
             )
         return user
 
-    def _token(self, options: dict[str, Any]) -> tuple[str, bool]:
+    def _token(self, options: dict[str, Any]) -> str:
         token = options["token"].strip() or uuid.uuid4().hex
         if len(token) > 100:
             raise CommandError("--token is longer than 100 characters")
-        return token, OperatorDecision.objects.filter(request_token=token).exists()
+        return token
 
     def _refused(self, options: dict[str, Any], refused: DecisionRefused) -> None:
         winner = refused.decision
