@@ -21,7 +21,7 @@ from evidence.models import CaptureGap, GapReason, LockIncident
 from runs.models import Action, CheckpointOutcome, EventKind, Run
 
 if TYPE_CHECKING:
-    from dashboard.views import CheckpointRow
+    from dashboard.run_page import CheckpointRow
 
 # Colours and legend names of action attempts, by how each ended.
 ATTEMPTS = {

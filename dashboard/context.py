@@ -146,7 +146,7 @@ def inbox(request: HttpRequest) -> dict[str, Any]:
 
     @functools.cache
     def open_items() -> int:
-        return OutcomeItem.objects.filter(state=OutcomeState.OPEN).count()
+        return OutcomeItem.objects.local().filter(state=OutcomeState.OPEN).count()
 
     return {"inbox_open": open_items}
 

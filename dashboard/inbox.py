@@ -377,7 +377,7 @@ def inbox(request: HttpRequest) -> HttpResponse:
     """Open items, oldest first (served by outcome_open_idx), a page at a
     time; the rows refresh while anything is open."""
     filters = _filters(request)
-    items = OutcomeItem.objects.filter(state=OutcomeState.OPEN)
+    items = OutcomeItem.objects.local().filter(state=OutcomeState.OPEN)
     if filters["kind"]:
         items = items.filter(kind=filters["kind"])
     if filters["run"] is not None:

@@ -273,6 +273,15 @@ if RUNDESK_MODEL_PROVIDER == "openai" and not (RUNDESK_MODEL_URL and RUNDESK_MOD
         "RUNDESK_MODEL_PROVIDER=openai needs RUNDESK_MODEL_URL and RUNDESK_MODEL"
     )
 
+# This installation's name, written into the investigation bundles it
+# exports (evidence/bundles.py); the host name when empty.
+RUNDESK_INSTALLATION = env_str("RUNDESK_INSTALLATION", "")
+# Bundles exported from the run page (evidence/tasks.py): where their files
+# are written, and how long each is offered for download before the export
+# task removes it.
+RUNDESK_BUNDLE_DIR = Path(env_str("RUNDESK_BUNDLE_DIR", str(VAR_DIR / "bundles")))
+RUNDESK_BUNDLE_KEEP_HOURS = env_float("RUNDESK_BUNDLE_KEEP_HOURS", 24.0, minimum=0.01)
+
 # Alerts (runs/alerts.py): when a run starts waiting for an operator, once
 # per item, email to the `operators` group and/or a JSON POST to this URL.
 RUNDESK_ALERT_URL = env_url("RUNDESK_ALERT_URL")

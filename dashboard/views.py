@@ -7,45 +7,35 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-import markdown
-import nh3
 from django.contrib import messages
 from django.core.exceptions import BadRequest
-from django.db.models import Q, QuerySet, Sum
-from django.http import HttpRequest, HttpResponse
+from django.db.models import QuerySet, Sum
+from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.utils import timezone
-from django.utils.safestring import SafeString, mark_safe
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseStopPolling
 
 from dashboard import charts
-from dashboard.context import evidence_fields, plain, status_words, words
+from dashboard.context import plain, status_words
 from dashboard.inbox import run_choices
+from dashboard.run_page import run_facts
 from dashboard.security import operator_required, rejects_bad_input
-from evidence import locks, pglog
+from evidence import locks, pglog, tasks
 from evidence.models import (
+    BundleExport,
     CaptureGap,
     CaptureGapHour,
     CaptureStats,
-    EvidenceCopy,
     GapReason,
     IncidentSource,
     LockIncident,
-    LockWait,
 )
 from runs.models import (
-    ActionState,
-    Checkpoint,
-    CheckpointOutcome,
-    EffectClass,
     EventKind,
-    OutcomeKind,
-    OutcomeState,
     Phase,
     Run,
     RunStatus,
@@ -55,6 +45,7 @@ from runs.models import (
 
 PAGE_SIZE = 50
 EVENTS_PAGE = 50
+BUNDLES_SHOWN = 10
 LOG_UPLOAD_LIMIT = 5 * 1024 * 1024
 
 
@@ -98,6 +89,9 @@ def runs_list(request: HttpRequest) -> HttpResponse:
         "question",
         "status",
         "phase",
+        "imported_at",
+        "origin_installation",
+        "origin_run_id",
         "lease_owner",
         "lease_epoch",
         "cancel_requested_by",
@@ -138,126 +132,12 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     before = request.GET.get("events_before", "")
     if before and request.htmx:  # type: ignore[attr-defined]
         return render(request, "run_detail.html#events", _events(run, before))
-    context = {"run": run, **_live(run), **_events(run, before), "plotly": True}
+    context = {"run": run, **run_facts(run), **_events(run, before), "plotly": True}
     if _partial(request, "run-live"):
         response = render(request, "run_detail.html#live", context)
         return response if run.is_active else HttpResponseStopPolling(response.content)
+    context |= _bundles(run, timezone.now())
     return render(request, "run_detail.html", {**context, **run_choices(request, run)})
-
-
-def _live(run: Run) -> dict[str, Any]:
-    """What changes while a run is active, in an operator's words."""
-    run.status_label, run.phase_label = status_words(run), plain(Phase, run.phase)
-    revisions = list(run.revisions.order_by("number"))
-    for revision in revisions:
-        revision.html = _answer_html(revision.content)
-    actions = list(run.actions.select_related("receipt").order_by("id"))
-    for action in actions:
-        action.state_label = plain(ActionState, action.state)
-        action.class_label = plain(EffectClass, action.effect_class)
-        action.kind_label = words(action.kind)
-    items = list(run.outcome_items.select_related("action").order_by("id"))
-    for item in items:
-        item.kind_label = plain(OutcomeKind, item.kind)
-        item.state_label = plain(OutcomeState, item.state)
-        item.fields = evidence_fields(item.evidence)
-    gaps = list(CaptureGap.objects.filter(run=run).order_by("id")[:50])
-    for gap in gaps:
-        gap.reason_label = plain(GapReason, gap.reason)
-    checkpoints = checkpoint_rows(run.checkpoints.select_related("after_action").order_by("id"))
-    return {
-        "actions": actions,
-        "checkpoints": checkpoints,
-        "revisions": revisions,
-        "items": items,
-        "open_items": sum(item.state == OutcomeState.OPEN for item in items),
-        "copies": EvidenceCopy.objects.filter(run=run).order_by("id")[:50],
-        "gaps": gaps,
-        "capture": CaptureStats.objects.filter(run=run).first(),
-        "waits": LockWait.objects.filter(Q(waiter_run=run) | Q(blocker_run=run))
-        .select_related("incident")
-        .order_by("-first_seen")[:50],
-        "faults": json.dumps(run.faults, indent=1) if run.faults else "",
-        "timeline": json.loads(charts.timeline(run, actions, checkpoints)),
-    }
-
-
-@dataclass
-class Step:
-    """One thing that happened to a checkpoint: attempted, saved, settled."""
-
-    at: dt.datetime | None
-    what: str
-    detail: str = ""
-
-
-@dataclass
-class CheckpointRow:
-    """A checkpoint number of a run, with its final outcome and its history.
-
-    The database keeps the saved state and the record of an attempt whose
-    COMMIT got no answer (or that failed before writing) as separate rows
-    under the same number; an operator sees one checkpoint."""
-
-    number: int
-    after: str
-    outcome: str
-    outcome_label: str
-    xid: int | None
-    at: dt.datetime
-    history: list[Step] = field(default_factory=list)
-
-    @property
-    def summary(self) -> str:
-        return "; ".join(
-            f"{step.what}{': ' + step.detail if step.detail else ''}" for step in self.history
-        )
-
-
-def checkpoint_rows(records: Iterable[Checkpoint]) -> list[CheckpointRow]:
-    """One row per checkpoint number.  Its outcome: unknown while any attempt
-    is still unknown (an open item says so too); else written when a saved
-    state exists (settled by evidence if an attempt needed settling); else
-    the last attempt's outcome."""
-    by_number: dict[int, list[Checkpoint]] = {}
-    for record in records:
-        by_number.setdefault(record.number, []).append(record)
-    rows = []
-    for number, group in sorted(by_number.items()):
-        saved = next((r for r in group if r.state is not None), None)
-        attempts = [r for r in group if r.state is None]
-        outcomes = {r.outcome for r in attempts}
-        if CheckpointOutcome.UNKNOWN in outcomes:
-            outcome = CheckpointOutcome.UNKNOWN
-        elif saved is not None:
-            settled = CheckpointOutcome.RESOLVED_COMMITTED in outcomes
-            outcome = CheckpointOutcome.RESOLVED_COMMITTED if settled else saved.outcome
-        else:
-            outcome = attempts[-1].outcome
-        history = []
-        for record in attempts:
-            if record.outcome == CheckpointOutcome.FAILED_BEFORE_WRITE:
-                history.append(Step(record.created_at, "failed before write", record.error))
-                continue
-            # Unknown first, whatever settled it since.
-            history.append(Step(record.created_at, record.error or "COMMIT sent, no answer"))
-            if record.resolved_at:
-                history.append(Step(record.resolved_at, "settled", record.resolution))
-        history.sort(key=lambda step: step.at)
-        if saved is not None and attempts:  # alone, a saved state needs no history
-            history.append(Step(None, "its saved state is readable"))
-        rows.append(
-            CheckpointRow(
-                number=number,
-                after=group[0].after_action.step_key,
-                outcome=outcome,
-                outcome_label=plain(CheckpointOutcome, outcome),
-                xid=next((r.xid for r in group if r.xid is not None), None),
-                at=min(r.created_at for r in group),
-                history=history,
-            )
-        )
-    return rows
 
 
 def _events(run: Run, before: str) -> dict[str, Any]:
@@ -277,26 +157,91 @@ def _events(run: Run, before: str) -> dict[str, Any]:
     }
 
 
-def _answer_html(content: str) -> SafeString:
-    """Model output, rendered from markdown and sanitised: no script, no
-    event handler attribute survives.  Drafts and the final answer alike."""
-    html = markdown.markdown(content, extensions=["tables"])
-    return mark_safe(nh3.clean(html))  # noqa: S308 (sanitised by nh3 just above)
-
-
 @require_POST
 @operator_required
 @rejects_bad_input
 def run_cancel(request: HttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
-    if run.request_cancel(by=request.user.get_username()):
+    if run.is_imported:
+        messages.error(request, f"Run {run.pk} is imported and read-only: cancel it where it runs.")
+    elif run.request_cancel(by=request.user.get_username()):
         messages.success(request, f"Cancel requested for run {run.pk}.")
     else:
         messages.info(request, f"Run {run.pk} had already ended or was being cancelled.")
     run.refresh_from_db()
     if request.htmx:  # type: ignore[attr-defined]
-        return render(request, "run_detail.html#live", {"run": run, **_live(run)})
+        return render(request, "run_detail.html#live", {"run": run, **run_facts(run)})
     return redirect("run-detail", run_id=run.pk)
+
+
+# -- investigation bundles ----------------------------------------------------------
+
+
+def _bundles(run: Run, now: dt.datetime) -> dict[str, Any]:
+    """The run's latest bundle exports, for the run page's bundles region."""
+    exports = list(BundleExport.objects.for_run(run)[:BUNDLES_SHOWN])
+    for export in exports:
+        export.downloadable = export.is_downloadable(now)
+    return {
+        "run": run,
+        "bundles": exports,
+        "bundles_active": any(export.is_active for export in exports),
+    }
+
+
+def _bundles_region(request: HttpRequest, run: Run) -> HttpResponse:
+    context = _bundles(run, timezone.now())
+    response = render(request, "run_detail.html#bundles", context)
+    return response if context["bundles_active"] else HttpResponseStopPolling(response.content)
+
+
+@require_POST
+@operator_required
+@rejects_bad_input
+def run_bundle(request: HttpRequest, run_id: int) -> HttpResponse:
+    """Queues an export of the run's bundle; a worker writes it."""
+    run = get_object_or_404(Run.objects.local(), pk=run_id)  # an import is not re-sealed here
+    leave_evidence_out = request.POST.get("no_evidence", "")
+    if leave_evidence_out not in ("", "1"):
+        raise BadRequest(f"no_evidence={leave_evidence_out!r} is not 1 (or absent)")
+    export = BundleExport.objects.create(
+        run=run, requested_by=request.user.get_username(), include_evidence=not leave_evidence_out
+    )
+    tasks.export_bundle.delay_on_commit(export.pk)
+    if request.htmx:  # type: ignore[attr-defined]
+        return render(request, "run_detail.html#bundles", _bundles(run, timezone.now()))
+    messages.success(request, f"Bundle export {export.pk} of run {run.pk} queued.")
+    return redirect(reverse("run-detail", args=[run.pk]) + "#run-bundles")
+
+
+@require_GET
+@rejects_bad_input
+def run_bundles(request: HttpRequest, run_id: int) -> HttpResponse:
+    """The bundles region, which polls this while an export is queued or
+    running and is told to stop (286) once none is."""
+    run = get_object_or_404(Run, pk=run_id)
+    if not request.htmx:  # type: ignore[attr-defined]
+        return redirect(reverse("run-detail", args=[run.pk]) + "#run-bundles")
+    return _bundles_region(request, run)
+
+
+@require_GET
+@operator_required
+@rejects_bad_input
+def bundle_download(request: HttpRequest, export_id: int) -> FileResponse:
+    """Operators only: a bundle may hold evidence copies (model inputs and
+    outputs), which viewers may read on the pages but not carry away."""
+    export = get_object_or_404(BundleExport, pk=export_id)
+    if not export.is_downloadable(timezone.now()):
+        raise Http404("This bundle is not ready, or it expired and its file was removed.")
+    try:
+        # Open now: the file stays readable if it is removed while streamed.
+        file = export.path.open("rb")
+    except FileNotFoundError:
+        raise Http404("This bundle's file is missing.") from None
+    return FileResponse(
+        file, as_attachment=True, filename=export.download_name, content_type="application/zip"
+    )
 
 
 # -- locks ------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 from django.contrib import admin
 
 from evidence.models import (
+    BundleExport,
     CaptureGap,
     CaptureStats,
     EvidenceCopy,
@@ -58,3 +59,21 @@ class LockIncidentAdmin(ReadOnlyAdmin):
     list_display = ["id", "source", "started_at", "processes", "has_cycle", "summary"]
     list_filter = ["source", "has_cycle"]
     inlines = [LockWaitInline]
+
+
+@admin.register(BundleExport)
+class BundleExportAdmin(ReadOnlyAdmin):
+    list_display = [
+        "id",
+        "run",
+        "requested_by",
+        "state",
+        "include_evidence",
+        "rows_written",
+        "rows_total",
+        "bytes",
+        "created_at",
+        "expires_at",
+    ]
+    list_filter = ["state", "include_evidence"]
+    list_select_related = ["run"]

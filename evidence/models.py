@@ -1,10 +1,17 @@
 """Research evidence: the sources a run read, the model calls it made, the
 bounded copies of those calls (optional: capture, evidence/capture.py) and
 the honest gaps where a copy could not be made; and the lock waits seen
-among Rundesk's connections (evidence/locks.py, evidence/pglog.py)."""
+among Rundesk's connections (evidence/locks.py, evidence/pglog.py); and
+the investigation bundles operators export from the run page
+(evidence/bundles.py, evidence/tasks.py)."""
 
 from __future__ import annotations
 
+import datetime as dt
+import uuid
+from pathlib import Path
+
+from django.conf import settings
 from django.db import models
 from django.db.models import Q
 from django.db.models.functions import Now
@@ -195,3 +202,200 @@ class LockWait(models.Model):
 
     def __str__(self) -> str:
         return f"{self.waiter_pid} waits for {self.blocker_pid}"
+
+
+class BundleState(models.TextChoices):
+    QUEUED = "queued", "waiting for a worker"
+    RUNNING = "running", "exporting"
+    DONE = "done", "ready"
+    FAILED = "failed", "failed"
+    # Done once; its file was removed when it expired.
+    EXPIRED = "expired", "expired, file removed"
+
+
+ACTIVE_BUNDLE_STATES = [BundleState.QUEUED, BundleState.RUNNING]
+# A running export that has not moved for this long lost its worker (a
+# redelivered task leaves a running export alone): it is marked failed.
+BUNDLE_STALLED_AFTER = dt.timedelta(minutes=15)
+
+
+def bundle_file_name() -> str:
+    # Not guessable from the run id: the directory may be shared.
+    return f"{uuid.uuid4()}.zip"
+
+
+class BundleExportQuerySet(models.QuerySet["BundleExport"]):
+    def for_run(self, run: Run) -> BundleExportQuerySet:
+        """The run's exports, latest first (bundle_run_latest_idx)."""
+        return self.filter(run=run).order_by("-created_at", "-id")
+
+    def active(self) -> BundleExportQuerySet:
+        return self.filter(state__in=ACTIVE_BUNDLE_STATES)
+
+    def expired(self, now: dt.datetime) -> BundleExportQuerySet:
+        """Done exports whose file is no longer offered (bundle_expiry_idx)."""
+        return self.filter(state=BundleState.DONE, expires_at__lte=now)
+
+    def stalled(self, now: dt.datetime) -> BundleExportQuerySet:
+        """Running exports no worker has moved for BUNDLE_STALLED_AFTER
+        (bundle_running_idx)."""
+        return self.filter(state=BundleState.RUNNING, progressed_at__lt=now - BUNDLE_STALLED_AFTER)
+
+
+class BundleExport(models.Model):
+    """An investigation bundle an operator asked for on the run page: a
+    Celery task writes it (evidence/tasks.py) into RUNDESK_BUNDLE_DIR, where
+    it is kept RUNDESK_BUNDLE_KEEP_HOURS.
+
+    Every change of state is a conditional UPDATE on the state it expects,
+    its row count checked: a redelivered task, a second worker, or the
+    sweep that fails a stalled export never overwrite one another."""
+
+    run = models.ForeignKey(
+        # bundle_run_latest_idx leads with run: no index of its own.
+        Run,
+        on_delete=models.CASCADE,
+        related_name="bundle_exports",
+        db_index=False,
+    )
+    requested_by = models.CharField(max_length=150)
+    include_evidence = models.BooleanField(default=True)
+    state = models.CharField(max_length=20, choices=BundleState, default=BundleState.QUEUED)
+    rows_written = models.PositiveBigIntegerField(default=0)
+    rows_total = models.PositiveBigIntegerField(default=0, help_text="0 until counted")
+    file_name = models.CharField(max_length=100, default=bundle_file_name, editable=False)
+    bytes = models.PositiveBigIntegerField(null=True, blank=True)
+    seal = models.CharField(max_length=64, blank=True)
+    error = models.TextField(blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+    started_at = models.DateTimeField(null=True, blank=True)
+    progressed_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+
+    objects = BundleExportQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(state__in=BundleState.values), name="bundle_state_valid"
+            ),
+            models.UniqueConstraint(fields=["file_name"], name="bundle_file_name_unique"),
+            # Done means a sealed file that is offered until a known time.
+            models.CheckConstraint(
+                condition=~Q(state=BundleState.DONE)
+                | Q(
+                    bytes__isnull=False,
+                    seal__regex=r"^[0-9a-f]{64}$",
+                    finished_at__isnull=False,
+                    expires_at__isnull=False,
+                ),
+                name="bundle_done_is_sealed",
+            ),
+            models.CheckConstraint(
+                condition=~Q(state=BundleState.FAILED) | ~Q(error=""),
+                name="bundle_failure_says_why",
+            ),
+        ]
+        indexes = [
+            # Serves the run page's latest exports (BundleExport.objects.for_run).
+            models.Index(fields=["run", "-created_at", "-id"], name="bundle_run_latest_idx"),
+            # Serves the removal of expired files (BundleExport.objects.expired).
+            models.Index(
+                fields=["expires_at"], name="bundle_expiry_idx", condition=Q(state="done")
+            ),
+            # Serves the search for stalled exports (BundleExport.objects.stalled).
+            models.Index(
+                fields=["progressed_at"], name="bundle_running_idx", condition=Q(state="running")
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"bundle {self.pk} of run {self.run_id} ({self.state})"
+
+    @property
+    def path(self) -> Path:
+        return Path(settings.RUNDESK_BUNDLE_DIR) / self.file_name
+
+    @property
+    def part_path(self) -> Path:
+        """Where the file is written; renamed to `path` once complete, so a
+        file under its final name is always a whole bundle."""
+        return self.path.with_name(f".{self.file_name}.part")
+
+    @property
+    def is_active(self) -> bool:
+        return self.state in ACTIVE_BUNDLE_STATES
+
+    @property
+    def download_name(self) -> str:
+        return f"rundesk-run-{self.run_id}.zip"
+
+    def is_downloadable(self, now: dt.datetime) -> bool:
+        return (
+            self.state == BundleState.DONE and self.expires_at is not None and now < self.expires_at
+        )
+
+    def _move(self, expected: list[str], *, where: Q | None = None, **changes: object) -> bool:
+        """Applies `changes` if the row is still in one of the `expected`
+        states (and matches `where`); False (nothing changed) otherwise."""
+        rows = BundleExport.objects.filter(where or Q(), pk=self.pk, state__in=expected)
+        moved = rows.update(**changes)
+        if moved:
+            for name, value in changes.items():
+                setattr(self, name, value)
+        return moved == 1
+
+    def start(self, now: dt.datetime) -> bool:
+        """Takes a queued export; False for any other (a redelivered task)."""
+        return self._move(
+            [BundleState.QUEUED], state=BundleState.RUNNING, started_at=now, progressed_at=now
+        )
+
+    def record_progress(self, written: int, total: int, now: dt.datetime) -> bool:
+        """False when the export is no longer running (failed as stalled):
+        its writer stops."""
+        return self._move(
+            [BundleState.RUNNING], rows_written=written, rows_total=total, progressed_at=now
+        )
+
+    def finish(self, *, rows: int, size: int, seal: str, now: dt.datetime) -> bool:
+        keep = dt.timedelta(hours=settings.RUNDESK_BUNDLE_KEEP_HOURS)
+        return self._move(
+            [BundleState.RUNNING],
+            state=BundleState.DONE,
+            rows_written=rows,
+            rows_total=rows,
+            bytes=size,
+            seal=seal,
+            progressed_at=now,
+            finished_at=now,
+            expires_at=now + keep,
+        )
+
+    def fail(self, error: str, now: dt.datetime) -> bool:
+        return self._move(
+            ACTIVE_BUNDLE_STATES,
+            state=BundleState.FAILED,
+            error=error or "failed",
+            finished_at=now,
+        )
+
+    def fail_stalled(self, now: dt.datetime) -> bool:
+        """Fails the export if it is still running and still has not moved
+        (its writer may have reported progress since it was found)."""
+        return self._move(
+            [BundleState.RUNNING],
+            where=Q(progressed_at__lt=now - BUNDLE_STALLED_AFTER),
+            state=BundleState.FAILED,
+            error="its worker stopped before the bundle was written",
+            finished_at=now,
+        )
+
+    def expire(self) -> bool:
+        """Removes the file of an expired export, then says so.  The file
+        goes first: a crash between the two leaves a row the next sweep
+        finishes, never a file nobody will remove."""
+        self.path.unlink(missing_ok=True)
+        return self._move([BundleState.DONE], state=BundleState.EXPIRED)

@@ -129,6 +129,17 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
             "idempotency_key": item.evidence.get("idempotency_key", ""),
             "receiver_answer": item.action.error if item.action_id else "",
         }
+    elif run.is_imported:
+        # Its xid and writer's backend are another installation's: asking
+        # this database about them would answer about something else.
+        shown["now"] = {
+            "xid": item.xid,
+            "xid_status": None,
+            "writer_alive": None,
+            "row_found": None,
+            "error": f"not asked: {_imported(run)}",
+            "settles_as": "unknown",
+        }
     else:
         settlement = check(item)
         last = settlement.evidence["checks"][-1]
@@ -156,7 +167,7 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
 
 def offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
     """The choices the evidence in `shown` (gather) allows for `item`."""
-    if item.state != OutcomeState.OPEN:
+    if item.state != OutcomeState.OPEN or item.run.is_imported:
         return []
     if item.kind == OutcomeKind.EFFECT:
         key = shown["delivery"]["idempotency_key"]
@@ -209,7 +220,7 @@ def offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
 
 
 def run_offers(run: Run) -> list[Offer]:
-    if run.status != RunStatus.NEEDS_OPERATOR:
+    if run.status != RunStatus.NEEDS_OPERATOR or run.is_imported:
         return []
     choices = [
         Offer(
@@ -266,6 +277,8 @@ def decide(item_id: int, request: Request) -> OperatorDecision:
     )
     if item is None:
         raise DecisionRefused(f"there is no outcome item {item_id}")
+    if item.run.is_imported:
+        raise DecisionRefused(f"item {item_id} cannot be decided: {_imported(item.run)}")
     shown = request.shown or gather(item)
     if request.who.user is not None and item.state == OutcomeState.OPEN:
         offered = {offer.choice for offer in offers(item, shown)}
@@ -316,6 +329,8 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
     run = Run.objects.filter(pk=run_id).first()
     if run is None:
         raise DecisionRefused(f"there is no run {run_id}")
+    if run.is_imported:
+        raise DecisionRefused(f"run {run_id} cannot be decided: {_imported(run)}")
     offered = {offer.choice for offer in run_offers(run)}
     if request.choice not in offered:
         raise DecisionRefused(
@@ -327,7 +342,7 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
         Run.objects.lock_waiting(run_id)
         if (earlier := _by_token(request.token, run_id=run_id)) is not None:
             return earlier
-        waiting = Run.objects.filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR)
+        waiting = Run.objects.local().filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR)
         if request.choice == DecisionChoice.RESUME:
             changed = waiting.exclude(
                 Exists(OutcomeItem.objects.holding_runs().filter(run=OuterRef("pk")))
@@ -389,6 +404,13 @@ def settle_by_evidence(item: OutcomeItem, settlement: Settlement) -> OperatorDec
         return decide(item.pk, request)
     except DecisionRefused:
         return None
+
+
+def _imported(run: Run) -> str:
+    return (
+        f"it was imported from {run.origin_installation} (run {run.origin_run_id} there) and "
+        "is read-only here; decide it where it runs"
+    )
 
 
 def _check_person(request: Request) -> None:
@@ -540,12 +562,17 @@ def settle_open_items() -> Settled:
     """Asks again about open checkpoint, receipt and publication items (an
     orphaned transaction may have ended since); what the evidence settles
     becomes a system decision.  Effects are never settled here: only their
-    receiver knows."""
+    receiver knows.  An imported run's items are another installation's
+    transactions: never asked about here."""
     swept = Settled()
-    items = OutcomeItem.objects.filter(
-        state=OutcomeState.OPEN,
-        kind__in=[OutcomeKind.CHECKPOINT, OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION],
-    ).select_related("checkpoint")
+    items = (
+        OutcomeItem.objects.local()
+        .filter(
+            state=OutcomeState.OPEN,
+            kind__in=[OutcomeKind.CHECKPOINT, OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION],
+        )
+        .select_related("checkpoint")
+    )
     for item in items:
         try:
             settlement = check(item)

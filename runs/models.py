@@ -83,6 +83,17 @@ def _count_per_run(rows: models.QuerySet) -> Coalesce:
 
 
 class RunQuerySet(models.QuerySet["Run"]):
+    def local(self) -> RunQuerySet:
+        """Runs of this installation: not imported from a bundle.  Every
+        query that picks runs to claim, requeue, resume, settle or end
+        starts here: an imported run keeps the status it had where it ran
+        (running, waiting for an operator...) but nothing here executes it."""
+        return self.filter(imported_at__isnull=True)
+
+    def imported(self) -> RunQuerySet:
+        """Runs opened from an investigation bundle (evidence/imports.py)."""
+        return self.filter(imported_at__isnull=False)
+
     def listing(self) -> RunQuerySet:
         """The runs list's columns.  Correlated subqueries: PostgreSQL works
         them out for the rows of the page only, whatever the table's size."""
@@ -110,13 +121,13 @@ class RunQuerySet(models.QuerySet["Run"]):
         """Queued runs, and running runs whose owner stopped renewing its lease
         (a cancel asked of one of these is carried out by whoever claims it:
         executor.drive ends it before anything else)."""
-        return self.filter(
+        return self.local().filter(
             Q(status=RunStatus.QUEUED) | Q(status=RunStatus.RUNNING, lease_expires_at__lt=Now())
         )
 
     def abandoned(self) -> RunQuerySet:
         """Running runs whose owner stopped renewing its lease."""
-        return self.filter(status=RunStatus.RUNNING, lease_expires_at__lt=Now())
+        return self.local().filter(status=RunStatus.RUNNING, lease_expires_at__lt=Now())
 
     def end_abandoned_cancels(self) -> list[int]:
         """Ends, as cancelled, the runs whose cancel was asked and whose owner
@@ -171,9 +182,8 @@ class RunQuerySet(models.QuerySet["Run"]):
         locking the run row (lock_waiting), so two items settled at once
         cannot both leave the run waiting."""
         return bool(
-            self.filter(
-                pk=run_id, status=RunStatus.NEEDS_OPERATOR, cancel_requested_at__isnull=True
-            )
+            self.local()
+            .filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR, cancel_requested_at__isnull=True)
             .exclude(Exists(OutcomeItem.objects.holding_runs().filter(run=OuterRef("pk"))))
             .update(status=RunStatus.QUEUED, status_reason=why, queued_at=Now())
         )
@@ -182,7 +192,8 @@ class RunQuerySet(models.QuerySet["Run"]):
         """Locks a run that waits for an operator (and only such a run: a
         running run's fenced writes never wait for this)."""
         list(
-            self.filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR)
+            self.local()
+            .filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR)
             .select_for_update(no_key=True)
             .values_list("pk")
         )
@@ -193,9 +204,10 @@ class RunQuerySet(models.QuerySet["Run"]):
         Finished or waiting for an operator: never.  Claimable but locked
         this instant (another claim): in a second.  Owned with a lease still
         valid: once it expires, unless the owner renewed it since the last
-        look (`seen_expiry`), which says it is alive."""
+        look (`seen_expiry`), which says it is alive.  Imported: never."""
         row = (
-            self.filter(pk=run_id)
+            self.local()
+            .filter(pk=run_id)
             .annotate(now=Now())
             .values_list("status", "lease_expires_at", "now")
             .first()
@@ -215,7 +227,8 @@ class RunQuerySet(models.QuerySet["Run"]):
         is handed out at most once per `seconds`."""
         with transaction.atomic():
             stale = list(
-                self.filter(
+                self.local()
+                .filter(
                     status=RunStatus.QUEUED, queued_at__lt=Now() - dt.timedelta(seconds=seconds)
                 )
                 .order_by("queued_at")
@@ -286,6 +299,21 @@ class Run(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
+    # An imported run (evidence/imports.py; `imported_at` is set): a run of
+    # another installation, opened from its investigation bundle.  It is
+    # read-only here: it keeps the status it had there, but nothing claims,
+    # resumes, cancels or decides it (RunQuerySet.local()).  The seal names
+    # the bundle: opening it again finds this run (run_import_seal_unique).
+    origin_seal = models.CharField(max_length=64, blank=True)
+    origin_installation = models.CharField(max_length=200, blank=True)
+    origin_run_id = models.BigIntegerField(null=True, blank=True)
+    origin_exported_at = models.DateTimeField(null=True, blank=True)
+    origin_format = models.CharField(max_length=40, blank=True)
+    # The bundle's manifest as verified: every file's SHA-256, what was
+    # redacted where (counts), whether evidence copies were included.
+    origin_manifest = models.JSONField(null=True, blank=True)
+    imported_at = models.DateTimeField(null=True, blank=True, help_text="Set: an imported run")
+
     objects = RunQuerySet.as_manager()
 
     class Meta:
@@ -294,10 +322,40 @@ class Run(models.Model):
         constraints = [
             models.CheckConstraint(condition=Q(lease_epoch__gte=0), name="run_epoch_not_negative"),
             models.CheckConstraint(condition=Q(action_budget__gte=1), name="run_budget_positive"),
+            # An imported run that was running where it ran has no owner
+            # here (run_imported_never_owned).
             models.CheckConstraint(
                 condition=~Q(status=RunStatus.RUNNING)
+                | Q(imported_at__isnull=False)
                 | (~Q(lease_owner="") & Q(lease_expires_at__isnull=False)),
                 name="run_running_has_owner",
+            ),
+            # Nothing executes an imported run: a claim (which names an
+            # owner) of one fails here, whatever query picked it.
+            models.CheckConstraint(
+                condition=Q(imported_at__isnull=True) | Q(lease_owner=""),
+                name="run_imported_never_owned",
+            ),
+            models.CheckConstraint(
+                condition=Q(
+                    imported_at__isnull=True,
+                    origin_seal="",
+                    origin_run_id__isnull=True,
+                    origin_exported_at__isnull=True,
+                )
+                | (
+                    Q(
+                        imported_at__isnull=False,
+                        origin_run_id__isnull=False,
+                        origin_exported_at__isnull=False,
+                    )
+                    & ~Q(origin_seal="")
+                ),
+                name="run_imported_has_origin",
+            ),
+            # One imported run per bundle: opening it again finds this one.
+            models.UniqueConstraint(
+                fields=["origin_seal"], condition=~Q(origin_seal=""), name="run_import_seal_unique"
             ),
             models.CheckConstraint(
                 condition=Q(status__in=TERMINAL_STATUSES, finished_at__isnull=False)
@@ -335,7 +393,13 @@ class Run(models.Model):
 
     @property
     def is_active(self) -> bool:
-        return self.status in ACTIVE_STATUSES
+        """Queued or running here.  An imported run never is, whatever
+        status it had where it ran: nothing here executes it."""
+        return self.status in ACTIVE_STATUSES and not self.is_imported
+
+    @property
+    def is_imported(self) -> bool:
+        return self.imported_at is not None
 
     def request_cancel(self, by: str) -> bool:
         """Cancel, asked by `by` (an operator's user name).  A run nobody owns
@@ -343,8 +407,8 @@ class Run(models.Model):
         owner stops before its next boundary (its fenced writes see the
         request), and if that owner died, whoever claims the run or the sweep
         ends it.  Open outcome items stay open and visible: a cancelled run
-        waits for nothing.  False if the run had already ended or the cancel
-        was already asked."""
+        waits for nothing.  False if the run had already ended, the cancel
+        was already asked, or the run is imported (read-only here)."""
         from runs.timeline import timeline
 
         # One statement: a run that moves between queued, running and waiting
@@ -360,6 +424,7 @@ class Run(models.Model):
                        cancel_requested_at = now(), cancel_requested_by = %(by)s
                    WHERE id = %(run)s AND cancel_requested_at IS NULL
                      AND status IN ('queued', 'running', 'needs_operator')
+                     AND imported_at IS NULL
                    RETURNING status""",
                 {"run": self.pk, "by": by},
             )
@@ -555,6 +620,11 @@ HOLDING_KINDS = [OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION, OutcomeKind.EFFEC
 
 
 class OutcomeItemQuerySet(models.QuerySet["OutcomeItem"]):
+    def local(self) -> OutcomeItemQuerySet:
+        """Items of this installation's runs (Run.objects.local()): an
+        imported run's items are read, never settled or decided here."""
+        return self.filter(run__imported_at__isnull=True)
+
     def holding_runs(self) -> OutcomeItemQuerySet:
         """Open items their run must wait for (HOLDING_KINDS)."""
         return self.filter(state=OutcomeState.OPEN, kind__in=HOLDING_KINDS)

@@ -184,7 +184,7 @@ class Command(BaseCommand):
     # -- reading ----------------------------------------------------------------
 
     def list(self, options: dict[str, Any]) -> None:
-        items = OutcomeItem.objects.all()
+        items = OutcomeItem.objects.local()
         if options["open"]:
             items = items.filter(state=OutcomeState.OPEN)
         if options["kind"]:

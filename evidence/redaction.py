@@ -1,0 +1,138 @@
+"""Secrets never leave in a bundle: what replaces them, and the count of
+what was replaced where (never the values).
+
+Two sources of secrets: values this installation knows to be secret (the
+settings' keys and passwords, environment variables named like *KEY*,
+*TOKEN*, *SECRET*, *PASSWORD*), replaced wherever they occur; and strings in
+common key formats (provider API keys, bearer tokens, Authorization
+headers, JWTs, private-key blocks), replaced wherever they occur, whoever
+they belong to.  Each becomes `[REDACTED:<kind>]`.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+from collections import Counter
+from typing import Any
+
+from django.conf import settings
+
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+# Shorter values are not taken for secrets: "1", "true", a port number
+# would redact half a bundle and protect nothing.
+MIN_SECRET_LENGTH = 8
+
+# Most specific first: a key is named by the first format it matches.
+FORMATS: list[tuple[str, re.Pattern[str]]] = [
+    (
+        "private_key",
+        re.compile(
+            r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?-----END [A-Z0-9 ]*PRIVATE KEY-----",
+            re.DOTALL,
+        ),
+    ),
+    (
+        "authorization_header",
+        re.compile(
+            r"(?i)(?<![A-Za-z])((?:proxy-)?authorization\"?\s*[:=]\s*\"?)"
+            r"(?:(?:bearer|basic|token|digest|negotiate)\s+)?[^\s\"',}]+"
+        ),
+    ),
+    ("bearer_token", re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{12,}")),
+    ("jwt", re.compile(r"\beyJ[A-Za-z0-9_-]{6,}\.[A-Za-z0-9_-]{6,}\.[A-Za-z0-9_-]{6,}")),
+    ("anthropic_key", re.compile(r"\bsk-ant-[A-Za-z0-9_-]{16,}")),
+    ("openai_key", re.compile(r"\bsk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{20,}")),
+    ("stripe_key", re.compile(r"\b(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,}")),
+    ("aws_access_key", re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b")),
+    ("github_token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})")),
+    ("google_api_key", re.compile(r"\bAIza[0-9A-Za-z_-]{35}\b")),
+    ("slack_token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}")),
+]
+
+
+# Every format above starts with one of these: a string without any is
+# scanned once, not once per format (an export reads millions of strings).
+MAYBE = re.compile(
+    r"(?i:authorization|bearer)|BEGIN|eyJ|sk-|_live_|_test_|AKIA|ASIA|gh[pousr]_|github_pat_"
+    r"|AIza|xox[abposr]-"
+)
+
+
+def known_secrets() -> dict[str, str]:
+    """Secret value -> the kind it is reported as: the settings' secrets and
+    the environment's variables named like secrets."""
+    found: dict[str, str] = {}
+    for name, value in os.environ.items():
+        if SECRET_NAME.search(name) and len(value) >= MIN_SECRET_LENGTH:
+            found[value] = f"env:{name}"
+    database = settings.DATABASES["default"]
+    for name, value in [
+        ("SECRET_KEY", settings.SECRET_KEY),
+        ("RUNDESK_MODEL_API_KEY", settings.RUNDESK_MODEL_API_KEY),
+        ("DATABASE_PASSWORD", database.get("PASSWORD") or ""),
+        ("EMAIL_HOST_PASSWORD", getattr(settings, "EMAIL_HOST_PASSWORD", "")),
+    ]:
+        if value and len(value) >= MIN_SECRET_LENGTH:
+            found[value] = f"setting:{name}"
+    return found
+
+
+class Redactor:
+    """Replaces secrets in text and in JSON values, counting what it
+    replaced per place (a bundle's file) and kind."""
+
+    def __init__(self, secrets: dict[str, str] | None = None) -> None:
+        secrets = known_secrets() if secrets is None else secrets
+        # A value can also appear HTML-escaped (in report.html).
+        variants = {**secrets, **{html.escape(v): k for v, k in secrets.items()}}
+        self._kinds = variants
+        self._values = (
+            re.compile("|".join(re.escape(v) for v in sorted(variants, key=len, reverse=True)))
+            if variants
+            else None
+        )
+        self.counts: dict[str, Counter[str]] = {}
+
+    def text(self, value: str, where: str) -> str:
+        counts = self.counts.setdefault(where, Counter())
+        if self._values is not None:
+
+            def known(match: re.Match[str]) -> str:
+                kind = self._kinds[match.group(0)]
+                counts[kind] += 1
+                return f"[REDACTED:{kind}]"
+
+            value = self._values.sub(known, value)
+        if MAYBE.search(value) is None:
+            return value
+        for kind, pattern in FORMATS:
+            value, replaced = pattern.subn(_replacement(kind), value)
+            if replaced:
+                counts[kind] += replaced
+        return value
+
+    def value(self, value: Any, where: str) -> Any:
+        """A JSON value with every string in it redacted (keys included)."""
+        if isinstance(value, str):
+            return self.text(value, where)
+        if isinstance(value, dict):
+            return {self.text(k, where): self.value(v, where) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.value(v, where) for v in value]
+        return value
+
+    def report(self) -> dict[str, dict[str, int]]:
+        """Where, what kind, how many: never a value."""
+        return {
+            where: dict(sorted(counts.items()))
+            for where, counts in sorted(self.counts.items())
+            if counts
+        }
+
+
+def _replacement(kind: str) -> Any:
+    if kind == "authorization_header":
+        return lambda match: f"{match.group(1)}[REDACTED:{kind}]"
+    return f"[REDACTED:{kind}]"

@@ -1,0 +1,117 @@
+"""Celery task of the run page's "Export bundle": writes a BundleExport's
+investigation bundle (evidence/bundles.py) into RUNDESK_BUNDLE_DIR.
+
+The task takes the export's id and is idempotent: it only ever starts a
+queued export (a conditional UPDATE), so a redelivered task for an export
+that is running or done does nothing.  The file is written under a
+temporary name and renamed when whole.  Each run of the task also removes
+the files of expired bundles, and fails running exports whose worker was
+lost (nothing else would: their redelivered task leaves them alone).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from celery import shared_task
+from django.utils import timezone
+
+from evidence import bundles
+from evidence.models import BundleExport
+
+logger = logging.getLogger(__name__)
+
+# Progress is written at most this often: one UPDATE per interval however
+# many rows go by (the exporter reports every couple of thousand rows).
+PROGRESS_SECONDS = 0.5
+
+
+class Abandoned(Exception):
+    """The export stopped being running under its writer (failed as
+    stalled): the writer stops and removes its partial file."""
+
+
+@dataclass
+class Progress:
+    """The exporter's progress callback: rows written / total into the
+    export's row, throttled.  The first report is written at once (it
+    carries the total), then at most every PROGRESS_SECONDS, and the one
+    that reaches the total (the report is drawn after it)."""
+
+    export: BundleExport
+    last: float | None = None
+    all_written: bool = False
+
+    def __call__(self, written: int, total: int) -> None:
+        now = time.monotonic()
+        recent = self.last is not None and now - self.last < PROGRESS_SECONDS
+        if recent and (self.all_written or written < total):
+            return
+        self.last, self.all_written = now, written >= total
+        if not self.export.record_progress(written, total, timezone.now()):
+            raise Abandoned(f"bundle {self.export.pk} is no longer running")
+
+
+@shared_task(acks_late=True, reject_on_worker_lost=True)
+def export_bundle(export_id: int) -> str:
+    """Writes export `export_id`'s bundle; what happened, in a word."""
+    now = timezone.now()
+    remove_expired(now)
+    export = BundleExport.objects.filter(pk=export_id).first()
+    if export is None:
+        return "missing"
+    if not export.start(now):
+        return f"already_{export.state}"  # redelivered, or taken by another worker
+    return write(export)
+
+
+def write(export: BundleExport) -> str:
+    """Exports a started (running) export's bundle; "done", "failed" or
+    "abandoned"."""
+    part = export.part_path
+    try:
+        part.parent.mkdir(parents=True, exist_ok=True)
+        with part.open("wb") as out:
+            exported = bundles.export(
+                export.run_id,
+                out,
+                include_evidence=export.include_evidence,
+                progress=Progress(export),
+            )
+            out.flush()
+            os.fsync(out.fileno())
+        size = part.stat().st_size
+        os.replace(part, export.path)
+    except Abandoned:
+        part.unlink(missing_ok=True)
+        return "abandoned"
+    except Exception as error:
+        logger.exception("bundle %s of run %s failed", export.pk, export.run_id)
+        part.unlink(missing_ok=True)
+        export.fail(f"{type(error).__name__}: {error}", timezone.now())
+        return "failed"
+    if not export.finish(rows=exported.rows, size=size, seal=exported.seal, now=timezone.now()):
+        # Failed as stalled meanwhile: the row says failed, so no file.
+        export.path.unlink(missing_ok=True)
+        return "abandoned"
+    logger.info(
+        "bundle %s of run %s: %s bytes, seal %s", export.pk, export.run_id, size, export.seal
+    )
+    return "done"
+
+
+def remove_expired(now: dt.datetime) -> int:
+    """Removes expired bundles' files (and marks them expired), and fails
+    running exports that stopped moving; how many exports it changed."""
+    changed = 0
+    for export in BundleExport.objects.expired(now).only("pk", "file_name", "state"):
+        changed += export.expire()
+    for export in BundleExport.objects.stalled(now).only("pk", "file_name", "state"):
+        if export.fail_stalled(now):
+            export.part_path.unlink(missing_ok=True)
+            changed += 1
+    return changed

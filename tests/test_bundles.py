@@ -1,0 +1,221 @@
+"""Investigation bundles: sealed, redacted, deterministic, verified, and
+exported in flat memory.  Real runs on a real PostgreSQL; the CLI as a
+real process where memory is measured."""
+
+from __future__ import annotations
+
+import json
+import uuid
+import zipfile
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import Group, Permission, User
+from django.core.management import call_command
+from django.db import connection
+
+from evidence import bundles
+from evidence.capture import capture
+from runs.decisions import Request, Who, decide
+from runs.executor import execute
+from runs.management.commands.bench import measured_command
+from runs.models import DecisionChoice, OutcomeItem, Run, RunStatus
+from runs.timeline import timeline
+from tests.faultruns import DOCS, run_with
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+OPENAI_KEY = "sk-proj-" + "A1b2C3d4E5f6G7h8I9j0" * 2
+ENV_TOKEN = "acme-token-" + "x7Y8z9" * 3
+MODEL_KEY = "model-api-key-" + "Q" * 24
+
+
+@pytest.fixture
+def decided_run(journal) -> Run:
+    """A run whose delivery answer was lost, settled by an operator."""
+    run, outcome = run_with([{"point": "delivery_timeout"}], documents=DOCS[:2])
+    assert outcome == RunStatus.NEEDS_OPERATOR
+    user = User.objects.create_user("olga")
+    group, _ = Group.objects.get_or_create(name="operators")
+    group.permissions.add(Permission.objects.get(codename="operate_run"))
+    user.groups.add(group)
+    item = OutcomeItem.objects.get(run=run)
+    request = Request(
+        choice=DecisionChoice.CONFIRMED_HAPPENED,
+        who=Who(user=User.objects.get(pk=user.pk)),
+        token=uuid.uuid4().hex,
+        reason="in the receiver's log",
+        reference="DLV-1",
+    )
+    decide(item.pk, request)
+    timeline.flush()  # its events are all written: the run's story is complete
+    capture.flush()
+    return run
+
+
+def entries(path: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as bundle:
+        return {name: bundle.read(name) for name in bundle.namelist()}
+
+
+def rewrite(path: Path, change) -> None:
+    """Rewrites the bundle with `change(files)` applied to its entries."""
+    files = entries(path)
+    change(files)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as bundle:
+        for name, data in files.items():
+            bundle.writestr(name, data)
+
+
+def test_a_bundle_holds_the_runs_whole_story_and_verifies(decided_run, tmp_path):
+    path = tmp_path / "run.zip"
+    exported = bundles.export(decided_run.pk, path)
+    files = entries(path)
+    assert set(files) == {
+        "manifest.json",
+        "run.json",
+        "report.html",
+        "README.txt",
+        *(kind.name for kind in bundles.KINDS),
+    }
+    manifest = json.loads(files["manifest.json"])
+    assert manifest["seal"] == exported.seal == bundles.seal_of(manifest)
+    assert manifest["run_id"] == decided_run.pk and manifest["format"] == bundles.FORMAT
+    lines = {name: files[name].decode().splitlines() for name in files if name.endswith(".jsonl")}
+    for name, rows in lines.items():
+        assert manifest["files"][name]["rows"] == len(rows)
+    decisions = [json.loads(line) for line in lines["decisions.jsonl"]]
+    assert [d["choice"] for d in decisions] == ["confirmed_happened"]
+    assert decisions[0]["decided_by"] == "olga" and "user_id" not in decisions[0]
+    steps = [json.loads(line)["step_key"] for line in lines["receipts.jsonl"]]
+    assert "deliver" in steps  # confirmed by the operator
+    assert json.loads(files["run.json"])["question"] == decided_run.question
+    assert bundles.verify(path).ok
+
+
+def test_every_tampering_is_detected_and_named(decided_run, tmp_path):
+    original = tmp_path / "run.zip"
+    bundles.export(decided_run.pk, original)
+
+    def tampered(change) -> list[str]:
+        copy = tmp_path / f"{uuid.uuid4().hex}.zip"
+        copy.write_bytes(original.read_bytes())
+        rewrite(copy, change)
+        checked = bundles.verify(copy)
+        assert not checked.ok
+        return checked.failures
+
+    def flip_a_byte(files):
+        data = bytearray(files["receipts.jsonl"])
+        data[10] ^= 1
+        files["receipts.jsonl"] = bytes(data)
+
+    assert tampered(flip_a_byte) == ["receipts.jsonl: its content does not match the manifest"]
+    assert tampered(lambda files: files.pop("events.jsonl")) == ["events.jsonl: missing"]
+    assert tampered(lambda files: files.update({"extra.txt": b"x"})) == [
+        "extra.txt: not in the manifest (added)"
+    ]
+
+    def edit_manifest(files):
+        manifest = json.loads(files["manifest.json"])
+        manifest["installation"] = "somewhere else"
+        files["manifest.json"] = json.dumps(manifest).encode()
+
+    assert tampered(edit_manifest) == ["manifest.json: the seal does not match its content"]
+
+    def hide_an_edit(files):
+        # The file changed and its hash in the manifest too: the seal says so.
+        files["report.html"] += b"<!-- changed -->"
+        manifest = json.loads(files["manifest.json"])
+        manifest["files"]["report.html"]["sha256"] = "0" * 64
+        files["manifest.json"] = json.dumps(manifest).encode()
+
+    failures = tampered(hide_an_edit)
+    assert "manifest.json: the seal does not match its content" in failures
+    assert "report.html: its content does not match the manifest" in failures
+    garbage = tmp_path / "garbage.zip"
+    garbage.write_bytes(b"not a zip")
+    assert bundles.verify(garbage).failures[0].startswith("not a readable zip file")
+
+
+def test_secrets_never_leave_in_any_byte(journal, tmp_path, settings, monkeypatch):
+    monkeypatch.setenv("ACME_API_TOKEN", ENV_TOKEN)
+    settings.RUNDESK_MODEL_API_KEY = MODEL_KEY
+    question = (
+        f"Compare these funds. My key is {OPENAI_KEY}, the token {ENV_TOKEN}, "
+        f"and the model key {MODEL_KEY}. Authorization: Bearer abcdefghijklmnop123456"
+    )
+    run = Run.objects.submit(question=question, documents=DOCS[:1])
+    assert execute(run.pk) == RunStatus.COMPLETED
+    timeline.record(run.pk, "fault_injected", f"header Authorization: Bearer {OPENAI_KEY}")
+    timeline.flush()
+    capture.flush()
+    path = tmp_path / "run.zip"
+    exported = bundles.export(run.pk, path)
+    for name, data in entries(path).items():
+        for secret in (OPENAI_KEY, ENV_TOKEN, MODEL_KEY, "abcdefghijklmnop123456"):
+            assert secret.encode() not in data, f"{secret[:8]}... left in {name}"
+    redacted = exported.manifest["redacted"]
+    assert redacted["run.json"]["openai_key"] == 1
+    assert redacted["run.json"]["env:ACME_API_TOKEN"] == 1
+    assert redacted["run.json"]["setting:RUNDESK_MODEL_API_KEY"] == 1
+    assert redacted["evidence_copies.jsonl"]  # the model's input quoted the question
+    assert "[REDACTED:openai_key]" in entries(path)["report.html"].decode()
+    assert OPENAI_KEY not in json.dumps(exported.manifest)
+
+
+def test_the_same_run_exports_to_the_same_bytes_but_the_export_time(decided_run, tmp_path):
+    first, second = tmp_path / "1.zip", tmp_path / "2.zip"
+    bundles.export(decided_run.pk, first)
+    bundles.export(decided_run.pk, second)
+    one, two = entries(first), entries(second)
+    assert one.keys() == two.keys()
+    for name in one:
+        if name != "manifest.json":
+            assert one[name] == two[name], name
+    m1, m2 = json.loads(one["manifest.json"]), json.loads(two["manifest.json"])
+    for manifest in (m1, m2):
+        del manifest["exported_at"], manifest["seal"]
+    assert m1 == m2
+
+
+def test_no_evidence_leaves_the_copies_out(decided_run, tmp_path):
+    path = tmp_path / "run.zip"
+    exported = bundles.export(decided_run.pk, path, include_evidence=False)
+    assert "evidence_copies.jsonl" not in entries(path)
+    assert exported.manifest["evidence_included"] is False
+    assert bundles.verify(path).ok
+
+
+def test_the_commands_export_and_verify_and_fail_on_a_changed_bundle(decided_run, tmp_path):
+    path = tmp_path / "run.zip"
+    call_command("export_bundle", str(decided_run.pk), "-o", str(path), "--json")
+    call_command("verify_bundle", str(path))
+    rewrite(path, lambda files: files.update({"run.json": b"{}\n"}))
+    with pytest.raises(SystemExit) as failed:
+        call_command("verify_bundle", str(path))
+    assert failed.value.code == 1
+
+
+@pytest.mark.slow
+def test_export_memory_stays_flat_however_many_events(tmp_path, process_env):
+    """Peak RSS of exporting a 200,000-event run is within 64 MB of a
+    1,000-event one's, each measured in its own process."""
+    peaks = {}
+    for events in (1_000, 200_000):
+        run = Run.objects.submit(question=f"{events} events", documents=DOCS[:1])
+        timeline.flush()  # the submission's own event
+        with connection.cursor() as cursor:
+            cursor.execute(
+                """INSERT INTO runs_runevent (run_id, kind, message, data, created_at)
+                   SELECT %s, 'fault_injected', 'filler event ' || n, jsonb_build_object('n', n),
+                       now() + n * interval '1 millisecond'
+                   FROM generate_series(1, %s) AS n""",
+                [run.pk, events],
+            )
+        out = tmp_path / f"{events}.zip"
+        argv = ["export_bundle", str(run.pk), "-o", str(out)]
+        returncode, _, peaks[events] = measured_command(argv, process_env)
+        assert returncode == 0
+        assert bundles.verify(out).manifest["files"]["events.jsonl"]["rows"] == events + 1
+    assert peaks[200_000] - peaks[1_000] <= 64, peaks
