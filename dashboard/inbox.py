@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -514,28 +515,11 @@ def _refused(refused: DecisionRefused) -> str:
 @rejects_bad_input
 def item_decide(request: HttpRequest, item_id: int) -> HttpResponse:
     item = get_object_or_404(OutcomeItem, pk=item_id)
-    asked = _asked(request)
-    status, refused = 200, False
-    try:
-        if not asked.choice:
-            raise DecisionRefused("choose one of the choices")
-        decision = decide(
-            item.pk,
-            Request(
-                choice=asked.choice,
-                who=Who(user=request.user),
-                token=asked.token,
-                reason=asked.reason,
-                reference=asked.reference,
-            ),
-        )
-        said = _said(decision)
-    except DecisionRefused as refusal:
-        said, status, refused = _refused(refusal), 409, True
+    said, refused = _taken(request, lambda asked: decide(item.pk, asked), "one of the choices")
     if request.htmx:  # type: ignore[attr-defined]
         item = items_listed(OutcomeItem.objects.all()).get(pk=item_id)
         context = {**_item_context(request, item), "notice": said, "refused": refused}
-        return render(request, "outcome_item.html#item", context, status=status)
+        return render(request, "outcome_item.html#item", context, status=409 if refused else 200)
     (messages.error if refused else messages.success)(request, said)
     return redirect("inbox-item", item_id=item_id)
 
@@ -546,27 +530,11 @@ def item_decide(request: HttpRequest, item_id: int) -> HttpResponse:
 def run_decide(request: HttpRequest, run_id: int) -> HttpResponse:
     """Resume or abandon a run that waits for an operator."""
     run = get_object_or_404(Run, pk=run_id)
-    asked = _asked(request)
-    status, refused = 200, False
-    try:
-        if not asked.choice:
-            raise DecisionRefused("choose resume or abandon")
-        decision = decide_run(
-            run.pk,
-            Request(
-                choice=asked.choice,
-                who=Who(user=request.user),
-                token=asked.token,
-                reason=asked.reason,
-            ),
-        )
-        said = _said(decision)
-    except DecisionRefused as refusal:
-        said, status, refused = _refused(refusal), 409, True
+    said, refused = _taken(request, lambda asked: decide_run(run.pk, asked), "resume or abandon")
     if request.htmx:  # type: ignore[attr-defined]
         run.refresh_from_db()
         context = {**run_choices(request, run), "notice": said, "refused": refused}
-        return render(request, "run_decisions.html", context, status=status)
+        return render(request, "run_decisions.html", context, status=409 if refused else 200)
     (messages.error if refused else messages.success)(request, said)
     back = request.POST.get("next", "")
     if not url_has_allowed_host_and_scheme(
@@ -574,3 +542,24 @@ def run_decide(request: HttpRequest, run_id: int) -> HttpResponse:
     ):
         back = reverse("run-detail", args=[run.pk])
     return redirect(back)
+
+
+def _taken(
+    request: HttpRequest, take: Callable[[Request], OperatorDecision], choices: str
+) -> tuple[str, bool]:
+    """Takes the decision the form asks for: what to say, and whether it
+    was refused."""
+    asked = _asked(request)
+    try:
+        if not asked.choice:
+            raise DecisionRefused(f"choose {choices}")
+        decision = Request(
+            choice=asked.choice,
+            who=Who(user=request.user),
+            token=asked.token,
+            reason=asked.reason,
+            reference=asked.reference,
+        )
+        return _said(take(decision)), False
+    except DecisionRefused as refusal:
+        return _refused(refusal), True

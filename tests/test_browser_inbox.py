@@ -8,19 +8,18 @@ refreshes the committed ones), as in tests/test_browser.py.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from django.contrib.auth.models import Group, Permission, User
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, expect
 
 from runs.executor import execute
 from runs.models import OperatorDecision, OutcomeItem, OutcomeKind, OutcomeState, RunStatus
-from tests.conftest import ROOT
+from tests import test_browser
 from tests.faultruns import run_with
 from tests.receivers import LocalServer, status
+from tests.test_browser import SCREENSHOTS
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -28,24 +27,8 @@ pytestmark = [
     pytest.mark.usefixtures("short_settle"),
 ]
 
-CHROMIUM = "/usr/bin/chromium"
-SCREENSHOTS = ROOT / os.environ.get("RUNDESK_SCREENSHOTS", "var/screenshots")
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium")
-    # Playwright's sync API keeps an event loop running on this thread; the
-    # ORM calls the test makes between browser steps are plain sync code.
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    try:
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-            yield browser
-            browser.close()
-    finally:
-        del os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"]
+# Debian's Chromium, started once per module, as tests/test_browser.py has it.
+browser = test_browser.browser
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -18,8 +17,8 @@ from pathlib import Path
 import pytest
 from django.contrib.auth.models import Group, Permission, User
 from django.db import connection
+from playwright.sync_api import Browser, Route, expect
 from playwright.sync_api import Request as BrowserRequest
-from playwright.sync_api import Route, expect, sync_playwright
 
 from evidence.bundle_report import EVENTS_SHOWN, report_html
 from evidence.capture import capture
@@ -36,14 +35,16 @@ from runs.models import (
     RunStatus,
 )
 from runs.timeline import timeline
-from tests.conftest import ROOT, manage
+from tests import test_browser
+from tests.conftest import manage
 from tests.faultruns import DOCS
 from tests.receivers import LocalServer, status
+from tests.test_browser import SCREENSHOTS
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("short_settle")]
 
-CHROMIUM = "/usr/bin/chromium"
-SCREENSHOTS = ROOT / os.environ.get("RUNDESK_SCREENSHOTS", "var/screenshots")
+# Debian's Chromium, started once per module, as tests/test_browser.py has it.
+browser = test_browser.browser
 HOSTILE_QUESTION = (
     "Deliver the fund comparison <script>window.pwned = 'question'</script>"
     "<img src=x onerror=\"window.pwned = 'img'\">"
@@ -261,9 +262,9 @@ def offline_report(settled, tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.mark.slow
-def test_the_report_opens_offline_in_chromium_and_draws_its_timeline(offline_report: Path):
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium")
+def test_the_report_opens_offline_in_chromium_and_draws_its_timeline(
+    browser: Browser, offline_report: Path
+):
     url = offline_report.as_uri()
     refused: list[str] = []
     requested: list[str] = []
@@ -276,24 +277,21 @@ def test_the_report_opens_offline_in_chromium_and_draws_its_timeline(offline_rep
             refused.append(request.url)
             route.abort()
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        context = browser.new_context(viewport={"width": 1280, "height": 900})
-        context.route("**/*", only_the_file)
-        page = context.new_page()
-        page.on("request", lambda request: requested.append(request.url))
-        page.on("console", lambda m: m.type == "error" and problems.append(m.text))
-        page.on("pageerror", lambda error: problems.append(str(error)))
-        page.goto(url)
-        expect(page.locator("#chart-timeline svg.main-svg").first).to_be_visible()
-        expect(page.locator("#chart-timeline .bars path").first).to_be_attached()
-        expect(page.locator("#bundle-note")).to_contain_text("verify_bundle")
-        expect(page.locator(".answer.draft img")).to_have_count(1)
-        assert page.evaluate("typeof window.pwned") == "undefined"
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=SCREENSHOTS / "bundle-report.png", full_page=True)
-        context.close()
-        browser.close()
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.route("**/*", only_the_file)
+    page = context.new_page()
+    page.on("request", lambda request: requested.append(request.url))
+    page.on("console", lambda m: m.type == "error" and problems.append(m.text))
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    page.goto(url)
+    expect(page.locator("#chart-timeline svg.main-svg").first).to_be_visible()
+    expect(page.locator("#chart-timeline .bars path").first).to_be_attached()
+    expect(page.locator("#bundle-note")).to_contain_text("verify_bundle")
+    expect(page.locator(".answer.draft img")).to_have_count(1)
+    assert page.evaluate("typeof window.pwned") == "undefined"
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=SCREENSHOTS / "bundle-report.png", full_page=True)
+    context.close()
     assert problems == []
     assert refused == []
     assert requested == [url]
