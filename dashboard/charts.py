@@ -18,7 +18,8 @@ from django.utils import timezone
 
 from dashboard.context import plain
 from evidence.models import CaptureGap, GapReason, LockIncident
-from runs.models import Action, CheckpointOutcome, EventKind, Run
+from runs.models import Action, CheckpointOutcome, Run
+from runs.timeline import EventKind
 
 if TYPE_CHECKING:
     from dashboard.run_page import CheckpointRow

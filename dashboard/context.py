@@ -25,7 +25,6 @@ from runs.models import (
     ActionState,
     CheckpointOutcome,
     EffectClass,
-    EventKind,
     OutcomeItem,
     OutcomeKind,
     OutcomeState,
@@ -33,6 +32,7 @@ from runs.models import (
     Run,
     RunStatus,
 )
+from runs.timeline import EventKind
 
 PLAIN: dict[type[TextChoices], dict[str, str]] = {
     RunStatus: {

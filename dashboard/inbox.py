@@ -45,7 +45,6 @@ from runs.decisions import (
 from runs.models import (
     TERMINAL_STATUSES,
     ActionState,
-    EventKind,
     OperatorDecision,
     OutcomeItem,
     OutcomeKind,
@@ -53,6 +52,7 @@ from runs.models import (
     Run,
     RunStatus,
 )
+from runs.timeline import EventKind
 
 PAGE_SIZE = 50
 TOKEN_MAX = 100  # OperatorDecision.request_token

@@ -34,14 +34,8 @@ from evidence.models import (
     IncidentSource,
     LockIncident,
 )
-from runs.models import (
-    EventKind,
-    Phase,
-    Run,
-    RunStatus,
-    older_than,
-    page_cursor,
-)
+from runs.models import Phase, Run, RunStatus, older_than, page_cursor
+from runs.timeline import EventKind
 
 PAGE_SIZE = 50
 EVENTS_PAGE = 50

@@ -36,7 +36,8 @@ from dashboard.context import evidence_fields, plain
 from dashboard.inbox import history
 from dashboard.run_page import run_facts
 from evidence.models import CaptureGap, EvidenceCopy, LockWait
-from runs.models import EventKind, Run
+from runs.models import Run
+from runs.timeline import EventKind
 
 TEMPLATE = "bundle_report.html"
 # The event log shows the oldest this many; events.jsonl holds them all.

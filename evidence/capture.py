@@ -40,8 +40,8 @@ from django.db import DatabaseError, OperationalError, connection, transaction
 from evidence.models import GapReason
 from evidence.records import bound_lock_waits, bounded, record_model_call, record_source
 from evidence.sources import SourceRefresh
-from runs.models import EventKind, digest
-from runs.timeline import timeline
+from runs.models import digest
+from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
 

@@ -130,7 +130,9 @@ class CaptureGapHour(models.Model):
 class CaptureStats(models.Model):
     """Captured and lost copies of a run, kept by the capture writer."""
 
-    run = models.OneToOneField(Run, on_delete=models.CASCADE, primary_key=True, related_name="+")
+    run = models.OneToOneField(
+        Run, on_delete=models.CASCADE, primary_key=True, related_name="capture_stats"
+    )
     captured = models.PositiveIntegerField(default=0)
     lost = models.PositiveIntegerField(default=0)
 

@@ -15,10 +15,10 @@ from django.utils import timezone
 from evidence.capture import ModelCallRecord, SourceRecord, capture
 from runs.checkpoints import AgentState, Checkpointer
 from runs.dispatch import ActionFailed, Dispatcher
-from runs.models import AnswerRevision, EventKind, OutcomeKind, Phase, digest
+from runs.models import AnswerRevision, OutcomeKind, Phase, digest
 from runs.outcomes import write_settled
 from runs.providers import COMPARE_INSTRUCTIONS, SUMMARIZE_INSTRUCTIONS, document_block
-from runs.timeline import timeline
+from runs.timeline import EventKind, timeline
 
 # Actions kept back for the end of a run: composing the report and delivering it.
 FINISHING_ACTIONS = 2

@@ -37,22 +37,14 @@ from django.db import DatabaseError
 
 from runs.dispatch import Dispatcher
 from runs.leases import LeaseLost
-from runs.models import (
-    ActionState,
-    Checkpoint,
-    CheckpointOutcome,
-    EventKind,
-    OutcomeKind,
-    Phase,
-    Receipt,
-)
+from runs.models import ActionState, Checkpoint, CheckpointOutcome, OutcomeKind, Phase, Receipt
 from runs.outcomes import (
     CommitUnanswered,
     NeedsOperator,
     settle_checkpoint,
     settle_unanswered,
 )
-from runs.timeline import timeline
+from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,6 @@ from runs.models import (
     Checkpoint,
     CheckpointOutcome,
     DecisionChoice,
-    EventKind,
     OperatorDecision,
     OutcomeItem,
     OutcomeKind,
@@ -58,7 +57,7 @@ from runs.models import (
 )
 from runs.outcomes import CommitUnanswered, Settlement, settle, written, written_by
 from runs.sql import server_cursor
-from runs.timeline import timeline
+from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
 

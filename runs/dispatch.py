@@ -28,7 +28,6 @@ from runs.models import (
     Action,
     ActionState,
     EffectClass,
-    EventKind,
     OutcomeKind,
     Receipt,
     Run,
@@ -36,7 +35,7 @@ from runs.models import (
     digest,
 )
 from runs.outcomes import NeedsOperator, open_item, write_settled
-from runs.timeline import timeline
+from runs.timeline import EventKind, timeline
 from runs.tools import TOOLS, OutcomeUnknown, Tool, ToolFailed, ToolRefused
 
 

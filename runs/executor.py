@@ -25,10 +25,10 @@ from runs import decisions, sweep
 from runs.agent import ResearchAgent
 from runs.dispatch import ActionFailed, Dispatcher, Stopping
 from runs.leases import Lease, LeaseLost, new_owner_name
-from runs.models import EventKind, RunStatus
+from runs.models import RunStatus
 from runs.outcomes import NeedsOperator
 from runs.sql import name_connection
-from runs.timeline import timeline
+from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
 

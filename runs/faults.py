@@ -46,6 +46,7 @@ from django.conf import settings
 from django.db import connection
 
 from runs.sql import socket_fd, this_backend
+from runs.timeline import EventKind, timeline
 
 WRITES = ("checkpoint", "receipt", "publication")
 OUTCOMES = ("committed", "aborted", "late")
@@ -118,10 +119,6 @@ class FaultPlan:
                 else fault.action in (None, step)
             )
             if due and self._mark_fired(fault):
-                # Imported here: runs.models validates plans with this module.
-                from runs.models import EventKind
-                from runs.timeline import timeline
-
                 timeline.record(
                     self.run_id,
                     EventKind.FAULT_INJECTED,

@@ -21,6 +21,7 @@ from django.db.models import Count, Exists, F, OuterRef, Q, Subquery, Value
 from django.db.models.functions import Coalesce, Concat, Now
 
 from runs.faults import FaultPlan
+from runs.timeline import EventKind, timeline
 
 
 def digest(value: Any) -> str:
@@ -96,15 +97,12 @@ class RunQuerySet(models.QuerySet["Run"]):
 
     def listing(self) -> RunQuerySet:
         """The runs list's columns.  Correlated subqueries: PostgreSQL works
-        them out for the rows of the page only, whatever the table's size."""
-        from evidence.models import CaptureStats
-
+        them out for the rows of the page only, whatever the table's size;
+        the capture counters are joined by primary key."""
         return self.annotate(
             actions_done=_count_per_run(Action.objects.filter(state=ActionState.COMPLETED)),
             unknown_open=_count_per_run(OutcomeItem.objects.filter(state=OutcomeState.OPEN)),
-            gaps=Coalesce(
-                Subquery(CaptureStats.objects.filter(run=OuterRef("pk")).values("lost")), 0
-            ),
+            gaps=Coalesce(F("capture_stats__lost"), 0),
         )
 
     def with_open_unknowns(self) -> RunQuerySet:
@@ -113,9 +111,7 @@ class RunQuerySet(models.QuerySet["Run"]):
         )
 
     def with_capture_gaps(self) -> RunQuerySet:
-        from evidence.models import CaptureStats
-
-        return self.filter(Exists(CaptureStats.objects.filter(run=OuterRef("pk"), lost__gt=0)))
+        return self.filter(capture_stats__lost__gt=0)
 
     def claimable(self) -> RunQuerySet:
         """Queued runs, and running runs whose owner stopped renewing its lease
@@ -261,8 +257,6 @@ class RunQuerySet(models.QuerySet["Run"]):
         run = self.create(question=question.strip(), documents=documents, **fields)
         # An observation: it must not be able to fail the submission, so the
         # timeline writes it off the main path once the run is committed.
-        from runs.timeline import timeline
-
         transaction.on_commit(
             lambda: timeline.record(run.pk, EventKind.SUBMITTED, f"{len(documents)} documents")
         )
@@ -409,8 +403,6 @@ class Run(models.Model):
         ends it.  Open outcome items stay open and visible: a cancelled run
         waits for nothing.  False if the run had already ended, the cancel
         was already asked, or the run is imported (read-only here)."""
-        from runs.timeline import timeline
-
         # One statement: a run that moves between queued, running and waiting
         # while the cancel is asked is cancelled all the same (the CASE sees
         # the row as it is when the UPDATE takes it).
@@ -747,40 +739,6 @@ class OperatorDecision(models.Model):
 
     def __str__(self) -> str:
         return f"{self.choice} by {self.decided_by}"
-
-
-class EventKind(models.TextChoices):
-    SUBMITTED = "submitted"
-    LEASE_ACQUIRED = "lease_acquired"
-    LEASE_RELEASED = "lease_released"
-    LEASE_LOST = "lease_lost"
-    RESUMED = "resumed"
-    ACTION_DISPATCHED = "action_dispatched"
-    ACTION_REDISPATCHED = "action_redispatched"
-    ACTION_REUSED = "action_reused"  # a receipt existed: not dispatched again
-    ACTION_COMPLETED = "action_completed"
-    ACTION_FAILED = "action_failed"
-    ACTION_UNKNOWN = "action_unknown"
-    WRITE_FENCED = "write_fenced"  # a protected write changed 0 rows
-    REVISION_PUBLISHED = "revision_published"
-    PHASE_CHANGED = "phase_changed"
-    NEEDS_OPERATOR = "needs_operator"
-    RUN_COMPLETED = "run_completed"
-    RUN_FAILED = "run_failed"
-    RUN_CANCELLED = "run_cancelled"
-    CHECKPOINT_SAVED = "checkpoint_saved"
-    CHECKPOINT_FAILED = "checkpoint_failed"  # failed before write: handled locally
-    CHECKPOINT_USED = "checkpoint_used"  # a resumed run continued from it
-    CHECKPOINT_IGNORED = "checkpoint_ignored"  # its state disagreed with the receipts
-    COMMIT_UNANSWERED = "commit_unanswered"  # outcome unknown, xid recorded
-    OUTCOME_SETTLED = "outcome_settled"  # by pg_xact_status or a probe
-    OUTCOME_OPEN = "outcome_open"  # left for an operator
-    FAULT_INJECTED = "fault_injected"
-    SOURCE_CHANGED = "source_changed"  # a document differs from what the run read
-    CANCEL_REQUESTED = "cancel_requested"  # by an operator
-    RUN_REQUEUED = "run_requeued"  # back in the queue: settled, or its owner died
-    DECISION = "decision"  # an operator's or the system's, on an item or the run
-    EVENTS_LOST = "events_lost"  # an honest gap in this timeline
 
 
 class RunEvent(models.Model):

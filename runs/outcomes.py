@@ -39,7 +39,6 @@ from runs.models import (
     AnswerRevision,
     Checkpoint,
     CheckpointOutcome,
-    EventKind,
     OutcomeItem,
     OutcomeKind,
     Receipt,
@@ -51,7 +50,7 @@ from runs.sql import (
     forget_announced_xid,
     this_backend,
 )
-from runs.timeline import timeline
+from runs.timeline import EventKind, timeline
 
 T = TypeVar("T")
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from runs import decisions
-from runs.models import EventKind, Run
-from runs.timeline import timeline
+from runs.models import Run
+from runs.timeline import EventKind, timeline
 
 
 @dataclass

@@ -17,13 +17,49 @@ import threading
 from collections import Counter
 from typing import Any, NamedTuple
 
-from django.db import DatabaseError, IntegrityError, connection
+from django.db import DatabaseError, IntegrityError, connection, models
 from psycopg.types.json import Jsonb
 
-from runs.models import EventKind
 from runs.sql import server_cursor
 
 logger = logging.getLogger(__name__)
+
+
+class EventKind(models.TextChoices):
+    """What a timeline event says happened (RunEvent.kind)."""
+
+    SUBMITTED = "submitted"
+    LEASE_ACQUIRED = "lease_acquired"
+    LEASE_RELEASED = "lease_released"
+    LEASE_LOST = "lease_lost"
+    RESUMED = "resumed"
+    ACTION_DISPATCHED = "action_dispatched"
+    ACTION_REDISPATCHED = "action_redispatched"
+    ACTION_REUSED = "action_reused"  # a receipt existed: not dispatched again
+    ACTION_COMPLETED = "action_completed"
+    ACTION_FAILED = "action_failed"
+    ACTION_UNKNOWN = "action_unknown"
+    WRITE_FENCED = "write_fenced"  # a protected write changed 0 rows
+    REVISION_PUBLISHED = "revision_published"
+    PHASE_CHANGED = "phase_changed"
+    NEEDS_OPERATOR = "needs_operator"
+    RUN_COMPLETED = "run_completed"
+    RUN_FAILED = "run_failed"
+    RUN_CANCELLED = "run_cancelled"
+    CHECKPOINT_SAVED = "checkpoint_saved"
+    CHECKPOINT_FAILED = "checkpoint_failed"  # failed before write: handled locally
+    CHECKPOINT_USED = "checkpoint_used"  # a resumed run continued from it
+    CHECKPOINT_IGNORED = "checkpoint_ignored"  # its state disagreed with the receipts
+    COMMIT_UNANSWERED = "commit_unanswered"  # outcome unknown, xid recorded
+    OUTCOME_SETTLED = "outcome_settled"  # by pg_xact_status or a probe
+    OUTCOME_OPEN = "outcome_open"  # left for an operator
+    FAULT_INJECTED = "fault_injected"
+    SOURCE_CHANGED = "source_changed"  # a document differs from what the run read
+    CANCEL_REQUESTED = "cancel_requested"  # by an operator
+    RUN_REQUEUED = "run_requeued"  # back in the queue: settled, or its owner died
+    DECISION = "decision"  # an operator's or the system's, on an item or the run
+    EVENTS_LOST = "events_lost"  # an honest gap in this timeline
+
 
 COPY_EVENTS = "COPY runs_runevent (run_id, action_id, kind, message, data, created_at) FROM STDIN"
 

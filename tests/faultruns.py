@@ -8,8 +8,8 @@ from typing import Any
 from django.db import connection
 
 from runs.executor import execute
-from runs.models import Action, EventKind, Run, action_identity
-from runs.timeline import timeline
+from runs.models import Action, Run, action_identity
+from runs.timeline import EventKind, timeline
 
 DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md", "meridian-world-equity.md"]
 # The run's sequence with DOCS: action K is KEYS[K - 1].

@@ -21,8 +21,8 @@ from django.utils import timezone
 from evidence import bundles, tasks
 from evidence.models import BUNDLE_STALLED_AFTER, BundleExport, BundleState
 from runs.executor import execute
-from runs.models import EventKind, Run, RunEvent
-from runs.timeline import timeline
+from runs.models import Run, RunEvent
+from runs.timeline import EventKind, timeline
 from tests import test_celery
 from tests.test_celery import Worker, wait_until
 from tests.test_dashboard import signed_in

@@ -24,8 +24,9 @@ from django.db import connection
 
 from runs.executor import drive
 from runs.leases import Lease
-from runs.models import Action, AnswerRevision, EventKind, Receipt, Run, RunEvent, RunStatus
+from runs.models import Action, AnswerRevision, Receipt, Run, RunEvent, RunStatus
 from runs.tasks import execute_run
+from runs.timeline import EventKind
 from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]

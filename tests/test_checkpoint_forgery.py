@@ -19,8 +19,8 @@ import pytest
 from django.db import connection, transaction
 
 from runs.executor import execute
-from runs.models import AnswerRevision, Checkpoint, EventKind, Receipt, Run, RunStatus
-from runs.timeline import timeline
+from runs.models import AnswerRevision, Checkpoint, Receipt, Run, RunStatus
+from runs.timeline import EventKind, timeline
 from tests.faultruns import DOCS, KEYS, events, executions, run_with
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("short_settle")]

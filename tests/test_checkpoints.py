@@ -24,7 +24,6 @@ from runs.models import (
     AnswerRevision,
     Checkpoint,
     CheckpointOutcome,
-    EventKind,
     OutcomeItem,
     OutcomeKind,
     OutcomeState,
@@ -34,6 +33,7 @@ from runs.models import (
     RunStatus,
 )
 from runs.outcomes import NeedsOperator, xact_status
+from runs.timeline import EventKind
 from tests.faultruns import (
     DOCS,
     KEYS,

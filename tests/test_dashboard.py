@@ -15,8 +15,8 @@ from evidence.capture import record_gaps
 from evidence.models import IncidentSource, LockIncident
 from runs.executor import execute
 from runs.leases import Lease
-from runs.models import EventKind, Run, RunStatus, page_cursor
-from runs.timeline import timeline
+from runs.models import Run, RunStatus, page_cursor
+from runs.timeline import EventKind, timeline
 from tests.test_pglog import THREE_WAY
 
 pytestmark = pytest.mark.django_db(transaction=True)

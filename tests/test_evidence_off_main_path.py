@@ -18,7 +18,8 @@ from evidence.models import CaptureGap, CaptureStats, EvidenceCopy, ModelCall
 from evidence.records import record_model_call
 from runs.executor import execute
 from runs.leases import Lease
-from runs.models import AnswerRevision, EventKind, Run, RunStatus
+from runs.models import AnswerRevision, Run, RunStatus
+from runs.timeline import EventKind
 from tests.conftest import database_url
 from tests.faultruns import DOCS, KEYS, events, executions
 

@@ -15,14 +15,13 @@ from runs.models import (
     Action,
     ActionState,
     AnswerRevision,
-    EventKind,
     Receipt,
     Run,
     RunEvent,
     RunStatus,
     digest,
 )
-from runs.timeline import timeline
+from runs.timeline import EventKind, timeline
 
 # Transactional: the timeline writes the submission event on its own
 # connection, after the run is committed.

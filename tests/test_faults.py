@@ -7,7 +7,8 @@ import pytest
 
 from runs.executor import execute
 from runs.faults import FaultPlan, FaultPlanError
-from runs.models import ActionState, AnswerRevision, EventKind, Receipt, RunStatus
+from runs.models import ActionState, AnswerRevision, Receipt, RunStatus
+from runs.timeline import EventKind
 from tests.faultruns import dispatched, events, executions, run_with
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -18,7 +18,6 @@ from runs.models import (
     Action,
     ActionState,
     AnswerRevision,
-    EventKind,
     OutcomeItem,
     OutcomeKind,
     OutcomeState,
@@ -27,7 +26,7 @@ from runs.models import (
 )
 from runs.outcomes import open_item, xact_status
 from runs.sweep import sweep
-from runs.timeline import timeline
+from runs.timeline import EventKind, timeline
 from tests.conftest import database_url
 from tests.faultruns import DOCS, KEYS, dispatched, events, executions, run_with, wait_for
 

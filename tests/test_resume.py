@@ -8,7 +8,8 @@ import signal
 
 import pytest
 
-from runs.models import Action, AnswerRevision, EventKind, OutcomeItem, Receipt, Run, RunStatus
+from runs.models import Action, AnswerRevision, OutcomeItem, Receipt, Run, RunStatus
+from runs.timeline import EventKind
 from tests.conftest import manage
 from tests.faultruns import wait_for
 from tests.receivers import LocalServer, status

@@ -30,7 +30,6 @@ from runs.models import (
     Action,
     ActionState,
     CheckpointOutcome,
-    EventKind,
     OutcomeKind,
     OutcomeState,
     Phase,
@@ -39,7 +38,7 @@ from runs.models import (
     RunStatus,
 )
 from runs.outcomes import Settlement, open_item
-from runs.timeline import timeline
+from runs.timeline import EventKind, timeline
 from tests.faultruns import DOCS, run_with, wait_for
 from tests.test_dashboard import signed_in
 from tests.test_pglog import THREE_WAY

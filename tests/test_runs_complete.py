@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from runs.executor import Executor, execute
-from runs.models import Action, AnswerRevision, EventKind, Phase, Receipt, Run, RunStatus
+from runs.models import Action, AnswerRevision, Phase, Receipt, Run, RunStatus
+from runs.timeline import EventKind
 from tests.receivers import LocalServer, status
 
 pytestmark = pytest.mark.django_db(transaction=True)

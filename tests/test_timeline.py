@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from django.db import connection
 
-from runs.models import EventKind, Run, RunEvent
-from runs.timeline import Timeline
+from runs.models import Run, RunEvent
+from runs.timeline import EventKind, Timeline
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -15,7 +15,6 @@ from runs.executor import execute
 from runs.models import (
     ActionState,
     AnswerRevision,
-    EventKind,
     OutcomeItem,
     OutcomeKind,
     OutcomeState,
@@ -25,6 +24,7 @@ from runs.models import (
 )
 from runs.outcomes import CommitUnanswered, orphan, settle, xact_status
 from runs.sql import Backend
+from runs.timeline import EventKind
 from tests.faultruns import KEYS, dispatched, events, executions, run_with, wait_for
 from tests.receivers import LocalServer, status
 
