@@ -16,6 +16,8 @@ import dj_database_url
 import plotly
 from django.core.exceptions import ImproperlyConfigured
 
+from runs.sql import application_name
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("RUNDESK_VAR_DIR", BASE_DIR / "var"))
 
@@ -174,7 +176,7 @@ DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
 if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
     raise ImproperlyConfigured("DATABASE_URL must point at PostgreSQL: Rundesk relies on its locks")
 DATABASES["default"].setdefault("OPTIONS", {}).update(
-    application_name=f"rundesk:{PROCESS_ROLE}",
+    application_name=application_name(PROCESS_ROLE),
     # Django's own (client-side binding) cursors never prepare; this lets the
     # lease's per-step statements (runs/leases.py) be prepared once per
     # connection.  A transaction-mode pooler needs PgBouncer >= 1.21.

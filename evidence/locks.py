@@ -26,6 +26,7 @@ from django.utils import timezone
 
 from evidence.models import IncidentSource, LockIncident, LockWait
 from runs.models import Run
+from runs.sql import application_name
 
 logger = logging.getLogger(__name__)
 
@@ -252,9 +253,9 @@ class LockSampler:
             return
         with connection.cursor() as cursor:
             cursor.execute(
-                "SELECT set_config('application_name', 'rundesk:sampler', false),"
+                "SELECT set_config('application_name', %s, false),"
                 " set_config('lock_timeout', %s, false)",
-                [f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"],
+                [application_name("sampler"), f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"],
             )
 
     def tick(self) -> None:

@@ -45,7 +45,7 @@ import psycopg
 from django.conf import settings
 from django.db import connection
 
-from runs.sql import socket_fd, this_backend
+from runs.sql import application_name, socket_fd, this_backend
 from runs.timeline import EventKind, timeline
 
 WRITES = ("checkpoint", "receipt", "publication")
@@ -185,7 +185,7 @@ def _parse_fault(i: int, item: Any) -> Fault:
 def _side_connection() -> psycopg.Connection[Any]:
     """A second connection, as another process would have."""
     params = connection.get_connection_params()
-    params["application_name"] = "rundesk:fault-plan"
+    params["application_name"] = application_name("fault-plan")
     return psycopg.connect(**params, autocommit=True)
 
 

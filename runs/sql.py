@@ -61,13 +61,19 @@ def server_cursor() -> Iterator[psycopg.Cursor[Any]]:
         yield cursor
 
 
+def application_name(role: str, run_id: int | None = None) -> str:
+    """A connection's identity in pg_stat_activity, by the role it serves
+    and the run it works for: `rundesk:executor:run-42`, `rundesk:capture`.
+    Lock graphs and the sampler read it back (evidence/locks.py)."""
+    return f"rundesk:{role}" + (f":run-{run_id}" if run_id is not None else "")
+
+
 def name_connection(role: str, run_id: int | None = None) -> None:
     """Says in pg_stat_activity what this thread's connection serves, so a
-    lock graph can name it: `rundesk:executor:run-42`."""
-    suffix = f":run-{run_id}" if run_id is not None else ""
+    lock graph can name it."""
     with connections[DEFAULT_DB_ALIAS].cursor() as cursor:
         cursor.execute(
-            "SELECT set_config('application_name', %s, false)", [f"rundesk:{role}{suffix}"]
+            "SELECT set_config('application_name', %s, false)", [application_name(role, run_id)]
         )
 
 
