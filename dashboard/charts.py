@@ -1,8 +1,9 @@
-"""The dashboard's plotly figures, built on the server as JSON.
+"""The dashboard's plotly figures, built on the server as plain dicts.
 
-The page carries a figure in a `<script type="application/json">` element
-and static/js/rundesk.js draws it: no inline script, so the page's
-Content-Security-Policy allows no script but the site's own files.
+A template writes a figure into the page with `json_script` (a `<script
+type="application/json">` element) and static/js/rundesk.js draws it: no
+inline script, so the page's Content-Security-Policy allows no script but
+the site's own files.
 """
 
 from __future__ import annotations
@@ -11,18 +12,16 @@ import datetime as dt
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import plotly.graph_objects as go
 from django.utils import timezone
 
+from dashboard.checkpoints import CheckpointRow
 from dashboard.context import plain
 from evidence.models import CaptureGap, GapReason, LockIncident
 from runs.models import Action, CheckpointOutcome, Run
 from runs.timeline import EventKind
-
-if TYPE_CHECKING:
-    from dashboard.run_page import CheckpointRow
 
 # Colours and legend names of action attempts, by how each ended.
 ATTEMPTS = {
@@ -100,7 +99,9 @@ class Mark:
     hover: str = ""
 
 
-def timeline(run: Run, actions: Sequence[Action], checkpoints: Sequence[CheckpointRow]) -> str:
+def timeline(
+    run: Run, actions: Sequence[Action], checkpoints: Sequence[CheckpointRow]
+) -> dict[str, Any]:
     """Each attempt of an action as a bar from its dispatch to how it ended,
     coloured by that; checkpoints (one marker per number, its final outcome)
     and capture gaps on lanes of their own; lease changes, answer revisions
@@ -239,7 +240,7 @@ def timeline(run: Run, actions: Sequence[Action], checkpoints: Sequence[Checkpoi
         # zoom and pan stay.
         uirevision=f"run-{run.pk}",
     )
-    return figure.to_json()
+    return figure.to_dict()
 
 
 def _attempts(
@@ -318,7 +319,7 @@ def _lease_label(event: dict[str, Any]) -> str:
     return f"{label}, epoch {epoch}" if epoch is not None else label
 
 
-def lock_graph(incident: LockIncident) -> str:
+def lock_graph(incident: LockIncident) -> dict[str, Any]:
     """The waits-for graph: processes on a circle, an arrow from each waiter
     to its blocker, labelled with the lock; the cycle's arrows in red."""
     waits = list(incident.waits.all())
@@ -376,10 +377,10 @@ def lock_graph(incident: LockIncident) -> str:
     )
     axis = {"visible": False, "range": [-1.6, 1.6]}
     figure.update_layout(**LAYOUT, height=460, xaxis=axis, yaxis={**axis, "scaleanchor": "x"})
-    return figure.to_json()
+    return figure.to_dict()
 
 
-def gaps_over_time(gaps: Iterable[tuple[str, str, int]]) -> str:
+def gaps_over_time(gaps: Iterable[tuple[str, str, int]]) -> dict[str, Any]:
     """Gaps per hour, stacked by reason: (hour isoformat, reason, count) rows."""
     by_reason: dict[str, tuple[list[str], list[int]]] = {}
     for hour, reason, count in gaps:
@@ -393,7 +394,7 @@ def gaps_over_time(gaps: Iterable[tuple[str, str, int]]) -> str:
         ]
     )
     figure.update_layout(**LAYOUT, height=300, barmode="stack", xaxis={"type": "date"})
-    return figure.to_json()
+    return figure.to_dict()
 
 
 def _ms(delta: dt.timedelta) -> float:

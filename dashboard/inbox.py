@@ -6,7 +6,8 @@ evidence, fresh on every load; `offers` and `run_offers`, the choices the
 evidence allows) and every decision goes through `decide` / `decide_run`,
 which hold the rules: who may decide, idempotency by request token, one
 decision settles an item.  The permission is also checked here, in the view
-(a client can post to any URL): viewers read, operators decide.
+(permission_required: a client can post to any URL): viewers read,
+operators decide.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.contrib import messages
+from django.contrib.auth.decorators import permission_required
 from django.core.exceptions import BadRequest
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest, HttpResponse
@@ -29,7 +31,8 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseStopPolling
 
 from dashboard.context import Field, evidence_fields, plain, status_words
-from dashboard.security import operator_required, rejects_bad_input
+from dashboard.htmx import HtmxHttpRequest, asks_for
+from dashboard.security import rejects_bad_input
 from runs.decisions import (
     OPERATE,
     DecisionRefused,
@@ -342,10 +345,6 @@ def history(decisions: QuerySet[OperatorDecision]) -> list[OperatorDecision]:
 # -- pages --------------------------------------------------------------------------
 
 
-def _is_target(request: HttpRequest, target: str) -> bool:
-    return bool(request.htmx) and request.htmx.target == target  # type: ignore[attr-defined]
-
-
 def _cursor(item: OutcomeItem) -> str:
     return f"{item.created_at.isoformat()}|{item.pk}"
 
@@ -374,7 +373,7 @@ def _filters(request: HttpRequest) -> dict[str, Any]:
 
 @require_GET
 @rejects_bad_input
-def inbox(request: HttpRequest) -> HttpResponse:
+def inbox(request: HtmxHttpRequest) -> HttpResponse:
     """Open items, oldest first (served by outcome_open_idx), a page at a
     time; the rows refresh while anything is open."""
     filters = _filters(request)
@@ -402,7 +401,7 @@ def inbox(request: HttpRequest) -> HttpResponse:
         "live": total > 0,
         "now": timezone.now(),
     }
-    if _is_target(request, "inbox-rows"):
+    if asks_for(request, "inbox-rows"):
         response = render(request, "inbox.html#rows", context)
         return response if context["live"] else HttpResponseStopPolling(response.content)
     return render(request, "inbox.html", context)
@@ -511,12 +510,12 @@ def _refused(refused: DecisionRefused) -> str:
 
 
 @require_POST
-@operator_required
+@permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
-def item_decide(request: HttpRequest, item_id: int) -> HttpResponse:
+def item_decide(request: HtmxHttpRequest, item_id: int) -> HttpResponse:
     item = get_object_or_404(OutcomeItem, pk=item_id)
     said, refused = _taken(request, lambda asked: decide(item.pk, asked), "one of the choices")
-    if request.htmx:  # type: ignore[attr-defined]
+    if request.htmx:
         item = items_listed(OutcomeItem.objects.all()).get(pk=item_id)
         context = {**_item_context(request, item), "notice": said, "refused": refused}
         return render(request, "outcome_item.html#item", context, status=409 if refused else 200)
@@ -525,13 +524,13 @@ def item_decide(request: HttpRequest, item_id: int) -> HttpResponse:
 
 
 @require_POST
-@operator_required
+@permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
-def run_decide(request: HttpRequest, run_id: int) -> HttpResponse:
+def run_decide(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     """Resume or abandon a run that waits for an operator."""
     run = get_object_or_404(Run, pk=run_id)
     said, refused = _taken(request, lambda asked: decide_run(run.pk, asked), "resume or abandon")
-    if request.htmx:  # type: ignore[attr-defined]
+    if request.htmx:
         run.refresh_from_db()
         context = {**run_choices(request, run), "notice": said, "refused": refused}
         return render(request, "run_decisions.html", context, status=409 if refused else 200)

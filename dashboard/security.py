@@ -14,7 +14,7 @@ from functools import wraps
 from typing import Any
 
 from django.conf import settings
-from django.core.exceptions import BadRequest, PermissionDenied
+from django.core.exceptions import BadRequest
 from django.http import HttpRequest, HttpResponse
 
 POLICY = "; ".join(
@@ -62,24 +62,6 @@ class ContentSecurityPolicyMiddleware:
         response = self.get_response(request)
         response.setdefault("Content-Security-Policy", POLICY)
         return response
-
-
-def operator_required(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
-    """The operator permission, checked in the view (a client can post to
-    any URL, whatever the page showed it)."""
-
-    @wraps(view)
-    def checked(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
-        if not request.user.has_perm("runs.operate_run"):
-            # Said on the 403 page (templates/403.html).
-            raise PermissionDenied(
-                "This needs the operator permission (Can operate runs), and "
-                f"{request.user.get_username() or 'this account'} has only a viewer's: "
-                "an administrator can add you to the operators group."
-            )
-        return view(request, *args, **kwargs)
-
-    return checked
 
 
 def nul_parameter(request: HttpRequest) -> str | None:

@@ -9,6 +9,8 @@ from dashboard import inbox, views
 urlpatterns = [
     path("", views.runs_list, name="runs-list"),
     path("runs/<int:run_id>/", views.run_detail, name="run-detail"),
+    path("runs/<int:run_id>/live/", views.run_live, name="run-live"),
+    path("runs/<int:run_id>/events/", views.run_events, name="run-events"),
     path("runs/<int:run_id>/cancel/", views.run_cancel, name="run-cancel"),
     path("runs/<int:run_id>/decide/", inbox.run_decide, name="run-decide"),
     path("runs/<int:run_id>/bundle/", views.run_bundle, name="run-bundle"),

@@ -1,29 +1,32 @@
 """Operator pages.  Login is required everywhere (LoginRequiredMiddleware);
-actions need the operate_run permission, checked here, in the view.  A
-parameter a view cannot use answers 400 with what was wrong
+actions need the operate_run permission, checked here, in the view
+(permission_required: a client can post to any URL, whatever the page
+showed it).  A parameter a view cannot use answers 400 with what was wrong
 (security.rejects_bad_input), never a page that quietly ignored it."""
 
 from __future__ import annotations
 
 import datetime as dt
-import json
 from typing import Any
 
 from django.contrib import messages
+from django.contrib.auth.decorators import permission_required
 from django.core.exceptions import BadRequest
 from django.db.models import QuerySet, Sum
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.http import urlencode
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseStopPolling
 
 from dashboard import charts
 from dashboard.context import plain, status_words
+from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.inbox import run_choices
 from dashboard.run_page import run_facts
-from dashboard.security import operator_required, rejects_bad_input
+from dashboard.security import rejects_bad_input
 from evidence import locks, pglog, tasks
 from evidence.models import (
     BundleExport,
@@ -34,6 +37,7 @@ from evidence.models import (
     IncidentSource,
     LockIncident,
 )
+from runs.decisions import OPERATE
 from runs.models import Phase, Run, RunStatus, older_than, page_cursor
 from runs.timeline import EventKind
 
@@ -62,16 +66,12 @@ def _older_than(rows: QuerySet, cursor: str) -> QuerySet:
         raise BadRequest(str(error)) from None
 
 
-def _partial(request: HttpRequest, target: str) -> bool:
-    return bool(request.htmx) and request.htmx.target == target  # type: ignore[attr-defined]
-
-
 # -- runs -------------------------------------------------------------------------
 
 
 @require_GET
 @rejects_bad_input
-def runs_list(request: HttpRequest) -> HttpResponse:
+def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     filters = {
         "status": _choice(request, "status", RunStatus.values),
         "unknown": _flag(request, "unknown"),
@@ -113,7 +113,7 @@ def runs_list(request: HttpRequest) -> HttpResponse:
         "live": any(run.is_active for run in page),
         "now": timezone.now(),
     }
-    if _partial(request, "run-rows"):
+    if asks_for(request, "run-rows"):
         response = render(request, "runs_list.html#rows", context)
         return response if context["live"] else HttpResponseStopPolling(response.content)
     return render(request, "runs_list.html", context)
@@ -122,16 +122,41 @@ def runs_list(request: HttpRequest) -> HttpResponse:
 @require_GET
 @rejects_bad_input
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
+    """The run page; its event log from `events_before` (a page_cursor) when
+    given: the "load older events" link without htmx."""
     run = get_object_or_404(Run, pk=run_id)
-    before = request.GET.get("events_before", "")
-    if before and request.htmx:  # type: ignore[attr-defined]
-        return render(request, "run_detail.html#events", _events(run, before))
-    context = {"run": run, **run_facts(run), **_events(run, before), "plotly": True}
-    if _partial(request, "run-live"):
-        response = render(request, "run_detail.html#live", context)
-        return response if run.is_active else HttpResponseStopPolling(response.content)
-    context |= _bundles(run, timezone.now())
+    context = {
+        "run": run,
+        **run_facts(run),
+        **_events(run, request.GET.get("events_before", "")),
+        **_bundles(run, timezone.now()),
+        "plotly": True,
+    }
     return render(request, "run_detail.html", {**context, **run_choices(request, run)})
+
+
+@require_GET
+@rejects_bad_input
+def run_live(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
+    """The run page's live region, which polls this while the run is active
+    and is told to stop (286) once it is not."""
+    run = get_object_or_404(Run, pk=run_id)
+    if not request.htmx:
+        return redirect("run-detail", run_id=run.pk)
+    response = render(request, "run_detail.html#live", {"run": run, **run_facts(run)})
+    return response if run.is_active else HttpResponseStopPolling(response.content)
+
+
+@require_GET
+@rejects_bad_input
+def run_events(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
+    """A page of the run's event log, older than `before` (a page_cursor)."""
+    run = get_object_or_404(Run, pk=run_id)
+    before = request.GET.get("before", "")
+    if not request.htmx:
+        page = reverse("run-detail", args=[run.pk])
+        return redirect(f"{page}?{urlencode({'events_before': before})}" if before else page)
+    return render(request, "run_detail.html#events", _events(run, before))
 
 
 def _events(run: Run, before: str) -> dict[str, Any]:
@@ -152,9 +177,9 @@ def _events(run: Run, before: str) -> dict[str, Any]:
 
 
 @require_POST
-@operator_required
+@permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
-def run_cancel(request: HttpRequest, run_id: int) -> HttpResponse:
+def run_cancel(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
     if run.is_imported:
         messages.error(request, f"Run {run.pk} is imported and read-only: cancel it where it runs.")
@@ -163,7 +188,7 @@ def run_cancel(request: HttpRequest, run_id: int) -> HttpResponse:
     else:
         messages.info(request, f"Run {run.pk} had already ended or was being cancelled.")
     run.refresh_from_db()
-    if request.htmx:  # type: ignore[attr-defined]
+    if request.htmx:
         return render(request, "run_detail.html#live", {"run": run, **run_facts(run)})
     return redirect("run-detail", run_id=run.pk)
 
@@ -190,9 +215,9 @@ def _bundles_region(request: HttpRequest, run: Run) -> HttpResponse:
 
 
 @require_POST
-@operator_required
+@permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
-def run_bundle(request: HttpRequest, run_id: int) -> HttpResponse:
+def run_bundle(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     """Queues an export of the run's bundle; a worker writes it."""
     run = get_object_or_404(Run.objects.local(), pk=run_id)  # an import is not re-sealed here
     leave_evidence_out = request.POST.get("no_evidence", "")
@@ -202,7 +227,7 @@ def run_bundle(request: HttpRequest, run_id: int) -> HttpResponse:
         run=run, requested_by=request.user.get_username(), include_evidence=not leave_evidence_out
     )
     tasks.export_bundle.delay_on_commit(export.pk)
-    if request.htmx:  # type: ignore[attr-defined]
+    if request.htmx:
         return render(request, "run_detail.html#bundles", _bundles(run, timezone.now()))
     messages.success(request, f"Bundle export {export.pk} of run {run.pk} queued.")
     return redirect(reverse("run-detail", args=[run.pk]) + "#run-bundles")
@@ -210,17 +235,17 @@ def run_bundle(request: HttpRequest, run_id: int) -> HttpResponse:
 
 @require_GET
 @rejects_bad_input
-def run_bundles(request: HttpRequest, run_id: int) -> HttpResponse:
+def run_bundles(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     """The bundles region, which polls this while an export is queued or
     running and is told to stop (286) once none is."""
     run = get_object_or_404(Run, pk=run_id)
-    if not request.htmx:  # type: ignore[attr-defined]
+    if not request.htmx:
         return redirect(reverse("run-detail", args=[run.pk]) + "#run-bundles")
     return _bundles_region(request, run)
 
 
 @require_GET
-@operator_required
+@permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
 def bundle_download(request: HttpRequest, export_id: int) -> FileResponse:
     """Operators only: a bundle may hold evidence copies (model inputs and
@@ -264,14 +289,14 @@ def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
     context = {
         "incident": incident,
         "waits": incident.waits.order_by("id"),
-        "graph": json.loads(charts.lock_graph(incident)),
+        "graph": charts.lock_graph(incident),
         "plotly": True,
     }
     return render(request, "lock_detail.html", context)
 
 
 @require_POST
-@operator_required
+@permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
 def locks_import(request: HttpRequest) -> HttpResponse:
     upload = request.FILES.get("log")
@@ -323,10 +348,8 @@ def gaps(request: HttpRequest) -> HttpResponse:
     for gap in latest:
         gap.reason_label = plain(GapReason, gap.reason)
     context = {
-        "chart": json.loads(
-            charts.gaps_over_time(
-                (hour.isoformat(), plain(GapReason, reason), n) for hour, reason, n in hourly
-            )
+        "chart": charts.gaps_over_time(
+            (hour.isoformat(), plain(GapReason, reason), n) for hour, reason, n in hourly
         )
         if hourly
         else None,

@@ -1,15 +1,17 @@
 """Evidence capture: everything a run leaves as evidence, written off the
-main path.
+main path.  `RunEvidence` is what a run's Dispatcher hands it, for every
+agent alike.
 
 Evidence is observation.  The run hands each record (a source it read, a
 model call with a bounded copy of it, a check of its sources on resume) to
 a bounded in-process queue and never waits: no statement of the main path
-reads, writes or locks an evidence table.  A background writer drains the
-queue on its own connection (application_name `rundesk:capture`), one short
-transaction per record, every lock bounded by `SET LOCAL lock_timeout`.  A
-copy takes its locks in one fixed order: the copy's sources, then its model
-record, the second with NOWAIT under the `nowait` policy (the one
-production uses; NOWAIT alone would still wait behind a table lock).  A lock
+reads, writes or locks an evidence table.  A background writer
+(runs/background.py) drains the queue on its own connection
+(application_name `rundesk:capture`), one short transaction per record,
+every lock bounded by `SET LOCAL lock_timeout`.  A copy takes its locks in
+one fixed order: the copy's sources, then its model record, the second with
+NOWAIT under the `nowait` policy (the one production uses; NOWAIT alone
+would still wait behind a table lock).  A lock
 that is not available at once rolls the transaction back, which releases
 what it held, and leaves a CaptureGap; it is never retried, so the wait
 cannot come back.  A full queue, an oversized copy, a database error and
@@ -22,15 +24,10 @@ kept only so `reproduce_contention` can show what it did.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import queue
-import threading
-import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,13 +37,15 @@ from django.db import DatabaseError, OperationalError, connection, transaction
 from evidence.models import GapReason
 from evidence.records import bound_lock_waits, bounded, record_model_call, record_source
 from evidence.sources import SourceRefresh
+from runs.background import GAP_INTERVAL as GAP_INTERVAL  # how soon a gap is written
+from runs.background import BackgroundWriter
 from runs.models import digest
+from runs.sql import application_name
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
 
 LOCK_NOT_AVAILABLE = "55P03"  # NOWAIT refusal and lock_timeout alike
-GAP_INTERVAL = 0.5  # seconds: how soon a counted gap is written, busy or idle
 POLICIES = ("nowait", "wait")
 # Gaps waiting to be written (the database is down, or their tables are
 # locked) are counted per (run, model call, reason, detail) up to this many
@@ -172,6 +171,7 @@ class SourceCheck:
 
 
 Record = Copy | SourceRecord | ModelCallRecord | SourceCheck
+GapKey = tuple[int, int | None, str, str]  # run, model call, reason, detail
 
 
 def _cap(text: str, limit: int) -> tuple[str, int, bool]:
@@ -199,7 +199,7 @@ class CopyTransaction:
     def begin(self, cursor: Any) -> None:
         cursor.execute(
             "SELECT set_config('application_name', %s, true)",
-            [f"rundesk:capture:run-{self.copy.run_id}"],
+            [application_name(Capture.role, self.copy.run_id)],
         )
         if self.policy == "nowait":
             bound_lock_waits(cursor)
@@ -304,183 +304,113 @@ def record_gaps(gaps: Counter[tuple[int, int | None, str, str]]) -> None:
 # -- the queue and its writer ------------------------------------------------------
 
 
-class Capture:
+class Capture(BackgroundWriter[Record, GapKey]):
+    """Records saved off the main path (runs/background.py), one a batch,
+    each in its own transaction: a record that fails takes no other with it.
+    Lost records are counted per (run, model call, reason, detail), bounded
+    (PENDING_GAP_KEYS), and become CaptureGaps."""
+
+    role = "capture"
+
     def __init__(self, capacity: int | None = None) -> None:
-        self.capacity = capacity or settings.RUNDESK_CAPTURE_QUEUE
-        self._queue: queue.Queue[Record | threading.Event | None] = queue.Queue(self.capacity)
-        self._gaps: Counter[tuple[int, int | None, str, str]] = Counter()
+        super().__init__(capacity or settings.RUNDESK_CAPTURE_QUEUE)
         # Gaps that fitted nowhere while they could not be written (and how
         # many of those the log has told of).
         self.dropped = 0
         self._dropped_told = 0
-        self._lock = threading.Lock()
-        # The writer thread, and the event that tells it to stop: its own, so
-        # a writer still stuck in a statement when stop() gives up on it
-        # ends when it can, whatever writer comes after it.
-        self._writer: tuple[threading.Thread, threading.Event] | None = None
 
     def submit(self, record: Record) -> bool:
         """Hands a record to the writer.  Never blocks, never raises; False
         when it became a gap instead (queue full, too large)."""
-        self._ensure_thread()
         if record.size > settings.RUNDESK_CAPTURE_MAX_BYTES * 16:
-            self._lose(record, GapReason.TOO_LARGE, f"{record.size} bytes")
+            self._ensure_thread()
+            self._lose([record], GapReason.TOO_LARGE, f"{record.size} bytes")
             return False
-        try:
-            self._queue.put_nowait(record)
-            return True
-        except queue.Full:
-            self._lose(record, GapReason.QUEUE_FULL, f"capacity {self.capacity}")
-            return False
+        return self._put(record)
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Waits until everything submitted so far is saved or a gap."""
-        marker = threading.Event()
-        self._ensure_thread()
-        try:
-            self._queue.put(marker, timeout=timeout)
-        except queue.Full:
-            return False
-        return marker.wait(timeout)
-
-    def stop(self, grace: float = 2.0) -> None:
-        """Saves what it can within `grace` seconds; what is left becomes
-        `shutdown` gaps.  Then closes the writer and its connection.  Never
-        waits on a full queue, nor more than `grace` + 5 s on a writer stuck
-        in a statement (it stops at its next record)."""
-        with self._lock:
-            writer, self._writer = self._writer, None
-        if writer is None or not writer[0].is_alive():
-            return
-        thread, stopping = writer
-        deadline = time.monotonic() + grace
-        while not self._queue.empty() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        stopping.set()
-        with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(None)  # wakes an idle writer at once
-        thread.join(grace + 5)
-        if thread.is_alive():
-            # Stuck in a statement: what it holds may go with the process.
-            with self._lock:
-                pending = sum(self._gaps.values())
-            logger.warning(
-                "capture: the writer did not stop in time; %s records queued and %s gaps "
-                "counted may be lost with this process",
-                self._queue.qsize(),
-                pending,
-            )
+        return super().flush(timeout)
 
     def lose(self, run_id: int, model_call_id: int | None, reason: str, detail: str) -> None:
         """Counts a record that will not be made; the writer records the gap
         within GAP_INTERVAL, busy or idle.  Never blocks, never raises."""
         self._ensure_thread()
-        self._count_gaps(Counter({(run_id, model_call_id, reason, detail[:500]): 1}))
+        self._count_lost(Counter({(run_id, model_call_id, reason, detail[:500]): 1}))
 
-    def _lose(self, record: Record, reason: str, detail: str) -> None:
-        """A record lost, counted: the writer (running, or stopping and about
-        to write what it counted) records it.  Starts no writer."""
-        key = (record.run_id, record.model_call_id, reason, f"{record.describe()}: {detail}"[:500])
-        self._count_gaps(Counter({key: 1}))
+    def _lost_key(self, item: Record, reason: str, detail: str) -> GapKey:
+        return (item.run_id, item.model_call_id, reason, f"{item.describe()}: {detail}"[:500])
 
-    def _count_gaps(self, gaps: Counter[tuple[int, int | None, str, str]]) -> None:
+    def _count_lost(self, lost: Counter[GapKey]) -> None:
         """Adds gaps to those waiting to be written, bounded (PENDING_GAP_KEYS)."""
         with self._lock:
-            for key, count in gaps.items():
-                if key not in self._gaps and len(self._gaps) >= PENDING_GAP_KEYS:
+            for key, count in lost.items():
+                if key not in self._lost and len(self._lost) >= PENDING_GAP_KEYS:
                     run_id, _, reason, _ = key
                     key = (run_id, None, reason, DETAIL_DROPPED)
-                    if key not in self._gaps and len(self._gaps) >= 2 * PENDING_GAP_KEYS:
+                    if key not in self._lost and len(self._lost) >= 2 * PENDING_GAP_KEYS:
                         self.dropped += count
                         continue
-                self._gaps[key] += count
+                self._lost[key] += count
 
-    def _ensure_thread(self) -> None:
+    def _write(self, batch: list[Record]) -> None:
+        (record,) = batch  # one a batch (the base's default): see _failed
+        record.save()
+
+    def _failed(self, batch: list[Record], error: Exception) -> None:
+        """The record raised: a gap, never a crash.  Its transaction was
+        rolled back, and the batch is that record alone."""
+        if not isinstance(error, DatabaseError):
+            logger.exception("capture: %s failed", batch[0].describe())
+        self._lose(batch, gap_reason(error), str(error).strip())
+        if isinstance(error, OperationalError):
+            connection.close_if_unusable_or_obsolete()
+
+    def _write_lost(self, lost: Counter[GapKey]) -> None:
         with self._lock:
-            if self._writer is None or not self._writer[0].is_alive():
-                stopping = threading.Event()
-                thread = threading.Thread(
-                    target=self._drain, args=(stopping,), name="capture", daemon=True
-                )
-                self._writer = (thread, stopping)
-                thread.start()
-
-    def _drain(self, stopping: threading.Event) -> None:
-        with _own_connection():
-            written_at = time.monotonic()
-            while not stopping.is_set():
-                try:
-                    item = self._queue.get(timeout=GAP_INTERVAL)
-                except queue.Empty:
-                    item = threading.Event()  # idle: time to write the gaps
-                if item is None:
-                    break
-                if isinstance(item, threading.Event):
-                    self._write_gaps()
-                    written_at = time.monotonic()
-                    item.set()
-                    continue
-                self._save(item)
-                if time.monotonic() - written_at >= GAP_INTERVAL or self._queue.empty():
-                    self._write_gaps()
-                    written_at = time.monotonic()
-            # What is left is a shutdown gap, unless a newer writer took over
-            # (this one was stuck when stop() gave up on it).
-            if self._writer is None:
-                self._drain_as_shutdown()
-            self._write_gaps()
-
-    def _save(self, record: Record) -> None:
-        try:
-            record.save()
-        except Exception as error:  # the writer must outlive anything: a gap, never a crash
-            if not isinstance(error, DatabaseError):
-                logger.exception("capture: %s failed", record.describe())
-            self._lose(record, gap_reason(error), str(error).strip())
-            if isinstance(error, OperationalError):
-                connection.close_if_unusable_or_obsolete()
-
-    def _drain_as_shutdown(self) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-            elif item is not None:
-                self._lose(item, GapReason.SHUTDOWN, "stopping")
-
-    def _write_gaps(self) -> None:
-        with self._lock:
-            gaps, self._gaps = self._gaps, Counter()
             dropped, self._dropped_told = self.dropped - self._dropped_told, self.dropped
         if dropped:
             logger.warning("capture: %s gaps dropped: too many waiting to be written", dropped)
-        if not gaps:
-            return
-        try:
-            record_gaps(gaps)
-        except Exception as error:
-            # Kept (counted) until the database answers again.
-            logger.warning("capture: %s gaps not recorded yet: %s", sum(gaps.values()), error)
-            self._count_gaps(gaps)
-            with contextlib.suppress(Exception):
-                connection.close_if_unusable_or_obsolete()
-
-
-@contextmanager
-def _own_connection() -> Iterator[None]:
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute("SET application_name = 'rundesk:capture'")
-    except DatabaseError as error:
-        logger.warning("capture: cannot name its connection: %s", error)
-        connection.close()
-    try:
-        yield
-    finally:
-        connection.close()
+        record_gaps(lost)
 
 
 capture = Capture()
+
+
+class RunEvidence:
+    """What one run hands to capture, said once for every agent: the
+    evidence each completed action leaves (by its tool), and the check of
+    its sources when an owner resumes it.  Never blocks, never raises: what
+    capture cannot take becomes a gap."""
+
+    def __init__(self, run_id: int, writer: Capture | None = None) -> None:
+        self.run_id = run_id
+        self.writer = writer or capture
+
+    def completed(
+        self,
+        action_id: int,
+        tool: str,
+        input: dict[str, Any],
+        result: dict[str, Any],
+        sources: Sequence[str],
+    ) -> None:
+        """An action's result, new or settled by its receipt (handed over
+        again: the owner that wrote it may have died before capture saved
+        it; capture saves each once).  A document read leaves its source;
+        a model call its model record and a bounded copy, linked to the
+        `sources` it was given."""
+        if tool == "read_document" and "refused" not in result:
+            self.writer.submit(
+                SourceRecord(
+                    self.run_id, action_id, input["path"], result["sha256"], result["bytes"]
+                )
+            )
+        elif tool == "model_call":
+            self.writer.submit(
+                ModelCallRecord.of(self.run_id, action_id, input, result, list(sources))
+            )
+
+    def resumed(self) -> None:
+        """A new owner took the run over: are its documents still what it read?"""
+        self.writer.submit(SourceCheck(self.run_id))

@@ -2,38 +2,60 @@
 
 It reads each document as its own action, has the model summarise it,
 publishes a draft revision after the first summary, composes the comparison,
-publishes the final revision and delivers it.  Every step goes through the
-Dispatcher, so a resumed run replays nothing that completed.
+publishes the final revision and delivers it.  It is research only: every
+step, publication, checkpoint and budget check goes through the Dispatcher
+(runs/dispatch.py), which makes a resumed run replay nothing that completed,
+hands each action's evidence to capture, and saves the run's progress.  How
+the run ends is the executor's to say (runs/executor.py).
+
+The agent also says how its state follows from the run's receipts
+(`replay`): a checkpoint is trusted only if it holds exactly that.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from django.utils import timezone
-
-from evidence.capture import ModelCallRecord, SourceRecord, capture
-from runs.checkpoints import AgentState, Checkpointer
+from runs.checkpoints import Disagreement
 from runs.dispatch import ActionFailed, Dispatcher
-from runs.models import AnswerRevision, OutcomeKind, Phase, digest
-from runs.outcomes import write_settled
+from runs.models import Phase, digest
+from runs.progress import History
 from runs.providers import COMPARE_INSTRUCTIONS, SUMMARIZE_INSTRUCTIONS, document_block
-from runs.timeline import EventKind, timeline
 
 # Actions kept back for the end of a run: composing the report and delivering it.
 FINISHING_ACTIONS = 2
 
 
+@dataclass
+class ResearchState:
+    """What the agent needs to continue: where it is, what it has learned,
+    and the digests of the receipts that learning came from."""
+
+    position: int = 0
+    summaries: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    receipts: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, raw: dict[str, Any]) -> ResearchState:
+        return cls(
+            position=raw["position"],
+            summaries=[(path, text) for path, text in raw["summaries"]],
+            notes=list(raw["notes"]),
+            receipts=dict(raw["receipts"]),
+        )
+
+
 class ResearchAgent:
     def __init__(self, dispatcher: Dispatcher) -> None:
-        self.d = dispatcher
+        self.dispatcher = dispatcher
         self.run = dispatcher.run
-        self.lease = dispatcher.lease
-        self.checkpoints = Checkpointer(dispatcher)
 
-    def execute(self) -> None:
-        state = self.checkpoints.resume_state() or AgentState()
-        self.d.resume(state.steps, state.taken)
+    def research(self, saved: dict[str, Any] | None) -> None:
+        """Researches from `saved` (a checkpoint's state) or the beginning,
+        until the report is delivered."""
+        state = ResearchState.load(saved) if saved else ResearchState()
         documents = self.run.documents
         for index in range(state.position, len(documents)):
             state.position = index
@@ -42,83 +64,52 @@ class ResearchAgent:
         final = self._compose(state)
         number = 2 if state.summaries else 1
         used = [*state.receipts, "compose"] if state.summaries else []
-        self._publish(number, final, is_final=True, model_calls=used)
-        self.d.step("deliver", "deliver_report", {"revision": number, "content": final})
+        self.dispatcher.publish(number, final, is_final=True, model_calls=used)
+        self.dispatcher.step("deliver", "deliver_report", {"revision": number, "content": final})
 
-    def _research(self, index: int, path: str, state: AgentState) -> None:
+    def _research(self, index: int, path: str, state: ResearchState) -> None:
         """Reads one document and has the model summarise it.  A read or a
         summary that fails is noted in the report; the other documents are
         independent work and go on."""
         read_key, summary_key = f"read:{index}", f"summarize:{index}"
-        if not (self.d.completed(read_key) or self._may_research(actions_needed=2)):
-            state.notes.append(f"{path}: not read ({self.run.phase_reason})")
-            return
-        try:
-            read = self.d.step(read_key, "read_document", {"path": path})
-            self.checkpoints.after(read_key, state)
-            if "refused" in read:
-                state.notes.append(f"{path}: {read['refused']}")
+        if not self.dispatcher.completed(read_key):
+            needed = 2 + FINISHING_ACTIONS
+            if over := self.dispatcher.finalize_if_due(actions_needed=needed):
+                state.notes.append(_not_read(path, over))
                 return
-            capture.submit(
-                SourceRecord(
-                    self.run.pk, self.d.action_id(read_key), path, read["sha256"], read["bytes"]
-                )
-            )
+        try:
+            read = self.dispatcher.step(read_key, "read_document", {"path": path})
+            self._checkpoint(read_key, state)
+            if "refused" in read:
+                state.notes.append(_refused(path, read))
+                return
             prompt = f"Question: {self.run.question}\n\n" + document_block(path, read["text"])
-            summary = self._model_call(
-                summary_key, _messages(SUMMARIZE_INSTRUCTIONS, prompt), [path]
+            messages = _messages(SUMMARIZE_INSTRUCTIONS, prompt)
+            summary = self.dispatcher.step(
+                summary_key, "model_call", {"messages": messages}, sources=[path]
             )
         except ActionFailed as failure:
-            state.notes.append(f"{path}: not included ({failure})")
+            state.notes.append(_not_included(path, failure.step_key, failure.error))
             return
         state.summaries.append((path, summary["text"]))
         state.receipts[summary_key] = digest(summary)
         state.position = index + 1
         if len(state.summaries) == 1:
             draft = _draft(state.summaries, len(self.run.documents))
-            self._publish(1, draft, is_final=False, model_calls=[summary_key])
-        self.checkpoints.after(summary_key, state)
+            self.dispatcher.publish(1, draft, is_final=False, model_calls=[summary_key])
+        self._checkpoint(summary_key, state)
 
-    def _model_call(
-        self, step_key: str, messages: list[dict[str, str]], paths: list[str]
-    ) -> dict[str, Any]:
-        """A model call, and its evidence handed to capture: the model record
-        and a bounded copy, written off the main path.  A call settled by an
-        earlier owner's receipt is handed over again: that owner may have
-        died before capture saved it (capture saves each once)."""
-        input = {"messages": messages}
-        result = self.d.step(step_key, "model_call", input)
-        action_id = self.d.action_id(step_key)
-        capture.submit(ModelCallRecord.of(self.run.pk, action_id, input, result, paths))
-        return result
-
-    def _may_research(self, *, actions_needed: int) -> bool:
-        """Research goes on until the budget or the deadline says finalize.
-        Only those (and cancel or an operator) move a run to finalizing: no
-        record-keeping failure does."""
-        if self.run.phase != Phase.RESEARCH:
-            return False
-        reason = ""
-        if self.d.steps + actions_needed + FINISHING_ACTIONS > self.run.action_budget:
-            reason = f"action budget of {self.run.action_budget} exhausted"
-        elif self.run.deadline is not None and timezone.now() >= self.run.deadline:
-            reason = "deadline passed"
-        if not reason:
-            return True
-        self.lease.enter_phase(Phase.FINALIZING, reason)
-        self.run.phase, self.run.phase_reason = Phase.FINALIZING, reason
-        timeline.record(self.run.pk, EventKind.PHASE_CHANGED, f"finalizing: {reason}")
-        return False
-
-    def _compose(self, state: AgentState) -> str:
+    def _compose(self, state: ResearchState) -> str:
         if state.summaries:
             prompt = f"Question: {self.run.question}\n\n" + "\n\n".join(
                 document_block(path, text) for path, text in state.summaries
             )
-            paths = [path for path, _ in state.summaries]
             messages = _messages(COMPARE_INSTRUCTIONS, prompt)
-            report = self._model_call("compose", messages, paths)["text"]
-            self.checkpoints.after("compose", state)
+            paths = [path for path, _ in state.summaries]
+            report = self.dispatcher.step(
+                "compose", "model_call", {"messages": messages}, sources=paths
+            )["text"]
+            self._checkpoint("compose", state)
         else:
             report = (
                 f"# {self.run.question}\n\nNo document could be read, so nothing is compared.\n"
@@ -127,41 +118,77 @@ class ResearchAgent:
             report += "\n## Not included\n\n" + "".join(f"- {note}\n" for note in state.notes)
         return report
 
-    def _publish(
-        self, number: int, content: str, *, is_final: bool, model_calls: list[str]
-    ) -> None:
-        """Commits an answer revision, naming the model calls (step keys) it
-        used; an unanswered COMMIT is settled by evidence, and what stays
-        unknown waits for an operator."""
-        used = [self.d.action_id(step_key) for step_key in model_calls]
+    def _checkpoint(self, step_key: str, state: ResearchState) -> None:
+        self.dispatcher.checkpoint(step_key, asdict(state))
 
-        def write() -> bool:
-            with self.d.faults.at_commit("publication", self.d.steps):
-                return self.lease.publish_revision(
-                    number, content, is_final=is_final, model_call_actions=used
-                )
+    # -- the state the receipts lead to ---------------------------------------
 
-        published = write_settled(
-            write,
-            lambda: AnswerRevision.objects.filter(
-                run_id=self.run.pk, number=number, content_digest=digest(content)
-            ).exists(),
-            what=f"publication of revision {number}",
-            run_id=self.run.pk,
-            kind=OutcomeKind.PUBLICATION,
-            subject=f"publication:run-{self.run.pk}:revision-{number}",
-            lease_epoch=self.lease.epoch,
-            afterwards="the run waits for an operator",
-            revision_number=number,
-        )
-        if published is not False:
-            timeline.record(
-                self.run.pk,
-                EventKind.REVISION_PUBLISHED,
-                f"{'final' if is_final else 'draft'} revision {number}",
-                number=number,
-                content_digest=digest(content),
-            )
+    def replay(self, after: str, history: History) -> dict[str, Any]:
+        """The state this agent had when it saved a checkpoint after the
+        action `after`, rebuilt from the run's documents and the receipts in
+        `history`, with the same wording; Disagreement if the receipts
+        cannot have led there."""
+        state = ResearchState(position=self._position_after(after))
+        for index, path in enumerate(self.run.documents[: state.position]):
+            self._replay(index, path, state, history)
+        return asdict(state)
+
+    def _position_after(self, step_key: str) -> int:
+        """The document the agent is at when it saves a checkpoint after
+        `step_key`: after a read, that document; after its summary, the
+        next one; after composing, past the last."""
+        total = len(self.run.documents)
+        if step_key == "compose":
+            return total
+        kind, _, index = step_key.partition(":")
+        if kind in ("read", "summarize") and index.isdigit() and int(index) < total:
+            return int(index) + (kind == "summarize")
+        raise Disagreement(f"was saved after {step_key}, which the agent does not save after")
+
+    def _replay(self, index: int, path: str, state: ResearchState, history: History) -> None:
+        """What `_research` kept of document `index`: a summary (and its
+        receipt's digest), or a note saying why there is none."""
+        read_key, summary_key = f"read:{index}", f"summarize:{index}"
+        read = history.result(read_key)
+        if read is None:
+            state.notes.append(self._replayed_note(path, read_key, history))
+            return
+        if "refused" in read:
+            state.notes.append(_refused(path, read))
+            return
+        summary = history.result(summary_key)
+        if summary is None:
+            state.notes.append(self._replayed_note(path, summary_key, history))
+            return
+        if not isinstance(summary, dict) or not isinstance(summary.get("text"), str):
+            raise Disagreement(f"counts on {summary_key}, whose receipt holds no summary")
+        state.summaries.append((path, summary["text"]))
+        state.receipts[summary_key] = history.result_digest(summary_key)
+
+    def _replayed_note(self, path: str, step_key: str, history: History) -> str:
+        """The note of an action before the checkpoint that has no receipt:
+        it failed, or (a read) was never dispatched because research ended."""
+        if (error := history.failure(step_key)) is not None:
+            return _not_included(path, step_key, error)
+        never_read = step_key.startswith("read:") and history.get(step_key) is None
+        if never_read and self.run.phase != Phase.RESEARCH:
+            return _not_read(path, self.run.phase_reason)
+        raise Disagreement(f"is past {step_key}, which neither completed nor failed")
+
+
+# -- the report's words ----------------------------------------------------------
+
+
+def _not_read(path: str, reason: str) -> str:
+    return f"{path}: not read ({reason})"
+
+
+def _refused(path: str, read: dict[str, Any]) -> str:
+    return f"{path}: {read['refused']}"
+
+
+def _not_included(path: str, step_key: str, error: str) -> str:
+    return f"{path}: not included ({step_key} failed: {error})"
 
 
 def _messages(instructions: str, prompt: str) -> list[dict[str, str]]:

@@ -55,8 +55,8 @@ from runs.models import (
     action_identity,
     digest,
 )
-from runs.outcomes import CommitUnanswered, Settlement, settle, written, written_by
-from runs.sql import server_cursor
+from runs.outcomes import Settlement, settle, written, written_by
+from runs.sql import CommitUnanswered, server_cursor
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""One step of a run: boundary, dispatch, receipt -- or no dispatch at all.
+"""What an agent does through the runtime: its steps, the answers it
+publishes, its checkpoints, its budget -- the same for every agent.
 
 `Dispatcher.step()` is where "resume without replay" is decided, for every
 action of every agent:
@@ -11,30 +12,47 @@ action of every agent:
   original identity) only as often as operators' decisions authorise
   (runs/decisions.py);
 - a new action is dispatched only after its boundary is durable.
+
+The two settled writes live here, side by side: a step's receipt and an
+answer revision's publication.  Each is fenced by the lease (runs/leases.py),
+and a COMMIT that got no answer is settled by evidence (runs/outcomes.py).
+Each completed action's evidence (the source read, the model call) is
+handed to capture (evidence/capture.py), off the main path.
+
+The run's progress (`Progress`) is the runtime's, not the agent's: a
+checkpoint saves it beside the agent's state, and `resume()` restores both
+in one place (runs/checkpoints.py says when a checkpoint may be trusted).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from django.db import transaction
+from django.utils import timezone
 
-from runs.faults import FaultPlan, request_cancel, steal_lease
+from evidence.capture import RunEvidence
+from runs.checkpoints import Checkpointer
+from runs.faults import FaultPlan, inject_cancel, steal_lease
 from runs.leases import Lease, LeaseLost
 from runs.models import (
     AUTHORISING,
     Action,
     ActionState,
+    AnswerRevision,
     EffectClass,
     OutcomeKind,
+    Phase,
     Receipt,
     Run,
     action_identity,
     digest,
 )
 from runs.outcomes import NeedsOperator, open_item, write_settled
+from runs.progress import History, Progress
 from runs.timeline import EventKind, timeline
 from runs.tools import TOOLS, OutcomeUnknown, Tool, ToolFailed, ToolRefused
 
@@ -46,6 +64,10 @@ class Stopping(Exception):
 class ActionFailed(Exception):
     """An action is known not to have completed, and the run cannot go on."""
 
+    def __init__(self, step_key: str, error: str) -> None:
+        super().__init__(f"{step_key} failed: {error}")
+        self.step_key, self.error = step_key, error
+
 
 class Dispatcher:
     def __init__(self, lease: Lease, *, stop: threading.Event, lease_lost: threading.Event):
@@ -55,59 +77,149 @@ class Dispatcher:
         self.run = Run.objects.get(pk=lease.run_id)
         self.faults = FaultPlan.parse(self.run.faults, run_id=self.run.pk)
         # What earlier owners left: every action of the run, with its receipt.
-        self.known: dict[str, Action] = {
-            a.step_key: a for a in Action.objects.filter(run=self.run).select_related("receipt")
-        }
+        self.history = History.of(self.run)
         # Actions completed by this owner: step key -> action id.
         self.completed_now: dict[str, int] = {}
-        # Steps taken in this run's sequence, whether dispatched now or settled
-        # by a receipt: a resumed run counts exactly as the first owner did.
-        self.steps = 0
-        # The steps whose results the run has, in order (what a checkpoint
-        # covers), and those a checkpoint already counted: stepping one of
-        # these again returns its receipt's result and counts nothing.
-        self.taken: list[str] = []
+        self.progress = Progress()
+        # Steps a restored checkpoint already counted: stepping one of these
+        # again returns its receipt's result and counts nothing.
         self.covered: set[str] = set()
+        self.evidence = RunEvidence(self.run.pk)
+        self.checkpoints = Checkpointer(lease, self.faults)
 
-    def resume(self, steps: int, taken: list[str]) -> None:
-        """Continues from a checkpoint that counted `steps` and covered `taken`."""
-        self.steps, self.taken, self.covered = steps, list(taken), set(taken)
+    # -- resuming ----------------------------------------------------------
+
+    def resume(self, replay: Callable[[str, History], dict[str, Any]]) -> dict[str, Any] | None:
+        """Where a run that earlier owners worked on continues: the agent's
+        state from the newest checkpoint that agrees with the receipts
+        (`replay` rebuilds it, see runs/checkpoints.py), with the progress
+        saved beside it; None to start from the beginning, stepping through
+        the receipts.  A new run has nothing to resume."""
+        if not self.history:
+            return None
+        timeline.record(
+            self.run.pk,
+            EventKind.RESUMED,
+            f"resumed by epoch {self.lease.epoch} from {len(self.history)} actions",
+        )
+        self.evidence.resumed()
+        point = self.checkpoints.resume_point(self.history, replay)
+        if point is None:
+            return None
+        self.progress = point.progress
+        self.covered = set(point.progress.taken)
+        return point.state
+
+    # -- what an agent does --------------------------------------------------
 
     def completed(self, step_key: str) -> bool:
-        if step_key in self.completed_now:
-            return True
-        action = self.known.get(step_key)
-        return action is not None and action.state == ActionState.COMPLETED
+        return step_key in self.completed_now or self.history.completed(step_key)
 
     def action_id(self, step_key: str) -> int:
         """The id of an action this run has completed (now or earlier)."""
         if step_key in self.completed_now:
             return self.completed_now[step_key]
-        return self.known[step_key].pk
+        return self.history.action(step_key).pk
 
-    def step(self, step_key: str, tool_name: str, input: dict[str, Any]) -> dict[str, Any]:
+    def step(
+        self, step_key: str, tool_name: str, input: dict[str, Any], *, sources: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """One action of the run: its result, from its receipt or from
+        dispatching it.  `sources` names the documents a model call was
+        given (its evidence links to them)."""
         if step_key in self.completed_now:
             raise NeedsOperator(f"the agent used identity {step_key} twice")
         tool = TOOLS[tool_name]
         covered = step_key in self.covered
         self.covered.discard(step_key)
         if not covered:
-            self.steps += 1
-        action = self.known.get(step_key)
+            self.progress.steps += 1
+        action = self.history.get(step_key)
         if action is None:
-            result = self._execute(self._new_boundary(step_key, tool, input), step_key, tool, input)
+            action_id = self._new_boundary(step_key, tool, input)
+            result = self._call_tool(action_id, step_key, tool, input)
         elif (result := self._settled_result(action, tool, input)) is None:
             self._redispatch(action)
-            result = self._execute(action.pk, step_key, tool, input)
+            action_id = action.pk
+            result = self._call_tool(action_id, step_key, tool, input)
+        else:
+            action_id = action.pk
         if not covered:
-            self.taken.append(step_key)
+            self.progress.taken.append(step_key)
+        # Handed over again when settled by a receipt: the owner that wrote
+        # it may have died before capture saved it (capture saves each once).
+        self.evidence.completed(action_id, tool.name, input, result, sources)
         return result
 
+    def publish(
+        self, number: int, content: str, *, is_final: bool, model_calls: Sequence[str]
+    ) -> None:
+        """Commits answer revision `number`, naming the model calls (step
+        keys) it used; an unanswered COMMIT is settled by evidence, and
+        what stays unknown waits for an operator."""
+        used = [self.action_id(step_key) for step_key in model_calls]
+
+        def write() -> bool:
+            with self.faults.at_commit("publication", self.progress.steps):
+                return self.lease.publish_revision(
+                    number, content, is_final=is_final, model_call_actions=used
+                )
+
+        published = write_settled(
+            write,
+            lambda: AnswerRevision.objects.filter(
+                run_id=self.run.pk, number=number, content_digest=digest(content)
+            ).exists(),
+            what=f"publication of revision {number}",
+            run_id=self.run.pk,
+            kind=OutcomeKind.PUBLICATION,
+            subject=f"publication:run-{self.run.pk}:revision-{number}",
+            lease_epoch=self.lease.epoch,
+            afterwards="the run waits for an operator",
+            revision_number=number,
+        )
+        if published is not False:
+            timeline.record(
+                self.run.pk,
+                EventKind.REVISION_PUBLISHED,
+                f"{'final' if is_final else 'draft'} revision {number}",
+                number=number,
+                content_digest=digest(content),
+            )
+
+    def checkpoint(self, step_key: str, state: dict[str, Any]) -> None:
+        """Saves the agent's `state` and the run's progress after the action
+        `step_key`, if this owner has just completed it (an action settled
+        by an earlier receipt needs none)."""
+        action_id = self.completed_now.get(step_key)
+        if action_id is not None:
+            self.checkpoints.save(step_key, action_id, self.progress, state)
+
+    def finalize_if_due(self, *, actions_needed: int) -> str:
+        """Why research is over, moving the run to finalizing if the budget
+        (with `actions_needed` more actions) or the deadline says so now;
+        "" while research goes on.  Only those two end research: no
+        record-keeping failure does (a cancel or an operator ends the run)."""
+        if self.run.phase != Phase.RESEARCH:
+            return self.run.phase_reason
+        reason = ""
+        if self.progress.steps + actions_needed > self.run.action_budget:
+            reason = f"action budget of {self.run.action_budget} exhausted"
+        elif self.run.deadline is not None and timezone.now() >= self.run.deadline:
+            reason = "deadline passed"
+        if reason:
+            self.lease.enter_phase(Phase.FINALIZING, reason)
+            self.run.phase, self.run.phase_reason = Phase.FINALIZING, reason
+            timeline.record(self.run.pk, EventKind.PHASE_CHANGED, f"finalizing: {reason}")
+        return reason
+
+    # -- one step --------------------------------------------------------------
+
     def _check_can_dispatch(self) -> None:
-        if self.faults.fire("lease_stolen", self.steps):
+        if self.faults.fire("lease_stolen", self.progress.steps):
             steal_lease(self.run.pk)
-        if self.faults.fire("cancel", self.steps):
-            request_cancel(self.run.pk)
+        if self.faults.fire("cancel", self.progress.steps):
+            inject_cancel(self.run.pk)
         if self.stop.is_set():
             raise Stopping()
         if self.lease_lost.is_set():
@@ -186,17 +298,17 @@ class Dispatcher:
             epoch=self.lease.epoch,
         )
 
-    def _execute(
+    def _call_tool(
         self, action_id: int, step_key: str, tool: Tool, input: dict[str, Any]
     ) -> dict[str, Any]:
-        if delay := self.faults.tool_delay(self.steps):
+        if delay := self.faults.tool_delay(self.progress.steps):
             time.sleep(delay)
         try:
-            if self.faults.fire("tool_error", self.steps):
+            if self.faults.fire("tool_error", self.progress.steps):
                 raise ToolFailed("the tool failed (fault plan: tool_error)")
             result = tool.run(input, action_identity(self.run.pk, step_key))
             if tool.effect_class == EffectClass.EFFECT and self.faults.fire(
-                "delivery_timeout", self.steps
+                "delivery_timeout", self.progress.steps
             ):
                 raise OutcomeUnknown("delivered, but the answer was lost (fault plan)")
         except ToolRefused as refusal:
@@ -207,7 +319,7 @@ class Dispatcher:
             )
         except ToolFailed as error:
             self._mark(action_id, ActionState.FAILED, str(error), EventKind.ACTION_FAILED)
-            raise ActionFailed(f"{step_key} failed: {error}") from error
+            raise ActionFailed(step_key, str(error)) from error
         result_digest = self._record_receipt(action_id, step_key, result)
         self.completed_now[step_key] = action_id
         timeline.record(
@@ -223,7 +335,7 @@ class Dispatcher:
         """Writes the receipt; an unanswered COMMIT is settled by evidence."""
 
         def write() -> str:
-            with self.faults.at_commit("receipt", self.steps):
+            with self.faults.at_commit("receipt", self.progress.steps):
                 return self.lease.record_receipt(action_id, result)
 
         written = write_settled(
@@ -244,7 +356,7 @@ class Dispatcher:
         settles it with the receiver's evidence.  The action's state and its
         item are written together: never one without the other."""
         with transaction.atomic():
-            self.lease.record_action_outcome(action_id, ActionState.UNKNOWN, reason)
+            self.lease.record_action_state(action_id, ActionState.UNKNOWN, reason)
             item = open_item(
                 run_id=self.run.pk,
                 kind=OutcomeKind.EFFECT,
@@ -265,5 +377,5 @@ class Dispatcher:
         return Action.objects.filter(pk=action_id).values_list("attempts", flat=True).get()
 
     def _mark(self, action_id: int, state: ActionState, reason: str, kind: EventKind) -> None:
-        self.lease.record_action_outcome(action_id, state, reason)
+        self.lease.record_action_state(action_id, state, reason)
         timeline.record(self.run.pk, kind, reason, action_id=action_id)

@@ -1,7 +1,8 @@
 """The executor: claims runs, keeps their leases alive, runs the agent.
 
-`execute(run_id)` runs one run if it can be claimed (the management
-command's `--run` and the Celery task).  `Executor.serve()` is the
+`claim_and_drive(run_id)` runs one run if it can be claimed (the management
+command's `--run` and the Celery task).  `drive()` runs a claimed run and
+decides every way it ends (`Ending`).  `Executor.serve()` is the
 long-running loop of `manage.py executor`: N worker threads, each claiming
 the oldest claimable run with SKIP LOCKED.  Shutdown (SIGTERM) stops at the
 next step boundary and gives the run back to the queue.
@@ -15,22 +16,37 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 
 from django.conf import settings
 from django.db import DatabaseError, connection
 
-from evidence.capture import SourceCheck, capture
 from evidence.locks import LockSampler
 from runs import decisions, sweep
 from runs.agent import ResearchAgent
 from runs.dispatch import ActionFailed, Dispatcher, Stopping
-from runs.leases import Lease, LeaseLost, new_owner_name
+from runs.leases import CancelRequested, Lease, LeaseLost, WriteRefused, new_owner_name
 from runs.models import RunStatus
 from runs.outcomes import NeedsOperator
 from runs.sql import name_connection
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
+
+
+class Ending(StrEnum):
+    """How one ownership of a run ended (what drive() returns)."""
+
+    # The run's status, when this ownership ended it.
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    NEEDS_OPERATOR = "needs_operator"  # waits for an operator's decision
+    # The run goes on, with another owner.
+    REQUEUED = "requeued"  # was to wait, but its item was settled meanwhile
+    RELEASED = "released"  # the executor stopped: back in the queue
+    LEASE_LOST = "lease_lost"  # another owner has the run
+    NOT_CLAIMABLE = "not_claimable"  # claim_and_drive: nothing to run
 
 
 @contextmanager
@@ -63,7 +79,7 @@ def heartbeat(lease: Lease) -> Iterator[threading.Event]:
         thread.join()
 
 
-def drive(lease: Lease, stop: threading.Event) -> str:
+def drive(lease: Lease, stop: threading.Event) -> Ending:
     """Runs the agent under `lease` until the run completes, fails, waits for
     an operator, is cancelled, loses its lease, or the executor stops.  Every
     way a run ends is decided here, and nothing of one run escapes it but a
@@ -77,22 +93,17 @@ def drive(lease: Lease, stop: threading.Event) -> str:
             return _end(lease, RunStatus.CANCELLED, "", "cancelled: nothing new dispatched")
         with heartbeat(lease) as lost:
             dispatcher = Dispatcher(lease, stop=stop, lease_lost=lost)
-            if dispatcher.known:
-                timeline.record(
-                    run_id,
-                    EventKind.RESUMED,
-                    f"resumed by epoch {lease.epoch} from {len(dispatcher.known)} actions",
-                )
-                capture.submit(SourceCheck(run_id))
-            ResearchAgent(dispatcher).execute()
-            return _end(lease, RunStatus.COMPLETED, "", f"{dispatcher.steps} steps")
+            agent = ResearchAgent(dispatcher)
+            agent.research(dispatcher.resume(agent.replay))
+            steps = dispatcher.progress.steps
+            return _end(lease, RunStatus.COMPLETED, "", f"{steps} steps")
     except Stopping:
         return _release(lease)
     except NeedsOperator as reason:
         return _end(lease, RunStatus.NEEDS_OPERATOR, str(reason), item_id=reason.item_id)
     except ActionFailed as reason:
         return _end(lease, RunStatus.FAILED, str(reason))
-    except LeaseLost as refused:
+    except WriteRefused as refused:
         return _after_refused_write(lease, refused)
     except DatabaseError:
         # The database is unreachable or failed mid-write: what was written is
@@ -119,7 +130,7 @@ ENDED = {
 
 def _end(
     lease: Lease, status: RunStatus, reason: str, said: str = "", item_id: int | None = None
-) -> str:
+) -> Ending:
     """Ends this ownership with `status`.  Fenced out at this last write
     (another owner took the run meanwhile), it ends nothing: the new owner
     decides.  A run about to wait for an operator ends as cancelled if a
@@ -133,14 +144,14 @@ def _end(
         timeline.record(
             lease.run_id, EventKind.RUN_CANCELLED, f"cancelled instead of waiting: {reason}"
         )
-        return ended
+        return Ending(ended)
     timeline.record(lease.run_id, ENDED[status], said or reason)
     if item_id is not None and decisions.resume_if_settled_meanwhile(lease.run_id, item_id):
-        return "requeued"
-    return status
+        return Ending.REQUEUED
+    return Ending(status)
 
 
-def _release(lease: Lease) -> str:
+def _release(lease: Lease) -> Ending:
     """The executor stops: the run goes back to the queue, or ends if a
     cancel was asked meanwhile."""
     released = lease.release()
@@ -148,19 +159,20 @@ def _release(lease: Lease) -> str:
         timeline.record(
             lease.run_id, EventKind.RUN_CANCELLED, "cancelled while its executor was stopping"
         )
-        return RunStatus.CANCELLED
+        return Ending.CANCELLED
     if released is None:
         timeline.record(lease.run_id, EventKind.LEASE_LOST, f"epoch {lease.epoch} stops here")
-        return "lease_lost"
+        return Ending.LEASE_LOST
     timeline.record(lease.run_id, EventKind.LEASE_RELEASED, "executor stopping: run requeued")
-    return "released"
+    return Ending.RELEASED
 
 
-def _after_refused_write(lease: Lease, refused: LeaseLost) -> str:
+def _after_refused_write(lease: Lease, refused: WriteRefused) -> Ending:
     """A protected write changed 0 rows.  If the run was cancelled and we
-    still own it, it ends as cancelled; otherwise another owner has it, and
-    this one stops without another write."""
-    timeline.record(lease.run_id, EventKind.WRITE_FENCED, str(refused), epoch=lease.epoch)
+    still own it, it ends as cancelled; otherwise another owner has it (the
+    write was fenced out), and this one stops without another write."""
+    if not isinstance(refused, CancelRequested):
+        timeline.record(lease.run_id, EventKind.WRITE_FENCED, str(refused), epoch=lease.epoch)
     if lease.cancel_requested():
         try:
             lease.finish(RunStatus.CANCELLED)
@@ -168,19 +180,21 @@ def _after_refused_write(lease: Lease, refused: LeaseLost) -> str:
             pass
         else:
             timeline.record(
-                lease.run_id, EventKind.RUN_CANCELLED, "cancelled: nothing new dispatched"
+                lease.run_id,
+                EventKind.RUN_CANCELLED,
+                f"cancelled: nothing new dispatched ({refused})",
             )
-            return RunStatus.CANCELLED
+            return Ending.CANCELLED
     timeline.record(lease.run_id, EventKind.LEASE_LOST, f"epoch {lease.epoch} stops here")
-    return "lease_lost"
+    return Ending.LEASE_LOST
 
 
-def execute(run_id: int, *, stop: threading.Event | None = None) -> str:
+def claim_and_drive(run_id: int, *, stop: threading.Event | None = None) -> Ending:
     """Runs one run if it can be claimed; otherwise says why not.  Safe to
     call twice for the same run (a redelivered Celery task)."""
     lease = Lease.claim(run_id, new_owner_name())
     if lease is None:
-        return "not_claimable"
+        return Ending.NOT_CLAIMABLE
     return drive(lease, stop or threading.Event())
 
 
@@ -189,12 +203,12 @@ class Executor:
         self.concurrency = concurrency
         self.poll_seconds = poll_seconds or settings.RUNDESK_POLL_SECONDS
         self.stop = threading.Event()
-        self.results: list[tuple[int, str]] = []
+        self.results: list[tuple[int, Ending]] = []
         self.running = 0  # runs being driven now (the lock sampler samples while > 0)
         self._count = threading.Lock()
         self._sweep_due = 0.0  # monotonic time of the next sweep
 
-    def serve(self, *, once: bool = False) -> list[tuple[int, str]]:
+    def serve(self, *, once: bool = False) -> list[tuple[int, Ending]]:
         """Claims and runs runs until stopped (or, with once, until the queue
         is empty).  Returns what happened to each run it took."""
         workers = [
@@ -264,7 +278,7 @@ class Executor:
                     continue
                 try:
                     with self._counted():
-                        outcome = drive(lease, self.stop)
+                        ending = drive(lease, self.stop)
                 except DatabaseError as error:
                     logger.warning(
                         "run %s: database error, left to its lease: %s", lease.run_id, error
@@ -278,7 +292,7 @@ class Executor:
                     logger.exception("run %s: left to its lease", lease.run_id)
                     connection.close()
                     continue
-                logger.info("run %s: %s", lease.run_id, outcome)
-                self.results.append((lease.run_id, outcome))
+                logger.info("run %s: %s", lease.run_id, ending)
+                self.results.append((lease.run_id, ending))
         finally:
             connection.close()

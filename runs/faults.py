@@ -200,7 +200,9 @@ def steal_lease(run_id: int) -> None:
         )
 
 
-def request_cancel(run_id: int) -> None:
+def inject_cancel(run_id: int) -> None:
+    """A cancel request arrives, from a second connection, as an operator's
+    would (Run.request_cancel is the operator's own)."""
     with _side_connection() as side:
         side.execute(
             "UPDATE runs_run SET cancel_requested_at = now(),"

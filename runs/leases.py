@@ -28,16 +28,23 @@ from django.db.models.functions import Coalesce, Now
 from psycopg.types.json import Jsonb
 
 from runs.models import ActionState, Phase, Run, RunStatus, digest
-from runs.outcomes import unanswered_as
-from runs.sql import server_cursor
+from runs.sql import server_cursor, unanswered_as
 
-# The caller still owns the run, and (HELD_NOT_CANCELLED) no cancel was
-# requested.  Cancel is checked separately because a receipt is written even
-# after a cancel request: the action did complete, and that fact must stay.
-HELD = """id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
-    AND status = 'running' AND lease_expires_at > clock_timestamp()"""
+# The ownership a lease grants: this owner and epoch, the run still running.
+# A claim raises the epoch, so once another owner has the run this matches
+# no more.  Writes that keep or end this ownership (renew, release,
+# enter_phase, finish) need no more than OWNER: past the lease's expiry,
+# until someone claims the run, this owner is still its only one.
+OWNER = """id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
+    AND status = 'running'"""
+# What every write of the run's work requires: the ownership, and a lease
+# that has not expired (a run whose lease expired may be claimed any moment).
+HELD = f"{OWNER} AND lease_expires_at > clock_timestamp()"
+# ... and no cancel requested: for the writes that start new work.  A
+# receipt is written even after a cancel request: the action did complete,
+# and that fact must stay.
 HELD_NOT_CANCELLED = f"{HELD} AND cancel_requested_at IS NULL"
-# The run row, locked FOR SHARE, as long as the caller owns it.
+# The run row, locked FOR SHARE, as long as the caller holds it.
 OWNED = f"SELECT 1 FROM runs_run WHERE {HELD} FOR SHARE"
 OWNED_NOT_CANCELLED = f"SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED} FOR SHARE"
 # A cancelled run's status_reason names who asked.
@@ -58,9 +65,18 @@ PUBLISH = f"""
 """
 
 
-class LeaseLost(Exception):
-    """A protected write changed 0 rows: this owner no longer holds the run
-    (or it was cancelled).  The caller must dispatch nothing more."""
+class WriteRefused(Exception):
+    """A protected write changed 0 rows.  The caller dispatches nothing more."""
+
+
+class LeaseLost(WriteRefused):
+    """... because this owner no longer holds the run: another owner took it,
+    or the lease expired (it is fenced out)."""
+
+
+class CancelRequested(WriteRefused):
+    """... because a cancel was asked: the run is still this owner's, to end
+    as cancelled."""
 
 
 def new_owner_name() -> str:
@@ -125,10 +141,8 @@ class Lease:
 
     def renew(self) -> bool:
         """Heartbeat.  False means the lease is gone: stop."""
-        return self._execute(
-            """UPDATE runs_run SET lease_expires_at = clock_timestamp() + %(ttl)s
-               WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
-                 AND status = 'running'""",
+        return self._changes_rows(
+            f"UPDATE runs_run SET lease_expires_at = clock_timestamp() + %(ttl)s WHERE {OWNER}",
             ttl=lease_ttl(),
         )
 
@@ -138,7 +152,7 @@ class Lease:
         expiry; or, if a cancel was asked meanwhile, ends it as cancelled (a
         queued run with a cancel would wait for nothing).  The new status, or
         None when this owner no longer held the run."""
-        row = self._fetch(
+        row = self._fetch_one(
             f"""UPDATE runs_run SET lease_owner = '', lease_expires_at = NULL,
                    status = CASE WHEN cancel_requested_at IS NULL THEN 'queued'
                                  ELSE 'cancelled' END,
@@ -147,14 +161,13 @@ class Lease:
                    queued_at = CASE WHEN cancel_requested_at IS NULL THEN now()
                                     ELSE queued_at END,
                    finished_at = CASE WHEN cancel_requested_at IS NULL THEN NULL ELSE now() END
-               WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
-                 AND status = 'running'
+               WHERE {OWNER}
                RETURNING status"""
         )
         return RunStatus(row[0]) if row else None
 
     def held(self) -> bool:
-        return self._execute(OWNED)
+        return self._changes_rows(OWNED)
 
     def cancel_requested(self) -> bool:
         return Run.objects.filter(pk=self.run_id, cancel_requested_at__isnull=False).exists()
@@ -166,7 +179,7 @@ class Lease:
     ) -> int | None:
         """The durable write before a dispatch.  Returns the action id, or
         None when the identity already exists (the caller looks at it)."""
-        row = self._fetch(
+        row = self._fetch_one(
             f"""INSERT INTO runs_action (run_id, step_key, kind, effect_class, input,
                     input_digest, state, epoch, attempts, error, created_at, dispatched_at)
                 SELECT %(run)s, %(step_key)s, %(kind)s, %(effect_class)s, %(input)s,
@@ -180,8 +193,8 @@ class Lease:
             input=Jsonb(input),
             input_digest=digest(input),
         )
-        if row is None and not self._execute(OWNED_NOT_CANCELLED):
-            raise LeaseLost(f"boundary of {step_key} refused")
+        if row is None and not self._changes_rows(OWNED_NOT_CANCELLED):
+            raise self._refused(f"boundary of {step_key}")
         return row[0] if row else None
 
     def redispatch_boundary(self, action_id: int) -> None:
@@ -225,7 +238,7 @@ class Lease:
             )
         return result_digest
 
-    def record_action_outcome(self, action_id: int, state: ActionState, error: str) -> None:
+    def record_action_state(self, action_id: int, state: ActionState, error: str) -> None:
         """A dispatched action that did not complete: `failed` (known not to
         have happened) or `unknown` (only evidence can settle it)."""
         self._require(
@@ -247,7 +260,7 @@ class Lease:
         content; a different content under the same number is an error.
         A lost connection raises CommitUnanswered."""
         with unanswered_as(f"publication of revision {number}"):
-            row = self._fetch(
+            row = self._fetch_one(
                 PUBLISH,
                 number=number,
                 content=content,
@@ -257,13 +270,13 @@ class Lease:
             )
         if row:
             return True
-        existing = self._fetch(
+        existing = self._fetch_one(
             "SELECT content_digest FROM runs_answerrevision WHERE run_id = %(run)s"
             " AND number = %(number)s",
             number=number,
         )
-        if existing is None or not self._execute(OWNED_NOT_CANCELLED):
-            raise LeaseLost(f"publication of revision {number} refused")
+        if existing is None or not self._changes_rows(OWNED_NOT_CANCELLED):
+            raise self._refused(f"publication of revision {number}")
         if existing[0] != digest(content):
             raise ValueError(f"revision {number} of run {self.run_id} exists with other content")
         return False
@@ -292,9 +305,7 @@ class Lease:
 
     def enter_phase(self, phase: Phase, reason: str) -> None:
         self._require(
-            """UPDATE runs_run SET phase = %(phase)s, phase_reason = %(reason)s
-               WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
-                 AND status = 'running'""",
+            f"UPDATE runs_run SET phase = %(phase)s, phase_reason = %(reason)s WHERE {OWNER}",
             f"phase change to {phase}",
             phase=phase.value,
             reason=reason,
@@ -310,7 +321,7 @@ class Lease:
             "(%(status)s::text = 'cancelled' OR (%(status)s::text = 'needs_operator'"
             " AND cancel_requested_at IS NOT NULL))"
         )
-        row = self._fetch(
+        row = self._fetch_one(
             f"""UPDATE runs_run SET
                    status = CASE WHEN {cancelled} THEN 'cancelled' ELSE %(status)s::text END,
                    status_reason = CASE WHEN {cancelled} THEN {CANCELLED_BY} ELSE %(reason)s END,
@@ -319,8 +330,7 @@ class Lease:
                                       OR %(status)s::text IN ('completed', 'failed')
                                  THEN now() END,
                    lease_owner = '', lease_expires_at = NULL
-                WHERE id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
-                  AND status = 'running'
+                WHERE {OWNER}
                 RETURNING status""",
             status=status.value,
             reason=reason,
@@ -336,16 +346,24 @@ class Lease:
     def _params(self, extra: dict[str, Any]) -> dict[str, Any]:
         return {"run": self.run_id, "owner": self.owner, "epoch": self.epoch, **extra}
 
-    def _execute(self, sql: str, **extra: Any) -> bool:
+    def _changes_rows(self, sql: str, **extra: Any) -> bool:
         with server_cursor() as cursor:
             cursor.execute(sql, self._params(extra), prepare=True)
             return cursor.rowcount > 0
 
-    def _fetch(self, sql: str, **extra: Any) -> tuple[Any, ...] | None:
+    def _fetch_one(self, sql: str, **extra: Any) -> tuple[Any, ...] | None:
         with server_cursor() as cursor:
             cursor.execute(sql, self._params(extra), prepare=True)
             return cursor.fetchone()
 
     def _require(self, sql: str, what: str, **extra: Any) -> None:
-        if not self._execute(sql, **extra):
-            raise LeaseLost(f"{what} refused: run {self.run_id} epoch {self.epoch} not held")
+        if not self._changes_rows(sql, **extra):
+            raise self._refused(what, f": run {self.run_id} epoch {self.epoch} not held")
+
+    def _refused(self, what: str, detail: str = "") -> WriteRefused:
+        """Why a write changed 0 rows: a cancel, if the run is still held
+        (the write was one that starts new work); else the lease is lost."""
+        row = self._fetch_one(f"SELECT cancel_requested_at IS NOT NULL FROM runs_run WHERE {HELD}")
+        if row is not None and row[0]:
+            return CancelRequested(f"{what} refused: a cancel was asked")
+        return LeaseLost(f"{what} refused{detail}")

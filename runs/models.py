@@ -1,7 +1,7 @@
 """Runs, actions, receipts, answer revisions, checkpoints, unknown outcomes
 and the run timeline.
 
-The rules a run lives by (DESIGN.md) are enforced here by the database
+The rules a run lives by (docs/DESIGN.md) are enforced here by the database
 itself where it can: identities are unique, receipts and answer revisions
 cannot be changed once written (a trigger, see migration 0002), a running
 run always has an owner.  Writes that must check the lease live in
@@ -362,7 +362,7 @@ class Run(models.Model):
             ),
         ]
         indexes = [
-            # Serves the runs list, newest first, keyset-paginated (before()).
+            # Serves the runs list, newest first, keyset-paginated (page_cursor).
             models.Index(fields=["-created_at", "-id"], name="run_listing_idx"),
             # The same, filtered by status.
             models.Index(fields=["status", "-created_at", "-id"], name="run_status_listing_idx"),

@@ -25,13 +25,12 @@ written, and nothing writes an unknown write again.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from django.conf import settings
-from django.db import DatabaseError, IntegrityError, OperationalError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.utils import timezone
 
 from runs import alerts
@@ -43,13 +42,7 @@ from runs.models import (
     OutcomeKind,
     Receipt,
 )
-from runs.sql import (
-    Backend,
-    announced_xid,
-    connection_lost,
-    forget_announced_xid,
-    this_backend,
-)
+from runs.sql import Backend, CommitUnanswered
 from runs.timeline import EventKind, timeline
 
 T = TypeVar("T")
@@ -62,31 +55,6 @@ class NeedsOperator(Exception):
     def __init__(self, reason: str, item_id: int | None = None) -> None:
         super().__init__(reason)
         self.item_id = item_id
-
-
-class CommitUnanswered(OperationalError):
-    """A write was sent and no answer came: it may or may not have committed."""
-
-    def __init__(self, what: str, xid: int | None, backend: Backend | None, error: str) -> None:
-        super().__init__(f"{what}: no answer from the database ({error})")
-        self.what, self.xid, self.backend, self.error = what, xid, backend, error
-
-
-@contextmanager
-def unanswered_as(what: str) -> Iterator[None]:
-    """Turns the loss of the connection during a write into CommitUnanswered
-    (with the xid the write announced, if it got that far).  An error the
-    database answered with is re-raised as it is."""
-    forget_announced_xid()
-    backend = this_backend()
-    try:
-        yield
-    except DatabaseError as error:
-        if not connection_lost():
-            raise
-        xid = announced_xid()
-        connection.close()
-        raise CommitUnanswered(what, xid, backend, str(error).strip()) from error
 
 
 @dataclass
@@ -125,15 +93,23 @@ ORPHAN = """
 """
 
 
-def orphan(backend: Backend | None) -> tuple[bool, int | None]:
-    """Whether the writer's old backend still runs, and the xid of the
-    transaction it has open (a write that did not announce one)."""
+class Orphan(NamedTuple):
+    """What became of an unanswered write's backend: whether it still runs,
+    and the id of the transaction it has open (for a write that did not
+    announce one)."""
+
+    alive: bool
+    open_xid: int | None
+
+
+def find_orphan(backend: Backend | None) -> Orphan:
+    """The writer's old backend, as it is now."""
     if backend is None:
-        return False, None
+        return Orphan(False, None)
     with connection.cursor() as cursor:
         cursor.execute(ORPHAN, {"pid": backend.pid, "started": backend.started})
         row = cursor.fetchone()
-    return (row is not None, row[0] if row else None)
+    return Orphan(row is not None, row[0] if row else None)
 
 
 def settle(
@@ -155,7 +131,7 @@ def settle(
     delay = 0.02
     while True:
         try:
-            alive, open_xid = orphan(backend)
+            alive, open_xid = find_orphan(backend)
             if xid is None and open_xid is not None:
                 xid = evidence["xid"] = open_xid
                 evidence["xid_from"] = "pg_stat_activity of the writer's backend"

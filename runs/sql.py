@@ -1,7 +1,9 @@
 """Direct SQL on Django's own database connection, for the hot paths, and
-what the runtime learns about that connection: its backend (pid and start
-time), and the transaction id a write announced before its COMMIT
-(migration 0004)."""
+what the runtime learns about that connection: its name in
+pg_stat_activity, its backend (pid and start time), the transaction id a
+write announced before its COMMIT (migration 0004), and a write that got no
+answer because the connection was lost (CommitUnanswered; runs/outcomes.py
+settles it)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connection, connections
 
 ANNOUNCE_PREFIX = "rundesk:xid "
 
@@ -112,3 +114,28 @@ def forget_announced_xid() -> None:
 def announced_xid() -> int | None:
     """The transaction id the last write on this thread announced, if any."""
     return _session.announced_xid
+
+
+class CommitUnanswered(OperationalError):
+    """A write was sent and no answer came: it may or may not have committed."""
+
+    def __init__(self, what: str, xid: int | None, backend: Backend | None, error: str) -> None:
+        super().__init__(f"{what}: no answer from the database ({error})")
+        self.what, self.xid, self.backend, self.error = what, xid, backend, error
+
+
+@contextmanager
+def unanswered_as(what: str) -> Iterator[None]:
+    """Turns the loss of the connection during a write into CommitUnanswered
+    (with the xid the write announced, if it got that far).  An error the
+    database answered with is re-raised as it is."""
+    forget_announced_xid()
+    backend = this_backend()
+    try:
+        yield
+    except DatabaseError as error:
+        if not connection_lost():
+            raise
+        xid = announced_xid()
+        connection.close()
+        raise CommitUnanswered(what, xid, backend, str(error).strip()) from error

@@ -1,7 +1,8 @@
 """The sweep: what keeps a run from stalling when nobody drives it.
 
-One home for it, run by an executor while it is idle and by Celery beat
-(runs.tasks.sweep) where only Celery workers run:
+One home for it, run by every executor every RUNDESK_SWEEP_SECONDS, busy
+or idle, and by Celery beat (runs.tasks.sweep) where only Celery workers
+run:
 
 - a running run whose cancel was asked and whose owner died ends as
   cancelled;

@@ -17,7 +17,7 @@ from django.conf import settings
 
 from evidence.capture import capture
 from runs import sweep as sweeping
-from runs.executor import execute
+from runs.executor import Ending, claim_and_drive
 from runs.models import Run
 from runs.timeline import timeline
 
@@ -28,12 +28,12 @@ CLAIM_RETRIES = 10
 
 @shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=CLAIM_RETRIES)
 def execute_run(self: Any, run_id: int, seen_expiry: str | None = None) -> str:
-    outcome = execute(run_id)
-    if outcome != "not_claimable":
-        return outcome
+    ending = claim_and_drive(run_id)
+    if ending != Ending.NOT_CLAIMABLE:
+        return ending.value
     retry = Run.objects.claim_retry(run_id, seen_expiry)
     if retry is None or self.request.retries >= CLAIM_RETRIES:
-        return outcome
+        return ending.value
     countdown, expiry = retry
     # Both args and kwargs: given kwargs alone, Celery 5.5 (pyproject allows
     # >=5.4) keeps the task's positional run_id too, and the retry fails with

@@ -2,24 +2,24 @@
 
 Events are observations.  Recording one never blocks the caller and never
 fails a protected write: it goes into a bounded in-process queue that a
-background thread drains into the database on its own connection.  Events
-that cannot be written (queue full, database error) are counted and, once
-the database answers again, the run's timeline gets an `events_lost` event
-saying how many are missing and why: an honest gap, never a silent one.
+background thread (runs/background.py) drains into the database on its own
+connection, a batch per COPY.  Events that cannot be written (queue full,
+database error, shutdown) are counted and, once the database answers again,
+the run's timeline gets an `events_lost` event saying how many are missing
+and why: an honest gap, never a silent one.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
-import queue
-import threading
 from collections import Counter
 from typing import Any, NamedTuple
 
 from django.db import DatabaseError, IntegrityError, connection, models
 from psycopg.types.json import Jsonb
 
+from runs.background import BackgroundWriter
 from runs.sql import server_cursor
 
 logger = logging.getLogger(__name__)
@@ -75,21 +75,17 @@ class Event(NamedTuple):
     created_at: dt.datetime
 
 
-# What the queue holds: an event, a flush marker, or None (stop).
-_Item = Event | threading.Event | None
+class Timeline(BackgroundWriter[Event, tuple[int, str]]):
+    """Events written off the main path (runs/background.py): a batch of
+    them per COPY, row by row when a row of it is refused.  Lost events are
+    counted per (run, reason) and become an `events_lost` event."""
 
+    role = "timeline"
 
-class Timeline:
     def __init__(self, capacity: int = 10_000, batch: int = 1_000, linger: float = 0.2) -> None:
-        self._queue: queue.Queue[_Item] = queue.Queue(maxsize=capacity)
-        self._batch = batch
         # Waiting a little for more events turns a commit per event into one
         # COPY per batch: the writer then barely competes with the steps.
-        self._linger = linger
-        self._lost: Counter[tuple[int, str]] = Counter()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._hurry = threading.Event()
+        super().__init__(capacity, batch, linger)
 
     def record(
         self,
@@ -101,80 +97,20 @@ class Timeline:
         **data: Any,
     ) -> None:
         """Queues one event.  Never blocks, never raises."""
-        event = Event(run_id, action_id, str(kind), message, data, dt.datetime.now(dt.UTC))
-        if not self._put(event):
-            with self._lock:
-                self._lost[(run_id, "queue_full")] += 1
-
-    def flush(self, timeout: float = 5.0) -> bool:
-        """Waits until everything recorded so far is written (or lost)."""
-        marker = threading.Event()
-        if not self._put(marker):
-            return False
-        self._hurry.set()
-        return marker.wait(timeout)
+        self._put(Event(run_id, action_id, str(kind), message, data, dt.datetime.now(dt.UTC)))
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Writes what is queued, then closes the thread and its connection."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None and thread.is_alive():
-            self._queue.put(None)
-            self._hurry.set()
-            thread.join(timeout)
+        """Writes what is queued within `timeout` seconds (what is left then
+        is an `events_lost` gap), then closes the thread and its connection."""
+        super().stop(timeout)
 
-    def _put(self, item: _Item) -> bool:
-        self._ensure_thread()
-        try:
-            self._queue.put_nowait(item)
-            return True
-        except queue.Full:
-            return False
+    def _lost_key(self, item: Event, reason: str, detail: str) -> tuple[int, str]:
+        return (item.run_id, reason)
 
-    def _ensure_thread(self) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._drain, name="timeline", daemon=True)
-                self._thread.start()
-
-    def _drain(self) -> None:
-        try:
-            with connection.cursor() as cursor:
-                cursor.execute("SET application_name = 'rundesk:timeline'")
-        except DatabaseError as error:
-            logger.warning("timeline: cannot name its connection: %s", error)
-        stopping = False
-        while not stopping:
-            items = [self._queue.get()]
-            # Let events gather (without waking up for each one) unless
-            # someone waits for them.
-            if self._hurry.wait(self._linger):
-                self._hurry.clear()
-            while len(items) < self._batch:
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stopping = None in items
-            events = [item for item in items if isinstance(item, Event)]
-            try:
-                self._write(events)
-            except Exception:
-                # The writer must outlive anything: what it could not write
-                # is counted, and becomes a gap row with the next batch.
-                logger.exception("timeline: writer failed")
-                with self._lock:
-                    self._lost.update((event.run_id, "writer_error") for event in events)
-            finally:
-                for item in items:
-                    if isinstance(item, threading.Event):
-                        item.set()
-        connection.close()
-
-    def _write(self, events: list[Event]) -> None:
-        with self._lock:
-            now = dt.datetime.now(dt.UTC)
-            gaps = [
+    def _write_lost(self, lost: Counter[tuple[int, str]]) -> None:
+        now = dt.datetime.now(dt.UTC)
+        self._write(
+            [
                 Event(
                     run_id,
                     None,
@@ -183,19 +119,18 @@ class Timeline:
                     {"count": count, "reason": reason},
                     now,
                 )
-                for (run_id, reason), count in self._lost.items()
+                for (run_id, reason), count in lost.items()
             ]
-            self._lost.clear()
-        rows = gaps + events
-        if not rows:
-            return
+        )
+
+    def _write(self, batch: list[Event]) -> None:
         try:
-            self._copy(rows)
+            self._copy(batch)
         except (DatabaseError, TypeError, ValueError):
             # One bad row (e.g. a run that no longer exists) must not take
             # the whole batch, or every later batch, down with it.
             connection.close_if_unusable_or_obsolete()
-            self._write_each(rows)
+            self._write_each(batch)
 
     def _write_each(self, rows: list[Event]) -> None:
         lost = Counter[tuple[int, str]]()
@@ -217,8 +152,7 @@ class Timeline:
                     lost[(row.run_id, row.data["reason"])] += row.data["count"]
                 else:
                     lost[(row.run_id, "db_error")] += 1
-        with self._lock:
-            self._lost.update(lost)
+        self._count_lost(lost)
 
     @staticmethod
     def _copy(rows: list[Event]) -> None:

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 from django.conf import settings as django_settings
+from django.contrib.auth.models import Group, Permission, User
 from django.db import connection
+from django.test import Client
 
 from evidence.capture import capture
 from runs.timeline import timeline
@@ -40,6 +42,61 @@ def _timeline_written() -> Iterator[None]:
 def short_settle(settings: object) -> None:
     """Unanswered writes are asked about for 1.5 s, not the default 5."""
     settings.RUNDESK_SETTLE_SECONDS = 1.5
+
+
+# -- who is signed in ------------------------------------------------------------
+
+PASSWORD = "a-long-password-1"
+
+
+def make_user(name: str, *, operator: bool = False) -> User:
+    """A user of the viewers group, or of the operators group (which has the
+    operator permission, runs.operate_run), as migration 0005 makes them;
+    transactional tests empty the tables between tests, so made again here."""
+    group, _ = Group.objects.get_or_create(name="operators" if operator else "viewers")
+    if operator:
+        group.permissions.add(Permission.objects.get(codename="operate_run"))
+    user = User.objects.create_user(name, password=PASSWORD)
+    user.groups.add(group)
+    return User.objects.get(pk=user.pk)  # permissions are cached per instance
+
+
+def signed_in(user: User, **client_options: object) -> Client:
+    """A test client signed in as `user`."""
+    client = Client(**client_options)
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def operator_name() -> str:
+    """The operator's user name: a module whose pages name the operator
+    overrides this fixture."""
+    return "operator"
+
+
+@pytest.fixture
+def operator_user(operator_name: str) -> User:
+    """A user with the operator permission."""
+    return make_user(operator_name, operator=True)
+
+
+@pytest.fixture
+def operator(operator_user: User) -> Client:
+    """A client signed in as the operator."""
+    return signed_in(operator_user)
+
+
+@pytest.fixture
+def viewer() -> Client:
+    """A client signed in as a viewer: reads every page, decides nothing."""
+    return signed_in(make_user("viewer"))
+
+
+@pytest.fixture
+def staff() -> Client:
+    """A client signed in as a superuser, for the admin."""
+    return signed_in(User.objects.create_superuser("admin", password=PASSWORD))
 
 
 class Journal:

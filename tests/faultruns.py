@@ -7,7 +7,7 @@ from typing import Any
 
 from django.db import connection
 
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.models import Action, Run, action_identity
 from runs.timeline import EventKind, timeline
 
@@ -20,7 +20,7 @@ KEYS += ["compose", "deliver"]
 def run_with(faults: list[dict[str, Any]], documents: list[str] = DOCS) -> tuple[Run, str]:
     """Submits a run with a fault plan and executes it in this process."""
     run = Run.objects.submit(question="Compare these funds", documents=documents, faults=faults)
-    outcome = execute(run.pk)
+    outcome = claim_and_drive(run.pk)
     timeline.flush()
     run.refresh_from_db()
     return run, outcome

@@ -10,16 +10,14 @@ from typing import Any
 
 import pytest
 from django.contrib import admin
-from django.contrib.auth.models import User
 from django.contrib.postgres.fields import ArrayField
 from django.db import models
-from django.test import Client
 from django.utils import timezone
 
 from evidence import locks, pglog
 from evidence.capture import record_gaps
 from evidence.models import IncidentSource
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.models import Run
 from runs.timeline import timeline
 from tests.test_pglog import THREE_WAY
@@ -43,18 +41,11 @@ def snapshot(model: type[models.Model]) -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-def staff() -> Client:
-    client = Client()
-    client.force_login(User.objects.create_superuser("admin", password="x-long-password"))
-    return client
-
-
-@pytest.fixture
 def rows() -> Run:
     """A finished run with its actions, receipts, revisions, checkpoints,
     events, sources and model calls; a capture gap; a lock incident."""
     run = Run.objects.submit(question="Compare", documents=["northwind-clean-energy.md"])
-    execute(run.pk)
+    claim_and_drive(run.pk)
     record_gaps(Counter({(run.pk, None, "queue_full", "capacity 5"): 1}))
     (report,) = pglog.parse(THREE_WAY)
     locks.store(IncidentSource.LOG, report.graph, summary="imported")

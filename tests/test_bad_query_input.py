@@ -11,7 +11,7 @@ from django.test import Client
 from evidence import locks, pglog
 from evidence.models import IncidentSource, LockIncident
 from runs.models import Run, page_cursor
-from tests.test_dashboard import signed_in
+from tests.conftest import make_user, signed_in
 from tests.test_pglog import THREE_WAY
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -19,12 +19,12 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 @pytest.fixture
 def viewer() -> Client:
-    return signed_in("viewer", "viewers", raise_request_exception=False)
+    return signed_in(make_user("viewer"), raise_request_exception=False)
 
 
 @pytest.fixture
-def operator() -> Client:
-    return signed_in("operator", "operators", raise_request_exception=False)
+def operator(operator_user) -> Client:
+    return signed_in(operator_user, raise_request_exception=False)
 
 
 @pytest.fixture

@@ -16,18 +16,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from django.contrib.auth.models import Group, Permission, User
+from django.contrib.auth.models import User
 from django.utils import timezone
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from evidence import locks, pglog
 from evidence.models import IncidentSource
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.leases import Lease
 from runs.models import OutcomeKind, Run
 from runs.outcomes import open_item
-from runs.timeline import timeline
-from tests.conftest import ROOT
+from runs.timeline import EventKind, timeline
+from tests.conftest import PASSWORD, ROOT
 from tests.test_pglog import THREE_WAY
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -54,10 +54,8 @@ def browser() -> Iterator[Browser]:
 
 
 @pytest.fixture
-def page(browser: Browser, live_server) -> Iterator[Page]:
-    operators, _ = Group.objects.get_or_create(name="operators")
-    operators.permissions.add(Permission.objects.get(codename="operate_run"))
-    User.objects.create_user("operator", password="a-long-password-1").groups.add(operators)
+def page(browser: Browser, live_server, operator_user: User) -> Iterator[Page]:
+    """Chromium signed in as the operator, through the sign-in form."""
     context = browser.new_context(base_url=live_server.url, viewport={"width": 1280, "height": 900})
     page = context.new_page()
     page.problems = []  # type: ignore[attr-defined]
@@ -67,8 +65,8 @@ def page(browser: Browser, live_server) -> Iterator[Page]:
     )
     page.on("pageerror", lambda error: page.problems.append(str(error)))  # type: ignore[attr-defined]
     page.goto("/login/")
-    page.fill("input[name=username]", "operator")
-    page.fill("input[name=password]", "a-long-password-1")
+    page.fill("input[name=username]", operator_user.get_username())
+    page.fill("input[name=password]", PASSWORD)
     page.click("button[type=submit]")
     expect(page.locator("h1")).to_have_text("Runs")
     yield page
@@ -78,7 +76,7 @@ def page(browser: Browser, live_server) -> Iterator[Page]:
 
 def completed_run() -> Run:
     run = Run.objects.submit(question="Which fund is cheapest to hold?", documents=DOCS)
-    execute(run.pk)
+    claim_and_drive(run.pk)
     timeline.flush()
     return run
 
@@ -90,7 +88,7 @@ def test_runs_list_and_a_run_page_with_its_timeline_drawn(page: Page):
         documents=DOCS[1:],
         faults=[{"point": "delivery_timeout"}],
     )
-    execute(lost.pk)
+    claim_and_drive(lost.pk)
     Run.objects.submit(
         question="Compare all five funds (cancelled)", documents=DOCS
     ).request_cancel(by="operator")
@@ -162,6 +160,20 @@ def test_the_live_region_refreshes_and_keeps_what_the_reader_did(page: Page):
     expect(evidence.locator("dt").first).to_have_text("Transaction id (xid)")
 
 
+def test_older_events_load_in_place(page: Page):
+    run = Run.objects.submit(question="Many events", documents=["a.md"])
+    for i in range(70):
+        timeline.record(run.pk, EventKind.FAULT_INJECTED, f"filler {i}")
+    timeline.flush()
+    page.goto(f"/runs/{run.pk}/")
+    rows = page.locator("table.events tbody tr")
+    expect(rows).to_have_count(51)  # a page of 50 events and the link
+    page.get_by_text("load older events").click()
+    expect(rows).to_have_count(71)  # the rest, in place of the link
+    expect(page.locator("table.events")).to_contain_text("submitted")
+    assert page.url.endswith(f"/runs/{run.pk}/")  # the page stayed where it was
+
+
 def test_a_run_with_an_open_item_and_a_settled_checkpoint_reads_in_plain_words(page: Page):
     """Checkpoint 1's COMMIT got no answer and evidence settled it; the lease
     was taken away before action 4 and the run resumed; the delivery's
@@ -175,9 +187,9 @@ def test_a_run_with_an_open_item_and_a_settled_checkpoint_reads_in_plain_words(p
             {"point": "delivery_timeout"},
         ],
     )
-    assert execute(run.pk) == "lease_lost"
+    assert claim_and_drive(run.pk) == "lease_lost"
     Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now())
-    assert execute(run.pk) == "needs_operator"
+    assert claim_and_drive(run.pk) == "needs_operator"
     timeline.flush()
     page.goto(f"/runs/{run.pk}/")
     expect(page.locator("#run-status")).to_have_text("waits for an operator")
@@ -204,7 +216,7 @@ def _execute_in_thread(run_id: int) -> None:
     from django.db import connection
 
     try:
-        execute(run_id)
+        claim_and_drive(run_id)
     finally:
         connection.close()
 

@@ -8,13 +8,10 @@ refreshes the committed ones), as in tests/test_browser.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from django.contrib.auth.models import Group, Permission, User
-from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import Page, expect
 
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.models import OperatorDecision, OutcomeItem, OutcomeKind, OutcomeState, RunStatus
 from tests import test_browser
 from tests.faultruns import run_with
@@ -27,28 +24,14 @@ pytestmark = [
     pytest.mark.usefixtures("short_settle"),
 ]
 
-# Debian's Chromium, started once per module, as tests/test_browser.py has it.
-browser = test_browser.browser
+# Debian's Chromium, started once per module, and the signed-in operator's
+# page in it, as tests/test_browser.py has them.
+browser, page = test_browser.browser, test_browser.page
 
 
 @pytest.fixture
-def page(browser: Browser, live_server) -> Iterator[Page]:
-    operators, _ = Group.objects.get_or_create(name="operators")
-    operators.permissions.add(Permission.objects.get(codename="operate_run"))
-    User.objects.create_user("olga", password="a-long-password-1").groups.add(operators)
-    context = browser.new_context(base_url=live_server.url, viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    problems: list[str] = []
-    page.on("console", lambda message: message.type == "error" and problems.append(message.text))
-    page.on("pageerror", lambda error: problems.append(str(error)))
-    page.goto("/login/")
-    page.fill("input[name=username]", "olga")
-    page.fill("input[name=password]", "a-long-password-1")
-    page.click("button[type=submit]")
-    expect(page.locator("h1")).to_have_text("Runs")
-    yield page
-    assert problems == []  # console errors, CSP refusals
-    context.close()
+def operator_name() -> str:
+    return "olga"  # the decision's history names her
 
 
 def test_an_operator_resolves_a_lost_delivery_through_the_inbox(page: Page, settings, journal):
@@ -100,5 +83,5 @@ def test_an_operator_resolves_a_lost_delivery_through_the_inbox(page: Page, sett
         page.screenshot(path=SCREENSHOTS / "inbox-item-decided.png", full_page=True)
 
         assert OutcomeItem.objects.get(pk=item.pk).state == OutcomeState.RESOLVED
-        assert execute(run.pk) == RunStatus.COMPLETED
+        assert claim_and_drive(run.pk) == RunStatus.COMPLETED
         assert len(receiver.requests) == 1  # never sent again

@@ -12,7 +12,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from django.contrib.auth.models import User
 from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
@@ -20,12 +19,12 @@ from django.utils import timezone
 
 from evidence import bundles, tasks
 from evidence.models import BUNDLE_STALLED_AFTER, BundleExport, BundleState
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.models import Run, RunEvent
 from runs.timeline import EventKind, timeline
 from tests import test_celery
+from tests.conftest import make_user, signed_in
 from tests.test_celery import Worker, wait_until
-from tests.test_dashboard import signed_in
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -52,19 +51,9 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 @pytest.fixture
 def run() -> Run:
     run = Run.objects.submit(question="Compare", documents=["northwind-clean-energy.md"])
-    execute(run.pk)
+    claim_and_drive(run.pk)
     timeline.flush()
     return run
-
-
-@pytest.fixture
-def viewer() -> Client:
-    return signed_in("viewer", "viewers")
-
-
-@pytest.fixture
-def operator() -> Client:
-    return signed_in("operator", "operators")
 
 
 def queued(run: Run, **fields: object) -> BundleExport:
@@ -163,7 +152,7 @@ def test_htmx_gets_the_bundles_region_polling_while_the_export_is_queued(operato
 
 
 def test_export_needs_a_csrf_token(run, sent):
-    strict = signed_in("strict", "operators", enforce_csrf_checks=True)
+    strict = signed_in(make_user("strict", operator=True), enforce_csrf_checks=True)
     assert strict.post(f"/runs/{run.pk}/bundle/").status_code == 403
     assert not BundleExport.objects.exists() and not sent
     strict.get(f"/runs/{run.pk}/")  # sets the CSRF cookie, as the page does
@@ -335,19 +324,17 @@ def test_progress_reported_for_every_row_is_written_twice_a_second_at_most(run):
         tasks.Progress(export)(1, 20_000)
 
 
-def test_admin_shows_exports_and_changes_nothing(client, run):
+def test_admin_shows_exports_and_changes_nothing(staff, run):
     export = done(run)
-    client.force_login(User.objects.create_superuser("admin", password="x-long-password"))
-    assert client.get("/admin/evidence/bundleexport/").status_code == 200
-    assert client.get(f"/admin/evidence/bundleexport/{export.pk}/change/").status_code == 200
-    assert client.get("/admin/evidence/bundleexport/add/").status_code == 403
+    assert staff.get("/admin/evidence/bundleexport/").status_code == 200
+    assert staff.get(f"/admin/evidence/bundleexport/{export.pk}/change/").status_code == 200
+    assert staff.get("/admin/evidence/bundleexport/add/").status_code == 403
 
 
 @pytest.mark.slow
 def test_a_real_worker_writes_the_bundle_and_a_redelivered_task_changes_nothing(
-    process_env, tmp_path, broker, bundle_dir, run, sent
+    process_env, tmp_path, broker, bundle_dir, run, sent, operator
 ):
-    operator = signed_in("operator", "operators")
     operator.post(f"/runs/{run.pk}/bundle/")
     export = BundleExport.objects.get()
     assert sent == [(export.pk,)]

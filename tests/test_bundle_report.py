@@ -15,7 +15,6 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from django.contrib.auth.models import Group, Permission, User
 from django.db import connection
 from playwright.sync_api import Browser, Route, expect
 from playwright.sync_api import Request as BrowserRequest
@@ -24,7 +23,7 @@ from evidence.bundle_report import EVENTS_SHOWN, report_html
 from evidence.capture import capture
 from evidence.models import EvidenceCopy
 from runs.decisions import Request, Who, decide
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.models import (
     AnswerRevision,
     DecisionChoice,
@@ -60,16 +59,12 @@ REASON = "Found in the receiver's log as D-7 <b>not bold</b>"
 
 
 @pytest.fixture
-def operator() -> User:
-    user = User.objects.create_user("olga", password="x")
-    group, _ = Group.objects.get_or_create(name="operators")
-    group.permissions.add(Permission.objects.get(codename="operate_run"))
-    user.groups.add(group)
-    return User.objects.get(pk=user.pk)  # permissions are cached per instance
+def operator_name() -> str:
+    return "olga"  # the report names who decided
 
 
 @pytest.fixture
-def settled(settings, journal, operator) -> tuple[Run, OutcomeItem]:
+def settled(settings, journal, operator_user) -> tuple[Run, OutcomeItem]:
     """A run whose delivery reached the receiver but whose answer was lost;
     an operator confirmed it happened, and the run completed."""
     with LocalServer(status(200)) as receiver:
@@ -77,19 +72,19 @@ def settled(settings, journal, operator) -> tuple[Run, OutcomeItem]:
         run = Run.objects.submit(
             question=HOSTILE_QUESTION, documents=DOCS, faults=[{"point": "delivery_timeout"}]
         )
-        assert execute(run.pk) == RunStatus.NEEDS_OPERATOR
+        assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
         item = OutcomeItem.objects.get(run=run, kind=OutcomeKind.EFFECT)
         decide(
             item.pk,
             Request(
                 choice=DecisionChoice.CONFIRMED_HAPPENED,
-                who=Who(user=operator),
+                who=Who(user=operator_user),
                 token=uuid.uuid4().hex,
                 reason=REASON,
                 reference="D-7",
             ),
         )
-        assert execute(run.pk) == RunStatus.COMPLETED
+        assert claim_and_drive(run.pk) == RunStatus.COMPLETED
         assert len(receiver.requests) == 1
     last = AnswerRevision.objects.filter(run=run).order_by("-number").first()
     AnswerRevision.objects.create(

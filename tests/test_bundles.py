@@ -17,7 +17,7 @@ from django.db import connection
 from evidence import bundles
 from evidence.capture import capture
 from runs.decisions import Request, Who, decide
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.management.commands.bench import measured_command
 from runs.models import DecisionChoice, OutcomeItem, Run, RunStatus
 from runs.timeline import timeline
@@ -146,7 +146,7 @@ def test_secrets_never_leave_in_any_byte(journal, tmp_path, settings, monkeypatc
         f"and the model key {MODEL_KEY}. Authorization: Bearer abcdefghijklmnop123456"
     )
     run = Run.objects.submit(question=question, documents=DOCS[:1])
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     timeline.record(run.pk, "fault_injected", f"header Authorization: Bearer {OPENAI_KEY}")
     timeline.flush()
     capture.flush()

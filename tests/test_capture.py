@@ -18,7 +18,7 @@ from evidence.capture import Capture, Copy, CopyTransaction
 from evidence.capture import capture as process_capture
 from evidence.models import CaptureGap, CaptureStats, EvidenceCopy, GapReason, ModelCall, Source
 from evidence.records import record_model_call, record_source
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.leases import Lease
 from runs.models import AnswerRevision, Run, RunStatus, digest
 from tests.conftest import database_url
@@ -223,7 +223,7 @@ def test_copies_still_queued_at_shutdown_become_gaps(evidence, settings):
 
 def test_a_run_records_its_sources_model_calls_and_copies(journal):
     run = Run.objects.submit(question="Compare", documents=DOCS)
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     assert process_capture.flush()
     assert list(Source.objects.filter(run=run).values_list("path", flat=True)) == DOCS
     calls = ModelCall.objects.filter(run=run).order_by("id")
@@ -269,7 +269,7 @@ def test_a_run_that_then_waits_for_an_operator_keeps_the_copy_it_made(journal, s
     run = Run.objects.submit(
         question="q", documents=DOCS[:1], faults=[{**fault, "outcome": "late", "stall_ms": 3000}]
     )
-    assert execute(run.pk) == RunStatus.NEEDS_OPERATOR
+    assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
     assert process_capture.flush()
     assert EvidenceCopy.objects.filter(run=run).count() == 1
     assert not CaptureGap.objects.filter(run=run).exists()
@@ -282,7 +282,7 @@ def test_evidence_tables_locked_for_the_whole_run_never_hold_the_run(journal):
     # are gaps; the model records, which only link to sources, stand.
     run = Run.objects.submit(question="q", documents=DOCS[:2])
     with holding("LOCK TABLE evidence_source IN ACCESS EXCLUSIVE MODE"):
-        assert execute(run.pk) == RunStatus.COMPLETED
+        assert claim_and_drive(run.pk) == RunStatus.COMPLETED
         assert process_capture.flush()
     assert not Source.objects.filter(run=run).exists()
     assert ModelCall.objects.filter(run=run).count() == 3

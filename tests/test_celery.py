@@ -43,6 +43,7 @@ def broker(tmp_path: Path, settings: object) -> Iterator[Path]:
     settings.CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(folder),
         "data_folder_out": str(folder),
+        "control_folder": str(folder.parent / "celery-control"),
         "store_processed": False,
     }
     conf = execute_run.app.conf

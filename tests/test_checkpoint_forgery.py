@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from django.db import connection, transaction
 
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.models import AnswerRevision, Checkpoint, Receipt, Run, RunStatus
 from runs.timeline import EventKind, timeline
 from tests.faultruns import DOCS, KEYS, events, executions, run_with
@@ -63,7 +63,7 @@ def forge(checkpoint: Checkpoint, state: Any, state_digest: str | None = None) -
 def resume(run: Run) -> str:
     """Another executor takes the run over once the thief's lease expires."""
     Run.objects.filter(pk=run.pk).update(lease_expires_at="2000-01-01T00:00:00Z")
-    outcome = execute(run.pk)
+    outcome = claim_and_drive(run.pk)
     timeline.flush()
     run.refresh_from_db()
     return outcome
@@ -263,7 +263,7 @@ def test_an_untouched_checkpoint_after_the_budget_ran_out_is_used(journal: Any) 
         action_budget=5,
         faults=[{"point": "lease_stolen", "action": 4}],
     )
-    assert execute(run.pk) == "lease_lost"
+    assert claim_and_drive(run.pk) == "lease_lost"
     newest = run.checkpoints.filter(state__isnull=False).order_by("-number").first()
     assert newest.after_action.step_key == "compose"
     before = completed_before(journal, run)

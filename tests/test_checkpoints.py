@@ -1,5 +1,5 @@
 """Checkpoints support execution without narrowing it: every row of the
-decision table (DESIGN.md), with the essay's reverse checks.
+decision table (docs/DESIGN.md), with its reverse checks.
 
 1. previously committed content can still be read;
 2. later independent work continues where the row says so;
@@ -10,16 +10,17 @@ decision table (DESIGN.md), with the essay's reverse checks.
 from __future__ import annotations
 
 import threading
+from dataclasses import asdict
 
 import pytest
 from django.db import IntegrityError, connection
 
-from runs.checkpoints import AgentState, Checkpointer
+from runs.agent import ResearchState
 from runs.decisions import settle_open_items
 from runs.dispatch import Dispatcher
-from runs.executor import execute
-from runs.faults import request_cancel, steal_lease
-from runs.leases import Lease, LeaseLost
+from runs.executor import claim_and_drive
+from runs.faults import inject_cancel, steal_lease
+from runs.leases import CancelRequested, Lease, LeaseLost
 from runs.models import (
     AnswerRevision,
     Checkpoint,
@@ -121,7 +122,7 @@ def test_checkpoint_failure_never_moves_the_run_to_finalizing_even_when_every_sa
 
 def test_only_the_budget_moves_a_run_to_finalizing_and_says_why(journal):
     run = Run.objects.submit(question="q", documents=DOCS, action_budget=5)
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     run.refresh_from_db()
     assert run.phase_reason == "action budget of 5 exhausted"
     assert not dispatched(run, "read:1")
@@ -261,10 +262,10 @@ def test_a_missing_receipt_does_not_unlock_local_handling(checkpoint_fails_after
         step_key="read:0", kind="read_document", effect_class="read", input={"path": DOCS[0]}
     )
     # The action is believed complete in memory, but no receipt was ever written.
-    dispatcher.steps, dispatcher.completed_now["read:0"] = 1, action_id
+    dispatcher.progress.steps, dispatcher.completed_now["read:0"] = 1, action_id
 
     with pytest.raises(NeedsOperator, match="the receipt of read:0 is missing: no local handling"):
-        Checkpointer(dispatcher).after("read:0", AgentState())
+        dispatcher.checkpoint("read:0", asdict(ResearchState()))
     assert run.checkpoints.get().outcome == CheckpointOutcome.FAILED_BEFORE_WRITE
 
 
@@ -274,7 +275,7 @@ def test_a_lost_lease_or_a_cancel_does_not_allow_local_handling(checkpoint_fails
     steal_lease(run.pk)
 
     with pytest.raises(LeaseLost, match="the lease is lost: no local handling"):
-        Checkpointer(dispatcher).after("read:0", AgentState())
+        dispatcher.checkpoint("read:0", asdict(ResearchState()))
 
     other = Run.objects.submit(
         question="q", documents=DOCS, faults=[{"point": "checkpoint_serialize_error", "action": 1}]
@@ -282,9 +283,9 @@ def test_a_lost_lease_or_a_cancel_does_not_allow_local_handling(checkpoint_fails
     other_lease = Lease.claim(other.pk, "owner")
     other_dispatcher = Dispatcher(other_lease, stop=threading.Event(), lease_lost=threading.Event())
     other_dispatcher.step("read:0", "read_document", {"path": DOCS[0]})
-    request_cancel(other.pk)
-    with pytest.raises(LeaseLost, match="the run is cancelled: no local handling"):
-        Checkpointer(other_dispatcher).after("read:0", AgentState())
+    inject_cancel(other.pk)
+    with pytest.raises(CancelRequested, match="the run is cancelled: no local handling"):
+        other_dispatcher.checkpoint("read:0", asdict(ResearchState()))
 
 
 # -- resuming ----------------------------------------------------------------------
@@ -296,7 +297,7 @@ def test_a_resumed_run_continues_from_the_newest_checkpoint_and_the_receipts_aft
     assert [c.number for c in saved(run)] == [1, 2, 3, 4]
 
     Run.objects.filter(pk=run.pk).update(lease_expires_at="2000-01-01T00:00:00Z")
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     run.refresh_from_db()
     assert "continuing from checkpoint 4" in events(run, EventKind.CHECKPOINT_USED)[0]
     # Nothing before the checkpoint was stepped again, not even to reuse it.
@@ -315,11 +316,11 @@ def test_resuming_from_a_checkpoint_after_a_read_counts_that_read_once(journal):
         action_budget=8,
         faults=[{"point": "lease_stolen", "action": 4}],
     )
-    assert execute(run.pk) == "lease_lost"
+    assert claim_and_drive(run.pk) == "lease_lost"
     assert saved(run)[-1].after_action.step_key == "read:1"
     Run.objects.filter(pk=run.pk).update(lease_expires_at="2000-01-01T00:00:00Z")
 
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     run.refresh_from_db()
     assert run.phase_reason == ""  # the budget was never exhausted
     assert list(run.actions.values_list("step_key", flat=True)) == [
@@ -349,7 +350,7 @@ def test_an_unanswered_checkpoint_with_the_lease_lost_is_not_handled_locally(jou
 
     def save() -> None:
         try:
-            Checkpointer(dispatcher).after("read:0", AgentState())
+            dispatcher.checkpoint("read:0", asdict(ResearchState()))
         except BaseException as error:
             raised.append(error)
         finally:
@@ -377,7 +378,7 @@ def test_a_checkpoint_that_disagrees_with_the_receipts_is_ignored(journal):
     with pytest.raises(IntegrityError, match="cannot change, only its outcome"):
         Checkpoint.objects.filter(pk=newest.pk).update(state={"position": 99})
     # ...so the disagreement is made on the receipt's side of the check.
-    state = AgentState.load(newest.state)
+    state = ResearchState.load(newest.state)
     state.receipts["summarize:1"] = "f" * 64
     Checkpoint.objects.create(
         run=run,
@@ -388,7 +389,7 @@ def test_a_checkpoint_that_disagrees_with_the_receipts_is_ignored(journal):
         state={**newest.state, "receipts": state.receipts},
     )
     Run.objects.filter(pk=run.pk).update(lease_expires_at="2000-01-01T00:00:00Z")
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     run.refresh_from_db()
     assert (
         "disagrees with the receipt of summarize:1" in events(run, EventKind.CHECKPOINT_IGNORED)[0]

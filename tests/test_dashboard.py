@@ -1,22 +1,23 @@
-"""The operator pages: who may see and do what, htmx partials, CSP, and
-model output that is shown, never run."""
+"""The operator pages: login everywhere, who may see and do what, htmx
+partials, CSP, model output that is shown, never run, and the admin for
+every model."""
 
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
-from django.contrib.auth.models import Group, Permission, User
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
 
 from evidence import locks, pglog
 from evidence.capture import record_gaps
 from evidence.models import IncidentSource, LockIncident
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.leases import Lease
 from runs.models import Run, RunStatus, page_cursor
 from runs.timeline import EventKind, timeline
+from tests.conftest import PASSWORD, make_user, signed_in
 from tests.test_pglog import THREE_WAY
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -26,8 +27,10 @@ PAGES = ["/", "/runs/{run}/", "/locks/", "/locks/{incident}/", "/gaps/"]
 
 @pytest.fixture
 def run() -> Run:
-    run = Run.objects.submit(question="Compare", documents=["northwind-clean-energy.md"])
-    execute(run.pk)
+    run = Run.objects.submit(
+        question="Compare <script>alert(1)</script>", documents=["northwind-clean-energy.md"]
+    )
+    claim_and_drive(run.pk)
     timeline.flush()
     return run
 
@@ -38,29 +41,6 @@ def incident() -> LockIncident:
     return locks.store(IncidentSource.LOG, report.graph, summary="imported")
 
 
-def signed_in(name: str, group: str, **client_options: object) -> Client:
-    """A user of `group` (viewers or operators, as migration 0005 makes them;
-    transactional tests empty the tables between tests, so made again here)."""
-    members, _ = Group.objects.get_or_create(name=group)
-    if group == "operators":
-        members.permissions.add(Permission.objects.get(codename="operate_run"))
-    user = User.objects.create_user(name, password="a-long-password-1")
-    user.groups.add(members)
-    client = Client(**client_options)
-    client.force_login(user)
-    return client
-
-
-@pytest.fixture
-def viewer() -> Client:
-    return signed_in("viewer", "viewers")
-
-
-@pytest.fixture
-def operator() -> Client:
-    return signed_in("operator", "operators")
-
-
 def urls(run: Run, incident: LockIncident) -> list[str]:
     return [page.format(run=run.pk, incident=incident.pk) for page in PAGES]
 
@@ -69,6 +49,20 @@ def test_every_page_needs_a_login(client, run, incident):
     for url in urls(run, incident):
         response = client.get(url)
         assert response.status_code == 302 and response["Location"].startswith("/login/"), url
+
+
+@pytest.mark.parametrize("path", ["/", "/runs/1/", "/admin/"])
+def test_anonymous_is_sent_to_sign_in(client, path):
+    response = client.get(path)
+    assert response.status_code == 302
+    assert response["Location"].startswith(("/login/", "/admin/login/"))
+
+
+def test_sign_in_enforces_csrf():
+    client = Client(enforce_csrf_checks=True)
+    make_user("viewer")
+    response = client.post("/login/", {"username": "viewer", "password": PASSWORD})
+    assert response.status_code == 403
 
 
 def test_viewers_read_every_page_with_security_headers(viewer, run, incident):
@@ -82,6 +76,21 @@ def test_viewers_read_every_page_with_security_headers(viewer, run, incident):
         html = response.content.decode()
         assert "<script>" not in html  # no inline script anywhere
         assert "/static/vendor/htmx" in html
+
+
+def test_runs_list_shows_runs_to_a_signed_in_viewer(viewer, run):
+    response = viewer.get("/")
+    assert response.status_code == 200
+    assert f'href="/runs/{run.pk}/"' in response.content.decode()
+    assert "completed" in response.content.decode()
+
+
+def test_run_page_shows_actions_revisions_and_timeline_escaped(viewer, run):
+    page = viewer.get(f"/runs/{run.pk}/").content.decode()
+    assert "read:0" in page and "deliver" in page and "Revision 2 (final)" in page
+    assert "<td>run completed</td>" in page and "run_completed" not in page
+    assert "<script>alert(1)</script>" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
 
 
 def test_pages_refuse_other_methods_and_unknown_ids(viewer, run, incident):
@@ -126,15 +135,27 @@ def test_run_page_live_partial_and_event_log_pages(viewer, run):
     page = viewer.get(f"/runs/{run.pk}/").content.decode()
     assert 'id="chart-timeline-data"' in page and "load older events" in page
     cursor = page.split("events_before=", 1)[1].split('"', 1)[0]
-    url = f"/runs/{run.pk}/?events_before={cursor}"
-    older = viewer.get(url, headers={"HX-Request": "true"}).content.decode()
+    assert f'hx-get="/runs/{run.pk}/events/?before={cursor}"' in page
+    events = f"/runs/{run.pk}/events/?before={cursor}"
+    older = viewer.get(events, headers={"HX-Request": "true"}).content.decode()
     assert "<html" not in older and "<td>lease taken</td>" in older
     # Without htmx (the link's fallback) the same page comes whole.
+    url = f"/runs/{run.pk}/?events_before={cursor}"
     whole = viewer.get(url).content.decode()
     assert "<html" in whole and "<td>lease taken</td>" in whole
-    live = viewer.get(f"/runs/{run.pk}/", headers={"HX-Request": "true", "HX-Target": "run-live"})
+    assert viewer.get(events)["Location"] == url
+    live = viewer.get(f"/runs/{run.pk}/live/", headers={"HX-Request": "true"})
     assert live.status_code == 286  # the run is finished: the page stops polling
     assert live.content.decode().lstrip().startswith('<section id="run-live"')
+    assert viewer.get(f"/runs/{run.pk}/live/")["Location"] == f"/runs/{run.pk}/"
+
+
+def test_an_active_run_polls_its_live_region(viewer):
+    queued = Run.objects.submit(question="waiting", documents=["a.md"])
+    page = viewer.get(f"/runs/{queued.pk}/").content.decode()
+    assert f'<section id="run-live" hx-get="/runs/{queued.pk}/live/" hx-trigger="every 2s"' in page
+    live = viewer.get(f"/runs/{queued.pk}/live/", headers={"HX-Request": "true"})
+    assert live.status_code == 200 and "<html" not in live.content.decode()
 
 
 def test_unknown_outcomes_are_shown_as_unknown(viewer):
@@ -143,7 +164,7 @@ def test_unknown_outcomes_are_shown_as_unknown(viewer):
         documents=["northwind-clean-energy.md"],
         faults=[{"point": "delivery_timeout"}],
     )
-    execute(run.pk)
+    claim_and_drive(run.pk)
     page = viewer.get(f"/runs/{run.pk}/").content.decode()
     assert "1 open</span> — not known to be saved, not known to be lost" in page
     assert "unknown: not known to have happened, nor not" in page
@@ -168,7 +189,7 @@ def test_model_output_is_shown_as_text_never_run(viewer, run):
 def test_cancel_needs_the_operator_permission_and_csrf(viewer, run):
     queued = Run.objects.submit(question="to cancel", documents=["a.md"])
     assert viewer.post(f"/runs/{queued.pk}/cancel/").status_code == 403
-    strict = signed_in("strict", "operators", enforce_csrf_checks=True)
+    strict = signed_in(make_user("strict", operator=True), enforce_csrf_checks=True)
     assert strict.post(f"/runs/{queued.pk}/cancel/").status_code == 403  # no CSRF token
     queued.refresh_from_db()
     assert queued.status == RunStatus.QUEUED
@@ -196,7 +217,7 @@ def test_lock_graph_page_draws_the_cycle(viewer, incident):
 def test_log_upload_is_for_operators_with_a_size_limit_and_clear_errors(viewer, operator):
     upload = SimpleUploadedFile("pg.log", THREE_WAY.encode())
     assert viewer.post("/locks/import/", {"log": upload}).status_code == 403
-    strict = signed_in("strict", "operators", enforce_csrf_checks=True)
+    strict = signed_in(make_user("strict", operator=True), enforce_csrf_checks=True)
     no_token = SimpleUploadedFile("pg.log", THREE_WAY.encode())
     assert strict.post("/locks/import/", {"log": no_token}).status_code == 403
     assert viewer.get("/locks/import/").status_code == 405
@@ -222,3 +243,14 @@ def test_gaps_page_shows_gaps_by_reason_and_run(viewer, run):
     page = viewer.get("/gaps/").content.decode()
     assert 'id="chart-gaps-data"' in page and "capture queue full" in page
     assert f'href="/runs/{run.pk}/"' in page
+
+
+@pytest.mark.parametrize("model", ["run", "action", "receipt", "answerrevision", "runevent"])
+def test_admin_lists_every_model_for_staff(staff, run, model):
+    assert staff.get(f"/admin/runs/{model}/").status_code == 200
+
+
+def test_admin_never_offers_to_delete_a_receipt(staff, run):
+    receipt = run.receipts.first()
+    response = staff.get(f"/admin/runs/receipt/{receipt.pk}/delete/")
+    assert response.status_code == 403

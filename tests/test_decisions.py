@@ -13,7 +13,7 @@ from django.contrib.auth.models import Group, Permission, User
 from django.db import DatabaseError, IntegrityError, connection, transaction
 
 from runs.decisions import DecisionRefused, Request, Who, decide, decide_run, gather, offers
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.models import (
     Action,
     ActionState,
@@ -75,7 +75,7 @@ def test_confirmed_happened_completes_the_run_without_sending_again(lost_deliver
     assert receipt.verifies(receipt.action)
     assert receipt.result["confirmed_by"] == "olga" and receipt.result["reference"] == "D-7"
 
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     assert len(receiver.requests) == 1  # never sent again
     assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
 
@@ -88,7 +88,7 @@ def test_an_authorised_resend_goes_once_more_under_the_same_key(
 ):
     run, item, receiver = lost_delivery
     decide(item.pk, asked(choice, operator, reason="the receiver has no record of it"))
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     identity = f"rundesk:run-{run.pk}:deliver"
     assert keys(receiver) == [identity, identity]  # exactly one more, same key
     deliver = Action.objects.get(run=run, step_key="deliver")
@@ -113,7 +113,7 @@ def test_a_resent_delivery_whose_answer_is_lost_again_is_a_new_item(lost_deliver
     run, item, receiver = lost_delivery
     decide(item.pk, asked(DecisionChoice.CONFIRMED_NOT_HAPPENED, operator, reason="not there"))
     Run.objects.filter(pk=run.pk).update(faults=[{"point": "delivery_timeout"}], faults_fired=[])
-    assert execute(run.pk) == RunStatus.NEEDS_OPERATOR
+    assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
     again = OutcomeItem.objects.get(run=run, state=OutcomeState.OPEN)
     assert again.pk != item.pk and again.subject.endswith("attempt-2")
     assert len(receiver.requests) == 2
@@ -166,7 +166,7 @@ def test_an_operator_adopts_a_receipt_whose_evidence_is_gone(journal, operator):
     with pytest.raises(DecisionRefused, match="not offered"):
         decide(item.pk, asked(DecisionChoice.NOT_WRITTEN, operator, reason="guess"))
     decide(item.pk, asked(DecisionChoice.WRITTEN, operator, reason="the row is there"))
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     assert all(executions(journal, run, key) == 1 for key in KEYS)
 
 
@@ -176,7 +176,7 @@ def test_a_receipt_known_not_written_is_written_again_and_the_read_runs_at_most_
     run, item = unanswered_receipt("aborted")
     assert [o.choice for o in offers(item, gather(item))] == ["check_again", "not_written"]
     decide(item.pk, asked(DecisionChoice.NOT_WRITTEN, operator, reason="no row, writer gone"))
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     assert executions(journal, run, "read:1") == 2  # dispatched again under its identity
     assert all(executions(journal, run, key) == 1 for key in KEYS if key != "read:1")
 
@@ -289,4 +289,4 @@ def test_abandon_ends_a_waiting_run_and_keeps_what_it_wrote(lost_delivery, opera
     assert run.status_reason == "abandoned by olga: customer withdrew"
     assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
     assert OutcomeItem.objects.get(pk=item.pk).state == OutcomeState.OPEN
-    assert execute(run.pk) == "not_claimable" and len(receiver.requests) == 1
+    assert claim_and_drive(run.pk) == "not_claimable" and len(receiver.requests) == 1

@@ -16,7 +16,7 @@ from django.db import connection
 from evidence.capture import capture
 from evidence.models import CaptureGap, CaptureStats, EvidenceCopy, ModelCall
 from evidence.records import record_model_call
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.leases import Lease
 from runs.models import AnswerRevision, Run, RunStatus
 from runs.timeline import EventKind
@@ -54,7 +54,7 @@ def execute_within(run: Run, seconds: float) -> str:
 
     def work() -> None:
         try:
-            outcome.append(execute(run.pk))
+            outcome.append(claim_and_drive(run.pk))
         finally:
             connection.close()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.faults import FaultPlan, FaultPlanError
 from runs.models import ActionState, AnswerRevision, Receipt, RunStatus
 from runs.timeline import EventKind
@@ -41,7 +41,7 @@ def test_cancel_before_an_action_dispatches_nothing_new_and_keeps_the_facts(jour
     assert Receipt.objects.filter(run=run).count() == 2
     assert AnswerRevision.objects.get(run=run, number=1).content.startswith("**Draft**")
     assert executions(journal, run, "read:0") == 1
-    assert execute(run.pk) == "not_claimable"
+    assert claim_and_drive(run.pk) == "not_claimable"
 
 
 def test_failed_read_is_known_not_to_have_happened_and_the_other_reads_go_on(journal):

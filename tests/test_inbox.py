@@ -10,12 +10,11 @@ import threading
 import uuid
 
 import pytest
-from django.contrib.auth.models import Group, Permission, User
 from django.db import connection
 from django.test import Client
 
 from runs.decisions import Request, Who, decide
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.models import (
     AnswerRevision,
     DecisionChoice,
@@ -28,6 +27,7 @@ from runs.models import (
     RunStatus,
 )
 from runs.outcomes import open_item
+from tests.conftest import make_user, signed_in
 from tests.faultruns import run_with
 from tests.receivers import LocalServer, status
 
@@ -36,26 +36,9 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("
 HTMX = {"HTTP_HX_REQUEST": "true"}
 
 
-def operator_user(name: str = "olga") -> User:
-    group, _ = Group.objects.get_or_create(name="operators")
-    group.permissions.add(Permission.objects.get(codename="operate_run"))
-    user = User.objects.create_user(name, password="x-long-password")
-    user.groups.add(group)
-    return User.objects.get(pk=user.pk)  # permissions are cached per instance
-
-
 @pytest.fixture
-def operator() -> Client:
-    client = Client()
-    client.force_login(operator_user())
-    return client
-
-
-@pytest.fixture
-def viewer() -> Client:
-    client = Client()
-    client.force_login(User.objects.create_user("vera", password="x-long-password"))
-    return client
+def operator_name() -> str:
+    return "olga"  # the decisions name who took them
 
 
 @pytest.fixture
@@ -146,10 +129,9 @@ def test_a_viewer_may_not_decide(viewer, url):
     assert Run.objects.get(pk=item.run_id).status == RunStatus.NEEDS_OPERATOR
 
 
-def test_deciding_enforces_csrf(lost_delivery):
+def test_deciding_enforces_csrf(lost_delivery, operator_user):
     _, item, _ = lost_delivery
-    client = Client(enforce_csrf_checks=True)
-    client.force_login(operator_user())
+    client = signed_in(operator_user, enforce_csrf_checks=True)
     page = client.get(f"/inbox/{item.pk}/").content.decode()
     form = decision_form(page, choice="confirmed_happened", reason="in their log")
     assert client.post(f"/inbox/{item.pk}/decide/", form).status_code == 403
@@ -160,10 +142,9 @@ def test_deciding_enforces_csrf(lost_delivery):
     assert OperatorDecision.objects.filter(item=item).count() == 1
 
 
-def test_run_decisions_enforce_csrf():
+def test_run_decisions_enforce_csrf(operator_user):
     item = item_on(RunStatus.NEEDS_OPERATOR)
-    client = Client(enforce_csrf_checks=True)
-    client.force_login(operator_user())
+    client = signed_in(operator_user, enforce_csrf_checks=True)
     form = {"token": uuid.uuid4().hex, "choice": "abandon", "reason": "customer withdrew"}
     assert client.post(f"/runs/{item.run_id}/decide/", form).status_code == 403
     assert Run.objects.get(pk=item.run_id).status == RunStatus.NEEDS_OPERATOR
@@ -320,7 +301,7 @@ def test_confirmed_happened_through_the_page_completes_the_run_with_one_delivery
         not in after.split("Decisions on this item")[0].split("<h2>Decide</h2>")[1]
     )
 
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     assert len(receiver.requests) == 1  # never sent again
     assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
 
@@ -348,7 +329,7 @@ def test_a_decision_on_an_item_settled_meanwhile_is_refused_and_names_the_winner
         item.pk,
         Request(
             choice=DecisionChoice.CONFIRMED_NOT_HAPPENED,
-            who=Who(user=operator_user("omar")),
+            who=Who(user=make_user("omar", operator=True)),
             token=uuid.uuid4().hex,
             reason="the receiver has no record",
         ),
@@ -367,9 +348,7 @@ def test_two_operators_posting_at_once_make_exactly_one_decision(lost_delivery):
     _, item, _ = lost_delivery
     clients = []
     for name in ("olga", "omar"):
-        client = Client()
-        client.force_login(operator_user(name))
-        clients.append(client)
+        clients.append(signed_in(make_user(name, operator=True)))
     choices = ["confirmed_happened", "confirmed_not_happened"]
     barrier = threading.Barrier(2)
     statuses: list[int] = []
@@ -442,7 +421,7 @@ def test_abandon_from_the_item_page_ends_the_run_and_returns_to_the_page(operato
     assert run.status_reason == "abandoned by olga: customer withdrew"
     after = operator.get(f"/inbox/{item.pk}/").content.decode()
     assert "Decisions on the run" in after and "customer withdrew" in after
-    assert execute(run.pk) == "not_claimable" and len(receiver.requests) == 1
+    assert claim_and_drive(run.pk) == "not_claimable" and len(receiver.requests) == 1
 
 
 def test_resume_is_refused_while_an_item_holds_the_run(operator):
@@ -474,21 +453,19 @@ def test_resume_puts_a_run_no_item_holds_back_in_the_queue(operator):
 # -- the admin ----------------------------------------------------------------------------
 
 
-def test_the_admin_shows_decisions_and_changes_none(lost_delivery):
+def test_the_admin_shows_decisions_and_changes_none(lost_delivery, operator_user, staff):
     _, item, _ = lost_delivery
     decision = decide(
         item.pk,
         Request(
             choice=DecisionChoice.CONFIRMED_HAPPENED,
-            who=Who(user=operator_user()),
+            who=Who(user=operator_user),
             token=uuid.uuid4().hex,
             reason="in their log",
         ),
     )
-    client = Client()
-    client.force_login(User.objects.create_superuser("admin", password="x-long-password"))
-    listing = client.get("/admin/runs/operatordecision/")
+    listing = staff.get("/admin/runs/operatordecision/")
     assert listing.status_code == 200 and "olga" in listing.content.decode()
-    assert client.get(f"/admin/runs/operatordecision/{decision.pk}/change/").status_code == 200
-    assert client.get("/admin/runs/operatordecision/add/").status_code == 403
-    assert client.get(f"/admin/runs/operatordecision/{decision.pk}/delete/").status_code == 403
+    assert staff.get(f"/admin/runs/operatordecision/{decision.pk}/change/").status_code == 200
+    assert staff.get("/admin/runs/operatordecision/add/").status_code == 403
+    assert staff.get(f"/admin/runs/operatordecision/{decision.pk}/delete/").status_code == 403

@@ -91,7 +91,7 @@ def test_stale_epoch_write_changes_nothing():
     with pytest.raises(LeaseLost):
         stale.record_receipt(action_id, {"text": "stale"})
     with pytest.raises(LeaseLost):
-        stale.record_action_outcome(action_id, ActionState.FAILED, "stale")
+        stale.record_action_state(action_id, ActionState.FAILED, "stale")
     with pytest.raises(LeaseLost):
         stale.publish_revision(1, "stale answer", is_final=True, model_call_actions=[call_id])
     with pytest.raises(LeaseLost):

@@ -12,7 +12,7 @@ from django.db import connection
 from django.utils import timezone
 
 from runs.decisions import DecisionRefused, Request, Who, decide
-from runs.executor import Executor, drive, execute
+from runs.executor import Executor, claim_and_drive, drive
 from runs.leases import Lease, LeaseLost
 from runs.models import (
     Action,
@@ -64,7 +64,7 @@ def test_a_receipt_that_commits_late_ends_with_the_run_completed_and_each_read_o
     timeline.flush()
     assert events(run, EventKind.RUN_REQUEUED)
 
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
     assert all(executions(journal, run, key) == 1 for key in KEYS)
 
@@ -154,7 +154,7 @@ def test_a_cancel_of_a_run_whose_owner_died_ends_it_at_the_next_claim(journal):
     Lease.claim(run.pk, "dead-owner")
     run.request_cancel(by="alice")
     expire(run)
-    assert execute(run.pk) == RunStatus.CANCELLED
+    assert claim_and_drive(run.pk) == RunStatus.CANCELLED
     run.refresh_from_db()
     assert (run.status, run.status_reason) == (RunStatus.CANCELLED, "cancelled by alice")
     assert not Action.objects.filter(run=run).exists()
@@ -258,7 +258,7 @@ def test_an_effect_marked_unknown_always_has_its_item(journal, settings):
             question="q", documents=DOCS[:1], faults=[{"point": "delivery_timeout"}]
         )
         with pytest.raises(Exception, match="no items today"):
-            execute(run.pk)
+            claim_and_drive(run.pk)
         deliver = Action.objects.get(run=run, step_key="deliver")
         assert deliver.state == ActionState.DISPATCHED  # not unknown without its item
     finally:
@@ -267,7 +267,7 @@ def test_an_effect_marked_unknown_always_has_its_item(journal, settings):
             cursor.execute("DROP FUNCTION refuse_items()")
     # The next owner finds an effect with no receipt: unknown, with its item.
     expire(run)
-    assert execute(run.pk) == RunStatus.NEEDS_OPERATOR
+    assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
     deliver.refresh_from_db()
     assert deliver.state == ActionState.UNKNOWN
     assert OutcomeItem.objects.get(run=run).action_id == deliver.pk
@@ -317,7 +317,7 @@ def test_an_item_settled_before_its_owner_stops_still_resumes_the_run(
 
     run = late_receipt_with(monkeypatch, settled_meanwhile)
     assert run.status == RunStatus.QUEUED
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     assert all(executions(journal, run, key) == 1 for key in KEYS)
 
 

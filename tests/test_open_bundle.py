@@ -39,7 +39,7 @@ from runs.decisions import (
     run_offers,
     settle_open_items,
 )
-from runs.executor import Executor, execute
+from runs.executor import Executor, claim_and_drive
 from runs.leases import Lease
 from runs.models import (
     Action,
@@ -123,7 +123,7 @@ def decided_run(journal, operator) -> Run:
         item.pk,
         asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="in their log", reference="D-7"),
     )
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     timeline.flush()
     return Run.objects.get(pk=run.pk)
 
@@ -262,7 +262,7 @@ def test_an_effect_sent_twice_by_decision_opens_with_both_dispatches(journal, op
     the imported effect gets its attempts once its decision is in."""
     run, item = lost_delivery()
     decide(item.pk, asked(DecisionChoice.RESEND_SAME_IDENTITY, operator, reason="resend"))
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     copy = imported(bundle_of(run, tmp_path))
     deliver = Action.objects.get(run=copy, step_key="deliver")
     assert (deliver.attempts, deliver.state) == (2, ActionState.COMPLETED)
@@ -435,7 +435,7 @@ def test_an_imported_running_run_whose_lease_expired_is_never_claimed_or_requeue
 
     assert Lease.claim(copy.pk, "me") is None
     assert Lease.claim_next("me") is None
-    assert execute(copy.pk) == "not_claimable"
+    assert claim_and_drive(copy.pk) == "not_claimable"
     assert Executor().serve(once=True) == []
     out = io.StringIO()
     call_command("executor", "--once", "--json", stdout=out)

@@ -12,7 +12,7 @@ from django.contrib.auth.models import Group, Permission, User
 from django.core.management import CommandError, call_command
 
 from runs.decisions import Request, Who, decide
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.models import (
     DecisionChoice,
     OperatorDecision,
@@ -163,7 +163,7 @@ def test_decide_records_who_and_why_and_the_run_completes_with_one_delivery(
     assert result["item"]["state"] == "resolved"
     decision = OperatorDecision.objects.get(item=item)
     assert decision.user == operator and decision.reason == "in the receiver's log"
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     assert len(receiver.requests) == 1
 
 
@@ -280,7 +280,7 @@ def test_decide_run_abandons_a_waiting_run(lost_delivery, operator):
     }
     assert result["decision"]["item_id"] is None and result["decision"]["choice"] == "abandon"
     assert Run.objects.get(pk=run.pk).status == RunStatus.CANCELLED
-    assert execute(run.pk) == "not_claimable" and len(receiver.requests) == 1
+    assert claim_and_drive(run.pk) == "not_claimable" and len(receiver.requests) == 1
 
 
 def test_decide_run_refuses_an_unknown_run(operator):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runs.executor import Executor, execute
+from runs.executor import Executor, claim_and_drive
 from runs.models import Action, AnswerRevision, Phase, Receipt, Run, RunStatus
 from runs.timeline import EventKind
 from tests.receivers import LocalServer, status
@@ -18,7 +18,7 @@ def test_run_goes_from_queued_to_completed_with_receipts_and_revisions(journal, 
     run = Run.objects.submit(question="Which fund is cheapest?", documents=DOCS)
     assert run.status == RunStatus.QUEUED
 
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
 
     run.refresh_from_db()
     assert (run.status, run.phase, run.lease_owner) == (RunStatus.COMPLETED, Phase.DONE, "")
@@ -55,7 +55,7 @@ def test_run_goes_from_queued_to_completed_with_receipts_and_revisions(journal, 
 
 def test_final_report_puts_the_funds_side_by_side():
     run = Run.objects.submit(question="Compare fees and risks", documents=DOCS)
-    execute(run.pk)
+    claim_and_drive(run.pk)
     final = AnswerRevision.objects.get(run=run, is_final=True).content
     assert "| | NWCE | CSTB | MWEI |" in final
     assert "| Expense ratio | 0.45% | 0.07% | 0.09% |" in final
@@ -66,7 +66,7 @@ def test_final_report_puts_the_funds_side_by_side():
 
 def test_refused_document_is_reported_and_the_run_still_completes(journal):
     run = Run.objects.submit(question="Compare", documents=["../../etc/passwd", DOCS[0]])
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     receipt = Receipt.objects.get(run=run, step_key="read:0")
     assert "'..' is refused" in receipt.result["refused"]
     final = AnswerRevision.objects.get(run=run, is_final=True).content
@@ -76,7 +76,7 @@ def test_refused_document_is_reported_and_the_run_still_completes(journal):
 
 def test_exhausted_budget_moves_to_finalizing_and_still_answers(journal):
     run = Run.objects.submit(question="Compare", documents=DOCS, action_budget=6)
-    assert execute(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     run.refresh_from_db()
     assert run.phase == Phase.DONE
     assert "budget of 6 exhausted" in run.events.get(kind=EventKind.PHASE_CHANGED).message
@@ -96,8 +96,8 @@ def test_executor_once_drains_the_queue_with_concurrency():
 
 def test_completed_run_is_not_claimable_again(journal):
     run = Run.objects.submit(question="q", documents=DOCS[:1])
-    assert execute(run.pk) == RunStatus.COMPLETED
-    assert execute(run.pk) == "not_claimable"
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    assert claim_and_drive(run.pk) == "not_claimable"
     assert sum(journal.counts().values()) == 4  # read, summarize, compose, deliver
 
 
@@ -105,11 +105,11 @@ def test_refused_delivery_fails_the_run_and_a_requeue_does_not_send_it_again(set
     with LocalServer(status(422)) as receiver:
         settings.RUNDESK_DELIVERY_URL = receiver.url
         run = Run.objects.submit(question="q", documents=DOCS[:1])
-        assert execute(run.pk) == RunStatus.FAILED
+        assert claim_and_drive(run.pk) == RunStatus.FAILED
         assert Action.objects.get(run=run, step_key="deliver").state == "failed"
         # Requeued by hand: the runtime must not decide to send the effect again.
         Run.objects.filter(pk=run.pk).update(status=RunStatus.QUEUED, finished_at=None)
-        assert execute(run.pk) == RunStatus.NEEDS_OPERATOR
+        assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
         run.refresh_from_db()
         assert "known not to have happened" in run.status_reason
         assert len(receiver.requests) == 1

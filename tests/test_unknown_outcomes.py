@@ -11,7 +11,7 @@ import pytest
 from django.db import connection
 
 from runs.decisions import settle_open_items
-from runs.executor import execute
+from runs.executor import claim_and_drive
 from runs.models import (
     ActionState,
     AnswerRevision,
@@ -22,8 +22,8 @@ from runs.models import (
     Run,
     RunStatus,
 )
-from runs.outcomes import CommitUnanswered, orphan, settle, xact_status
-from runs.sql import Backend
+from runs.outcomes import find_orphan, settle, xact_status
+from runs.sql import Backend, CommitUnanswered
 from runs.timeline import EventKind
 from tests.faultruns import KEYS, dispatched, events, executions, run_with, wait_for
 from tests.receivers import LocalServer, status
@@ -101,14 +101,14 @@ def test_a_later_backend_that_reuses_the_writers_pid_is_not_taken_for_the_writer
         started = stranger.execute(
             "SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
         ).fetchone()[0]
-        assert orphan(Backend(pid, started.isoformat())) == (True, xid)
+        assert find_orphan(Backend(pid, started.isoformat())) == (True, xid)
         # The writer had this pid, started earlier, and is gone.
         writer = Backend(pid, (started - dt.timedelta(seconds=1)).isoformat())
-        assert orphan(writer) == (False, None)
+        assert find_orphan(writer) == (False, None)
         settlement = settle(CommitUnanswered("receipt", None, writer, "lost"), lambda: False)
         assert settlement.outcome == "not_written" and settlement.evidence["xid"] is None
         # Evidence recorded before start times were kept names the pid alone.
-        assert orphan(Backend(pid, None)) == (True, xid)
+        assert find_orphan(Backend(pid, None)) == (True, xid)
 
 
 # -- publications ------------------------------------------------------------------
@@ -173,6 +173,6 @@ def test_delivery_whose_answer_is_lost_is_an_item_and_is_never_sent_again(journa
 
         # Handed to an executor again, the run still does not send it.
         Run.objects.filter(pk=run.pk).update(status=RunStatus.QUEUED, finished_at=None)
-        assert execute(run.pk) == RunStatus.NEEDS_OPERATOR
+        assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
         assert len(receiver.requests) == 1
         assert OutcomeItem.objects.filter(run=run).count() == 1

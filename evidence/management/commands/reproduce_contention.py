@@ -44,9 +44,9 @@ from evidence.capture import POLICIES, Copy, CopyTransaction, gap_reason, record
 from evidence.models import IncidentSource
 from evidence.records import record_model_call, record_source
 from evidence.sources import SourceRefresh
+from runs.benchmarks import percentile
 from runs.leases import Lease
 from runs.models import Run, RunStatus, digest
-from runs.percentiles import percentile
 from runs.sql import this_backend
 from runs.tools import TOOLS
 

@@ -50,7 +50,7 @@ SAMPLE_RUNS: list[dict[str, Any]] = [
     },
 ]
 
-# One run for each row of the decision table (DESIGN.md), and an effect
+# One run for each row of the decision table (docs/DESIGN.md), and an effect
 # whose answer is lost.  Their fault plans (runs/faults.py) make each happen
 # on the real code path; their questions say what to look for.
 TWO_FUNDS = ["crestline-short-treasury.md", "meridian-world-equity.md"]

@@ -7,7 +7,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from evidence.capture import capture
-from runs.executor import Executor, execute
+from runs.executor import Executor, claim_and_drive
 from runs.models import Run
 
 
@@ -37,14 +37,14 @@ class Command(BaseCommand):
             if options["run"] is not None:
                 if not Run.objects.filter(pk=options["run"]).exists():
                     raise CommandError(f"no run {options['run']}")
-                results = [(options["run"], execute(options["run"], stop=stop))]
+                results = [(options["run"], claim_and_drive(options["run"], stop=stop))]
             else:
                 results = executor.serve(once=options["once"])
         finally:
             # What capture could not save in time becomes `shutdown` gaps.
             capture.stop()
-        for run_id, outcome in results:
+        for run_id, ending in results:
             if options["json"]:
-                self.stdout.write(json.dumps({"run_id": run_id, "outcome": outcome}))
+                self.stdout.write(json.dumps({"run_id": run_id, "outcome": ending}))
             else:
-                self.stdout.write(f"run {run_id}: {outcome}")
+                self.stdout.write(f"run {run_id}: {ending}")

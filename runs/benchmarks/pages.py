@@ -25,8 +25,8 @@ from django.db import connection, connections, transaction
 from django.test import Client
 
 from evidence.capture import record_gaps
+from runs.benchmarks import percentile
 from runs.models import Run
-from runs.percentiles import percentile
 
 SCALES = {"small": (100, 10), "large": (100_000, 10)}  # runs, events per run
 BIG_RUN_EVENTS = 5_000
