@@ -1,4 +1,5 @@
-"""Reproduces the lock cycle of the essay's first incident, on purpose.
+"""Reproduces the lock cycle of the first incident (docs/DESIGN.md, "Where
+it comes from"), on purpose.
 
 Three transactions, each in its own connection, through the real storage
 entry points:
@@ -14,7 +15,7 @@ entry points:
 Today neither publication nor the refresh takes those first locks (no
 statement of the main path touches an evidence table, and the refresh no
 longer locks the run row), so the cycle cannot close in production.  The
-two old first locks are frozen here, as the essay froze the old version, to
+two old first locks are frozen here, as they were at the incident, to
 show what the capture policy alone changes.
 
 Each trial arranges that order: capture takes the source, the refresh takes
