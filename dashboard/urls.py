@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from dashboard import inbox, views
+from dashboard import drills, inbox, views
 
 urlpatterns = [
     path("", views.runs_list, name="runs-list"),
@@ -23,6 +23,9 @@ urlpatterns = [
     path("locks/import/", views.locks_import, name="locks-import"),
     path("locks/<int:incident_id>/", views.lock_detail, name="lock-detail"),
     path("gaps/", views.gaps, name="gaps"),
+    path("drills/", drills.drills, name="drills"),
+    path("drills/start/", drills.drill_start, name="drill-start"),
+    path("drills/<int:drill_id>/progress/", drills.drill_progress, name="drill-progress"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

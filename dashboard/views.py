@@ -76,6 +76,7 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "status": _choice(request, "status", RunStatus.values),
         "unknown": _flag(request, "unknown"),
         "gaps": _flag(request, "gaps"),
+        "drills": _flag(request, "drills"),
         "q": request.GET.get("q", "").strip(),
     }
     runs = Run.objects.listing().only(
@@ -91,6 +92,8 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "cancel_requested_by",
         "created_at",
     )
+    # Drills' runs (runs/drills.py) are shown only when asked for, alone.
+    runs = runs.filter(is_drill=filters["drills"])
     if filters["status"]:
         runs = runs.filter(status=filters["status"])
     if filters["unknown"]:

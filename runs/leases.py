@@ -102,10 +102,11 @@ class Lease:
     @classmethod
     def claim_next(cls, owner: str) -> Lease | None:
         """Claims the oldest claimable run, skipping runs other executors are
-        claiming at this moment."""
+        claiming at this moment, and drills' runs (each drill drives its own)."""
         with transaction.atomic():
             run = (
                 Run.objects.claimable()
+                .filter(is_drill=False)
                 .select_for_update(skip_locked=True, no_key=True)
                 .order_by("created_at", "id")
                 .only("id")

@@ -242,8 +242,10 @@ class RunQuerySet(models.QuerySet["Run"]):
         faults: Any = None,
         action_budget: int | None = None,
         deadline: dt.datetime | None = None,
+        drill: bool = False,
     ) -> Run:
-        """Queues a run.  Bad input raises ValueError with what is wrong."""
+        """Queues a run (`drill`: one a fault drill made, runs/drills.py).
+        Bad input raises ValueError with what is wrong."""
         if not question.strip():
             raise ValueError("the question is empty")
         if not documents:
@@ -251,7 +253,7 @@ class RunQuerySet(models.QuerySet["Run"]):
         FaultPlan.parse(faults)
         if action_budget is not None and action_budget < 1:
             raise ValueError("the action budget must be at least 1")
-        fields: dict[str, Any] = {"faults": faults or [], "deadline": deadline}
+        fields: dict[str, Any] = {"faults": faults or [], "deadline": deadline, "is_drill": drill}
         if action_budget is not None:
             fields["action_budget"] = action_budget
         run = self.create(question=question.strip(), documents=documents, **fields)
@@ -292,6 +294,11 @@ class Run(models.Model):
     queued_at = models.DateTimeField(db_default=Now())
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+
+    # A run a fault drill made (runs/drills.py): hidden from the runs list
+    # unless asked for, and never claimed by an executor's loop (the drill
+    # drives it itself, or hands it to a Celery worker by its id).
+    is_drill = models.BooleanField(default=False)
 
     # An imported run (evidence/imports.py; `imported_at` is set): a run of
     # another installation, opened from its investigation bundle.  It is
@@ -763,3 +770,56 @@ class RunEvent(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} {self.kind}"
+
+
+class DrillState(models.TextChoices):
+    RUNNING = "running"
+    DONE = "done"
+
+
+class Drill(models.Model):
+    """One run of the fault drills (runs/drills.py), from `manage.py drill`
+    or the drills page: which scenarios, who started it, how far it got."""
+
+    scenarios = ArrayField(models.CharField(max_length=60))
+    started_by = models.CharField(max_length=150)
+    state = models.CharField(max_length=20, choices=DrillState, default=DrillState.RUNNING)
+    error = models.TextField(blank=True)
+    started_at = models.DateTimeField(db_default=Now())
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-started_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"drill {self.pk} ({self.state})"
+
+
+class DrillVerdict(models.TextChoices):
+    PASSED = "passed"
+    FAILED = "failed"
+    NOT_RUN = "not_run"
+
+
+class DrillResult(models.Model):
+    """One scenario of a drill: the four questions asked of it, each
+    answered from the data (True, False, or None where it does not apply,
+    with the reason in `detail`)."""
+
+    drill = models.ForeignKey(Drill, on_delete=models.CASCADE, related_name="results")
+    scenario = models.CharField(max_length=60)
+    verdict = models.CharField(max_length=20, choices=DrillVerdict)
+    seconds = models.FloatField()
+    checks = models.JSONField(default=dict)
+    detail = models.TextField(blank=True)
+    run_ids = ArrayField(models.BigIntegerField(), default=list)
+    created_at = models.DateTimeField(db_default=Now())
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [
+            models.Index(fields=["scenario", "-created_at"], name="drill_result_history_idx")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.scenario}: {self.verdict}"

@@ -17,8 +17,9 @@ from django.conf import settings
 
 from evidence.capture import capture
 from runs import sweep as sweeping
+from runs.drills import report, run_drill
 from runs.executor import Ending, claim_and_drive
-from runs.models import Run
+from runs.models import Drill, Run
 from runs.timeline import timeline
 
 # How many times a task comes back for a run it could not claim: enough to
@@ -63,3 +64,9 @@ def _write_what_is_left(**kwargs: Any) -> None:
     records capture could not save into `shutdown` gaps."""
     timeline.stop()
     capture.stop()
+
+
+@shared_task
+def drill(drill_id: int) -> str:
+    """A drill started from the drills page (its results appear as they come)."""
+    return str(report(run_drill(Drill.objects.get(pk=drill_id))))

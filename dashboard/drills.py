@@ -1,0 +1,77 @@
+"""The drills page: each fault scenario's latest result and its history
+(runs/drills.py), and a drill an operator starts (a Celery task; its
+results appear as they come)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from django.contrib import messages
+from django.contrib.auth.decorators import permission_required
+from django.db import transaction
+from django.http import HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_GET, require_POST
+from django_htmx.http import HttpResponseStopPolling
+
+from dashboard.htmx import HtmxHttpRequest
+from dashboard.security import rejects_bad_input
+from runs import tasks
+from runs.decisions import OPERATE
+from runs.drills import SCENARIOS, describe
+from runs.models import Drill, DrillResult, DrillState
+
+HISTORY = 10  # results shown per scenario
+
+
+@require_GET
+@rejects_bad_input
+def drills(request: HtmxHttpRequest) -> HttpResponse:
+    history: dict[str, list[DrillResult]] = defaultdict(list)
+    # The newest HISTORY results of each scenario, in one query.
+    for result in DrillResult.objects.raw(
+        """SELECT * FROM (
+               SELECT *, row_number() OVER (PARTITION BY scenario
+                                            ORDER BY created_at DESC, id DESC) AS nth
+               FROM runs_drillresult) ranked
+           WHERE nth <= %s ORDER BY created_at DESC, id DESC""",
+        [HISTORY],
+    ):
+        history[result.scenario].append(result)
+    scenarios = [
+        {"name": name, "about": describe(name), "history": history.get(name, [])}
+        for name in SCENARIOS
+    ]
+    return render(
+        request,
+        "drills.html",
+        {"scenarios": scenarios, "drill": Drill.objects.first(), "total": len(SCENARIOS)},
+    )
+
+
+@require_GET
+@rejects_bad_input
+def drill_progress(request: HtmxHttpRequest, drill_id: int) -> HttpResponse:
+    drill = get_object_or_404(Drill, pk=drill_id)
+    response = render(request, "drills.html#progress", {"drill": drill})
+    if drill.state != DrillState.RUNNING:
+        response.status_code = HttpResponseStopPolling.status_code
+    return response
+
+
+@require_POST
+@permission_required(OPERATE, raise_exception=True)
+@rejects_bad_input
+def drill_start(request: HtmxHttpRequest) -> HttpResponse:
+    if Drill.objects.filter(state=DrillState.RUNNING).exists():
+        messages.info(request, "A drill is running already: its results appear below.")
+        return redirect("drills")
+    chosen = request.POST.getlist("scenario") or list(SCENARIOS)
+    unknown = sorted(set(chosen) - set(SCENARIOS))
+    if unknown:
+        messages.error(request, f"No such scenario: {', '.join(unknown)}.")
+        return redirect("drills")
+    drill = Drill.objects.create(scenarios=chosen, started_by=request.user.get_username())
+    transaction.on_commit(lambda: tasks.drill.delay(drill.pk))
+    messages.success(request, f"Drill {drill.pk} started: {len(chosen)} scenarios.")
+    return redirect("drills")

@@ -1,0 +1,130 @@
+"""Fault drills (runs/drills.py): `manage.py drill --json` passes every
+scenario on this database; its questions fail when the data says so; the
+drills page shows them and lets an operator start one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.test import Client
+
+from runs.drills import CHECKS, SCENARIOS, Finding, Lab, boundaries, executed_once
+from runs.models import Drill, DrillResult, DrillState, DrillVerdict, Run
+from tests.conftest import ROOT, database_url
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.mark.slow
+def test_every_drill_scenario_passes_on_this_database(tmp_path: Path) -> None:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "DATABASE_URL": database_url(),
+        "DEBUG": "1",
+        "RUNDESK_VAR_DIR": str(tmp_path / "var"),
+        "RUNDESK_LEASE_SECONDS": "2",
+    }
+    done = subprocess.run(
+        [sys.executable, "manage.py", "drill", "--json"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads(done.stdout)
+    failed = [s for s in report["scenarios"] if s["passed"] is False and s["detail"]]
+    assert done.returncode == 0, json.dumps(failed, indent=2) + done.stderr[-3000:]
+    names = [scenario["name"] for scenario in report["scenarios"]]
+    assert names == list(SCENARIOS) and len(names) >= 18
+    # The database here is not the drill's to restart: said, not run.
+    assert report["not_run"] == 1 and report["failed"] == 0
+    assert report["passed"] == len(SCENARIOS) - 1
+    restarted = next(s for s in report["scenarios"] if s["name"] == "postgres_restarted")
+    assert "does not control this PostgreSQL" in restarted["detail"]
+    for scenario in report["scenarios"]:
+        assert set(scenario["checks"]) == set(CHECKS) and scenario["seconds"] >= 0
+    # Every check that applied was answered from the data; those that do not
+    # apply say why.
+    cancel = next(s for s in report["scenarios"] if s["name"] == "cancel_mid_run")
+    assert cancel["checks"]["independent_work_continued"] is None
+    assert "a cancel ends the run" in cancel["detail"]
+    # The drills' runs are marked, and the results kept for the drills page.
+    assert Run.objects.filter(is_drill=True).count() >= len(SCENARIOS) - 1
+    assert not Run.objects.filter(is_drill=False).exists()
+    assert DrillResult.objects.count() == len(SCENARIOS)
+    assert Drill.objects.get().state == DrillState.DONE
+
+
+def test_the_questions_fail_when_the_data_says_so(tmp_path: Path, settings: object) -> None:
+    lab = Lab(tmp_path)
+    with lab.settings():
+        run = lab.submit()
+        lab.drive(run)
+    assert run.status == "completed"
+    clean = Finding()
+    executed_once(clean, lab, [run])
+    boundaries(clean, lab, [run])
+    assert clean.passed and clean.checks[CHECKS[2]] and clean.checks[CHECKS[3]]
+
+    # The delivery ran twice, and something ran that never had a boundary.
+    lines = lab.journal.read_text().splitlines()
+    deliver = next(line for line in lines if '"deliver_report"' in line)
+    stray = json.dumps({"tool": "read_document", "identity": f"rundesk:run-{run.pk}:read:9"})
+    lab.journal.write_text("\n".join([*lines, deliver, stray]) + "\n")
+    dirty = Finding()
+    executed_once(dirty, lab, [run])
+    boundaries(dirty, lab, [run])
+    assert dirty.checks[CHECKS[2]] is False and "deliver ran 2 times" in dirty.detail[0]
+    assert dirty.checks[CHECKS[3]] is False and "read:9" in dirty.detail[1]
+    assert not dirty.passed
+
+
+def test_the_drills_page_shows_results_and_an_operator_starts_a_drill(
+    operator: Client, viewer: Client
+) -> None:
+    drill = Drill.objects.create(scenarios=["lease_stolen"], started_by="olga", state="done")
+    DrillResult.objects.create(
+        drill=drill,
+        scenario="lease_stolen",
+        verdict=DrillVerdict.FAILED,
+        seconds=1.5,
+        checks=dict.fromkeys(CHECKS, True) | {"boundaries_kept": False},
+        detail="boundaries_kept: NO: <script>x</script>",
+    )
+    page = viewer.get("/drills/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "capture_row_lock" in html and "never run here" in html
+    assert "&lt;script&gt;x&lt;/script&gt;" in html and "<script>x</script>" not in html
+    assert "Run all" not in html  # a viewer cannot start one
+    assert viewer.post("/drills/start/").status_code == 403
+
+    assert "Run all" in operator.get("/drills/").content.decode()
+    started = operator.post("/drills/start/", {"scenario": ["lease_stolen", "cancel_mid_run"]})
+    assert started.status_code == 302
+    newest = Drill.objects.first()
+    assert newest.scenarios == ["lease_stolen", "cancel_mid_run"]
+    assert newest.started_by == "operator" and newest.state == DrillState.RUNNING
+    progress = operator.get(f"/drills/{newest.pk}/progress/")
+    assert progress.status_code == 200 and "0 of 2" in progress.content.decode()
+    # While one runs, no second drill starts.
+    operator.post("/drills/start/")
+    assert Drill.objects.count() == 2
+    assert operator.post("/drills/start/", {"scenario": "nope"}).status_code == 302
+    Drill.objects.filter(pk=newest.pk).update(state=DrillState.DONE)
+    assert operator.get(f"/drills/{newest.pk}/progress/").status_code == 286
+
+
+def test_drills_runs_are_hidden_from_the_runs_list_unless_asked_for(viewer: Client) -> None:
+    mine = Run.objects.submit(question="a real question", documents=["a.md"])
+    drilled = Run.objects.submit(question="a drill question", documents=["a.md"], drill=True)
+    listed = viewer.get("/").content.decode()
+    assert f"/runs/{mine.pk}/" in listed and f"/runs/{drilled.pk}/" not in listed
+    drills = viewer.get("/?drills=1").content.decode()
+    assert f"/runs/{drilled.pk}/" in drills and f"/runs/{mine.pk}/" not in drills
