@@ -18,7 +18,7 @@ from dashboard.htmx import HtmxHttpRequest
 from dashboard.security import rejects_bad_input
 from runs import tasks
 from runs.decisions import OPERATE
-from runs.drills import SCENARIOS, describe
+from runs.drills import CHECKS, SCENARIOS, describe
 from runs.models import Drill, DrillResult, DrillState
 
 HISTORY = 10  # results shown per scenario
@@ -37,6 +37,8 @@ def drills(request: HtmxHttpRequest) -> HttpResponse:
            WHERE nth <= %s ORDER BY created_at DESC, id DESC""",
         [HISTORY],
     ):
+        # In the order of the columns (jsonb keeps no key order).
+        result.answers = [result.checks.get(check) for check in CHECKS]
         history[result.scenario].append(result)
     scenarios = [
         {"name": name, "about": describe(name), "history": history.get(name, [])}

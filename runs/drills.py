@@ -786,7 +786,7 @@ def report(results: list[DrillResult]) -> dict[str, Any]:
                 "name": result.scenario,
                 "passed": result.verdict == DrillVerdict.PASSED,
                 "seconds": result.seconds,
-                "checks": result.checks,
+                "checks": {check: result.checks.get(check) for check in CHECKS},
                 "detail": result.detail,
             }
             for result in results

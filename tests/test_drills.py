@@ -102,6 +102,10 @@ def test_the_drills_page_shows_results_and_an_operator_starts_a_drill(
     html = page.content.decode()
     assert "capture_row_lock" in html and "never run here" in html
     assert "&lt;script&gt;x&lt;/script&gt;" in html and "<script>x</script>" not in html
+    # The answers stand under their questions, whatever order jsonb keeps.
+    row = html[html.index("<code>lease_stolen</code>") :]
+    cells = row[row.index('class="check"') :].split("</tr>")[0]
+    assert cells.count(">yes<") == 3 and cells.index("no</strong>") > cells.rindex(">yes<")
     assert "Run all" not in html  # a viewer cannot start one
     assert viewer.post("/drills/start/").status_code == 403
 
