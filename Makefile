@@ -9,10 +9,17 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # Browser tests drive Debian's Chromium (never a downloaded browser).
 CHROMIUM := /usr/bin/chromium
 
-# Local runs only: production sets DEBUG=0 and its own SECRET_KEY.
+# Tests and tools run with DEBUG; the demo runs as production does (below).
 export DEBUG ?= 1
 
-.PHONY: install demo test lint bench clean
+# The demo's secret key: made once, readable by its owner only, kept.
+SECRET_KEY_FILE := var/secret-key
+# collectstatic's manifest: remade when a static file or the installed
+# packages (plotly.js, the admin's files) change.
+STATIC_MANIFEST := var/static/staticfiles.json
+PRODUCTION := DEBUG=0 SECRET_KEY="$$(cat $(SECRET_KEY_FILE))"
+
+.PHONY: install static demo test lint bench clean
 
 install: $(STAMP)
 
@@ -27,8 +34,18 @@ $(CHROMIUM):
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
-demo: install
-	$(PY) manage.py demo
+$(SECRET_KEY_FILE): | $(STAMP)
+	mkdir -p $(@D)
+	umask 077 && $(PY) -c 'import secrets; print(secrets.token_urlsafe(50))' > $@.new
+	mv $@.new $@
+
+$(STATIC_MANIFEST): $(STAMP) $(shell find static -type f) | $(SECRET_KEY_FILE)
+	$(PRODUCTION) $(PY) manage.py collectstatic --noinput --verbosity 0
+
+static: $(STATIC_MANIFEST)
+
+demo: install static
+	$(PRODUCTION) $(PY) manage.py demo
 
 test: install $(CHROMIUM)
 	$(PY) -m pytest
@@ -41,4 +58,4 @@ bench: install
 	$(PY) manage.py bench --json
 
 clean:
-	rm -rf var/outbox var/celery-broker var/celery-processed
+	rm -rf var/outbox var/celery-broker var/celery-processed var/static

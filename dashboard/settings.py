@@ -41,6 +41,11 @@ def env_bool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name} must be a boolean (1/0, true/false), got {raw!r}")
 
 
+def env_list(name: str, default: str = "") -> list[str]:
+    """A comma-separated list; blanks dropped."""
+    return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+
+
 def env_float(name: str, default: float, *, minimum: float = 0.0) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -119,9 +124,10 @@ def _alive(pid: int) -> bool:
 
 DEBUG = env_bool("DEBUG", False)
 SECRET_KEY = env_str("SECRET_KEY", "insecure-development-key-for-debug-only" if DEBUG else None)
-ALLOWED_HOSTS = [
-    h.strip() for h in env_str("ALLOWED_HOSTS", "127.0.0.1,localhost").split(",") if h.strip()
-]
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "127.0.0.1,localhost")
+# Origins (scheme://host[:port]) a form may be posted from besides the host
+# itself: the public https:// address when a proxy in front rewrites Host.
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -139,6 +145,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Static files before anything that reads a session or the database.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "dashboard.security.RequestSizeLimitMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -203,16 +211,39 @@ STATICFILES_DIRS = [
     BASE_DIR / "static",
     ("plotly", Path(plotly.__file__).parent / "package_data"),
 ]
+# `manage.py collectstatic` copies them here; WhiteNoise serves them from here
+# (from the finders, as they are on disk, when DEBUG).
 STATIC_ROOT = VAR_DIR / "static"
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    # Without DEBUG: content-hashed names (cached forever) with gzip and
+    # brotli copies, read from STATIC_ROOT's manifest, so collectstatic must
+    # have run.  With DEBUG (development, the tests) the plain names, found
+    # where they are: nothing to collect first.
+    "staticfiles": {
+        "BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"
+        if DEBUG
+        else "whitenoise.storage.CompressedManifestStaticFilesStorage"
+    },
+}
+# Decided by the environment, not by the DEBUG the test runner turns off:
+# tests serve from the finders and never look for STATIC_ROOT.
+WHITENOISE_USE_FINDERS = WHITENOISE_AUTOREFRESH = DEBUG
+WHITENOISE_KEEP_ONLY_HASHED_FILES = True
 
 SESSION_COOKIE_HTTPONLY = True
-CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE = env_bool("SECURE_COOKIES", not DEBUG)
 X_FRAME_OPTIONS = "DENY"
 SECURE_REFERRER_POLICY = "same-origin"
 SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
-# Behind TLS in production (check --deploy): HSTS and HTTPS redirects.
-SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", False)
-SECURE_HSTS_SECONDS = int(env_float("SECURE_HSTS_SECONDS", 0 if DEBUG else 31_536_000))
+# Behind TLS (RUNDESK_TLS=1; `check --deploy` passes): cookies only over
+# https, plain http redirected, HSTS, and the scheme the proxy in front says
+# the client used (X-Forwarded-Proto, which that proxy must set itself and
+# never pass on from the client).  Off, the site answers plain http: the demo.
+RUNDESK_TLS = env_bool("RUNDESK_TLS", False)
+CSRF_COOKIE_SECURE = SESSION_COOKIE_SECURE = RUNDESK_TLS
+SECURE_SSL_REDIRECT = RUNDESK_TLS
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if RUNDESK_TLS else None
+SECURE_HSTS_SECONDS = int(env_float("SECURE_HSTS_SECONDS", 31_536_000)) if RUNDESK_TLS else 0
 SECURE_HSTS_INCLUDE_SUBDOMAINS = SECURE_HSTS_SECONDS > 0
 SECURE_HSTS_PRELOAD = SECURE_HSTS_SECONDS > 0
 # The largest request body accepted at all (a log upload: 5 MB and its form).
@@ -224,7 +255,13 @@ LOGGING = {
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "loggers": {"runs": {"handlers": ["console"], "level": env_str("RUNDESK_LOG_LEVEL", "INFO")}},
+    "loggers": {
+        "runs": {"handlers": ["console"], "level": env_str("RUNDESK_LOG_LEVEL", "INFO")},
+        # Django logs to the console only with DEBUG by default (and mails a
+        # 500 to ADMINS otherwise): a server error's traceback belongs in the
+        # web process's log, where 500.html says it is.
+        "django": {"handlers": ["console"], "level": "INFO"},
+    },
 }
 
 # Celery: Redis or RabbitMQ in production, kombu's filesystem transport otherwise.
@@ -240,6 +277,17 @@ if CELERY_BROKER_URL == "filesystem://":
     }
     # kombu's filesystem transport expects its folder to exist.
     CELERY_BROKER_FOLDER.mkdir(parents=True, exist_ok=True)
+else:
+    # Redis and SQS hand an unacknowledged task to another worker after this
+    # many seconds.  A run is driven in one task, acknowledged when it ends
+    # (acks_late), so this must outlast the longest run: a copy handed out
+    # meanwhile finds the run leased and gives up, but holds a worker while
+    # it waits to look again.  Long costs nothing: a task lost with its
+    # worker is not waited for, beat's sweep requeues the run and hands it
+    # out again.  (RabbitMQ ignores it: its consumer_timeout plays this part.)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "visibility_timeout": env_float("RUNDESK_BROKER_VISIBILITY_TIMEOUT", 6 * 3600, minimum=60)
+    }
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

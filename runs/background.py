@@ -81,7 +81,12 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Waits until everything handed over so far is written or counted
-        as lost, and that count written (or kept for later)."""
+        as lost, and that count written (or kept for later).  With no
+        writer running and nothing handed over, there is nothing to wait for."""
+        with self._lock:
+            idle = self._writer is None or not self._writer[0].is_alive()
+            if idle and self._queue.empty() and not self._lost:
+                return True
         marker = threading.Event()
         self._ensure_thread()
         try:

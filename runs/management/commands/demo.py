@@ -11,6 +11,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import Group, Permission, User
+from django.contrib.staticfiles.storage import ManifestFilesMixin, staticfiles_storage
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 from django.db import transaction
@@ -107,10 +108,36 @@ DECISION_TABLE_RUNS: list[tuple[str, list[dict[str, Any]]]] = [
 ]
 
 
+def web_server(port: int) -> list[str]:
+    """The web tier as production runs it: gunicorn (dashboard/gunicorn.py)
+    on this port of the loopback interface, static files from WhiteNoise."""
+    return [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "--config",
+        str(settings.BASE_DIR / "dashboard" / "gunicorn.py"),
+        "--bind",
+        f"127.0.0.1:{port}",
+        "--log-level",
+        "warning",
+    ]
+
+
+def site_environment(port: int) -> dict[str, str]:
+    """What the web server needs to answer at http://127.0.0.1:PORT/ and
+    http://localhost:PORT/ with DEBUG off."""
+    return {
+        "ALLOWED_HOSTS": "127.0.0.1,localhost",
+        "CSRF_TRUSTED_ORIGINS": f"http://127.0.0.1:{port},http://localhost:{port}",
+    }
+
+
 class Command(BaseCommand):
     help = (
-        "Brings up the demo: migrates, creates an operator account, seeds sample runs, starts "
-        "the web server, an executor and a Celery worker; Ctrl-C stops them all."
+        "Brings up the demo as production runs: migrates, collects the static files if they "
+        "are not, creates an operator account, seeds sample runs, starts the web server "
+        "(gunicorn), an executor and a Celery worker with beat; Ctrl-C stops them all."
     )
 
     def add_arguments(self, parser: Any) -> None:
@@ -120,15 +147,15 @@ class Command(BaseCommand):
         # SIGTERM stops the demo like Ctrl-C: children first, then the
         # embedded database (pgserver stops it when this process exits).
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+        port = options["port"]
         call_command("migrate", verbosity=0)
+        self._collect_static()
         password = self._operator_account()
         self._seed()
-        env = {"DATABASE_URL": settings.DATABASE_URL}
+        env = {"DATABASE_URL": settings.DATABASE_URL, **site_environment(port)}
         manage = [sys.executable, str(settings.BASE_DIR / "manage.py")]
         children = [
-            self._start(
-                "web", [*manage, "runserver", f"127.0.0.1:{options['port']}", "--noreload"], env
-            ),
+            self._start("web", web_server(port), env),
             self._start("executor", [*manage, "executor", "--concurrency", "2"], env),
             self._start(
                 "worker",
@@ -148,9 +175,10 @@ class Command(BaseCommand):
                 env,
             ),
         ]
+        debug = "on: development pages" if settings.DEBUG else "off, as in production"
         self.stdout.write(
             self.style.SUCCESS(
-                f"\nRundesk demo: http://127.0.0.1:{options['port']}/\n"
+                f"\nRundesk demo: http://127.0.0.1:{port}/  (gunicorn, DEBUG {debug})\n"
                 f"  sign in as  operator / {password}\n"
                 "  Ctrl-C stops the web server, the executor, the worker and the database.\n"
             )
@@ -163,6 +191,16 @@ class Command(BaseCommand):
             self.stdout.write("\ndemo: stopping")
         finally:
             self._stop(children)
+
+    def _collect_static(self) -> None:
+        """Without DEBUG, pages name the static files by the manifest
+        collectstatic writes (`make demo` keeps it current); with none, every
+        page would fail."""
+        if isinstance(staticfiles_storage, ManifestFilesMixin) and not staticfiles_storage.exists(
+            staticfiles_storage.manifest_name
+        ):
+            self.stdout.write("demo: collecting the static files")
+            call_command("collectstatic", interactive=False, verbosity=0)
 
     def _operator_account(self) -> str:
         """The operator account, with a fresh password printed at each start."""

@@ -1,0 +1,274 @@
+"""Rundesk as production runs it: DEBUG off, gunicorn, WhiteNoise.
+
+`check --deploy` passes with the settings the README's "Deploying" names
+and fails without TLS; the server error page needs nothing that may have
+failed; and in Chromium, the web server `make demo` starts (gunicorn on
+static files collected with hashed names, against the test database) signs
+an operator in, draws a run's timeline with plotly, serves each static file
+compressed when asked, and answers an unknown address with the site's 404
+page, never a DEBUG page.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import RequestFactory
+from django.views.defaults import server_error
+from playwright.sync_api import Browser, Page, expect
+
+from runs.management.commands.demo import site_environment, web_server
+from tests import test_browser
+from tests.conftest import PASSWORD, ROOT, database_url
+from tests.test_browser import completed_run
+
+# The timeline and capture are flushed after every test: let them reach the
+# database.
+pytestmark = pytest.mark.django_db
+
+# Debian's Chromium, started once per module, as tests/test_browser.py has it.
+browser = test_browser.browser
+
+SECRET_KEY = secrets.token_urlsafe(50)
+# What Django's DEBUG pages (technical 404 and 500) say, and never a
+# production page.
+DEBUG_PAGE = "DEBUG = True"
+
+
+def production(var_dir: Path, **extra: str) -> dict[str, str]:
+    """The environment of a production process on the test database."""
+    return {
+        **os.environ,
+        "DEBUG": "0",
+        "SECRET_KEY": SECRET_KEY,
+        "DATABASE_URL": database_url(),
+        "RUNDESK_VAR_DIR": str(var_dir),
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
+
+
+def check_deploy(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+# The production settings the README's "Deploying" section documents.
+DEPLOYED = {
+    "RUNDESK_TLS": "1",
+    "ALLOWED_HOSTS": "rundesk.example.com",
+    "CSRF_TRUSTED_ORIGINS": "https://rundesk.example.com",
+    "CELERY_BROKER_URL": "redis://127.0.0.1:6379/0",
+    "RUNDESK_BROKER_VISIBILITY_TIMEOUT": "7200",
+}
+
+
+def test_check_deploy_passes_with_the_documented_production_settings(tmp_path: Path):
+    result = check_deploy(production(tmp_path, **DEPLOYED))
+    assert result.returncode == 0, result.stderr
+    assert "System check identified no issues" in result.stdout
+
+
+def test_check_deploy_fails_without_tls(tmp_path: Path):
+    plain = {name: value for name, value in DEPLOYED.items() if name != "RUNDESK_TLS"}
+    result = check_deploy(production(tmp_path, **plain))
+    assert result.returncode != 0
+    for warning in ["W004", "W008", "W012", "W016"]:  # HSTS, redirect, both cookies
+        assert f"security.{warning}" in result.stderr
+
+
+def test_tls_switch_and_broker_visibility_timeout_reach_django_and_celery(tmp_path: Path):
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import django; django.setup(); "
+            "from django.conf import settings as s; from dashboard.celery import app; "
+            "print(s.SESSION_COOKIE_SECURE, s.CSRF_COOKIE_SECURE, s.SECURE_SSL_REDIRECT, "
+            "s.SECURE_PROXY_SSL_HEADER, s.SECURE_HSTS_SECONDS, s.CSRF_TRUSTED_ORIGINS, "
+            "app.conf.broker_transport_options, app.conf.worker_prefetch_multiplier, "
+            "app.conf.task_acks_late)",
+        ],
+        cwd=ROOT,
+        env=production(tmp_path, DJANGO_SETTINGS_MODULE="dashboard.settings", **DEPLOYED),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == (
+        "True True True ('HTTP_X_FORWARDED_PROTO', 'https') 31536000 "
+        "['https://rundesk.example.com'] {'visibility_timeout': 7200.0} 1 True"
+    )
+
+
+def test_without_debug_a_secret_key_is_required(tmp_path: Path):
+    env = production(tmp_path)
+    del env["SECRET_KEY"]
+    result = check_deploy(env)
+    assert result.returncode != 0
+    assert "SECRET_KEY must be set" in result.stderr
+
+
+def test_the_server_error_page_stands_alone():
+    """Rendered with no context: it names no URL, static file or user."""
+    response = server_error(RequestFactory().get("/runs/1/"))
+    assert response.status_code == 500
+    page = response.content.decode()
+    assert "<h1>Server error</h1>" in page and "web server's log" in page
+    assert "/static/" not in page and DEBUG_PAGE not in page
+
+
+# -- the production web server in Chromium ----------------------------------------
+
+
+@dataclass
+class Site:
+    url: str
+    log: Path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory, django_db_setup: None) -> Iterator[Site]:
+    """gunicorn as `make demo` starts it, with DEBUG off, on static files
+    collected with hashed names and compressed copies."""
+    var_dir = tmp_path_factory.mktemp("production") / "var"
+    collected = subprocess.run(
+        [sys.executable, "manage.py", "collectstatic", "--noinput", "--verbosity", "0"],
+        cwd=ROOT,
+        env=production(var_dir),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert collected.returncode == 0, collected.stderr
+    port = free_port()
+    log = var_dir / "web.log"
+    env = production(var_dir, RUNDESK_ROLE="web", WEB_CONCURRENCY="1", **site_environment(port))
+    with log.open("w") as output:
+        server = subprocess.Popen(web_server(port), env=env, stdout=output, stderr=output)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while not answers(url + "/login/"):
+            assert server.poll() is None, f"gunicorn stopped:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"gunicorn did not answer:\n{log.read_text()}"
+            time.sleep(0.2)
+        yield Site(url, log)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError):
+        return False
+
+
+def visit(page: Page, path: str, status: int) -> None:
+    response = page.goto(path)
+    assert response is not None and response.status == status, path
+    assert DEBUG_PAGE not in page.content(), path
+
+
+HASHED = {
+    "css": re.compile(r"/static/css/rundesk\.[0-9a-f]{12}\.css$"),
+    "htmx": re.compile(r"/static/vendor/htmx-2\.0\.11\.min\.[0-9a-f]{12}\.js$"),
+    "plotly": re.compile(r"/static/plotly/plotly\.min\.[0-9a-f]{12}\.js$"),
+}
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.slow
+def test_the_production_server_serves_pages_static_files_and_its_own_404(
+    site: Site, browser: Browser, operator_user: User
+):
+    run = completed_run()
+    context = browser.new_context(base_url=site.url)
+    page = context.new_page()
+    static: dict[str, int] = {}
+    page.on("response", lambda r: "/static/" in r.url and static.setdefault(r.url, r.status))
+
+    # Signed out, an unknown address: the site's 404 page, in its layout.
+    visit(page, "/nope/", 404)
+    expect(page.locator("h1")).to_have_text("Not found")
+    expect(page.locator("main code")).to_have_text("/nope/")
+
+    # From here on no page is an error (the 404s above and below are, and
+    # Chromium says so on the console).
+    problems: list[str] = []
+    page.on("console", lambda m: m.type == "error" and problems.append(m.text))
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    visit(page, "/login/", 200)
+    page.fill("input[name=username]", operator_user.get_username())
+    page.fill("input[name=password]", PASSWORD)
+    page.click("button[type=submit]")
+    expect(page.locator("h1")).to_have_text("Runs")
+    page.locator("#run-rows tr", has_text="Which fund is cheapest").locator("a").first.click()
+    expect(page.locator("#run-live > h1")).to_contain_text(f"Run {run.pk}")
+    # plotly.js loaded and drew the timeline.
+    expect(page.locator("#chart-timeline svg.main-svg").first).to_be_visible()
+    expect(page.locator("#chart-timeline .bars path").first).to_be_attached()
+    assert DEBUG_PAGE not in page.content()
+    assert problems == []  # console errors, CSP refusals
+
+    visit(page, f"/runs/{run.pk + 1000}/", 404)
+    expect(page.locator("main h1")).to_have_text("Not found")
+    expect(page.locator("#nav-inbox")).to_be_visible()  # signed in: the whole layout
+    context.close()
+
+    assert static and all(status == 200 for status in static.values()), static
+    for name, pattern in HASHED.items():
+        assert any(pattern.search(url) for url in static), f"{name} not loaded by hashed name"
+    css = next(url for url in static if HASHED["css"].search(url))
+    assert_served_compressed(css)
+    assert "Traceback" not in site.log.read_text()
+
+
+def assert_served_compressed(url: str) -> None:
+    """The copy the client asks for, cached for good (its name changes with
+    its content)."""
+    sizes = {}
+    for encoding in ["br", "gzip", "identity"]:
+        request = urllib.request.Request(url, headers={"Accept-Encoding": encoding})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+            assert response.headers.get("Content-Encoding") == (
+                None if encoding == "identity" else encoding
+            )
+            assert "immutable" in response.headers["Cache-Control"]
+            sizes[encoding] = len(response.read())
+    assert sizes["br"] < sizes["identity"] and sizes["gzip"] < sizes["identity"]
