@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import re
+import textwrap
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -319,10 +321,84 @@ def _lease_label(event: dict[str, Any]) -> str:
     return f"{label}, epoch {epoch}" if epoch is not None else label
 
 
+# The lock graph is laid out in data units drawn at a fixed scale, so that a
+# label's size in pixels is known in data units: labels are placed where
+# they cover no arrow and no other label, and the figure is sized to fit.
+GRAPH_SCALE = 160  # pixels per unit; the processes sit on a circle of radius 1
+GRAPH_FONT = 11
+CHAR_EM = 0.62  # a character's width, in ems: generous for the sans-serif font
+LINE_EM = 1.35
+GRAPH_PAD = 4  # pixels around a label's text
+GRAPH_MARGIN = 12  # pixels around the drawing
+GRAPH_LABEL_CHARS = 30  # a label's lines are wrapped at this many characters
+NODE_MARKER = 13  # pixels: the radius of a process's marker
+PARALLEL_GAP = 0.14  # units between arrows joining the same two processes
+LABEL_GAP = 0.04  # units between an arrow and its label
+LABEL_STEP = 0.05  # units a label moves away when its place is taken
+LABEL_TRIES = 60
+# Where along its arrow a label is tried, from the middle out.
+LABEL_ALONG = (0.5, 0.4, 0.6, 0.3, 0.7)
+DATABASE_SUFFIX = re.compile(r" of database \d+$")
+
+
+@dataclass(frozen=True)
+class Box:
+    """A rectangle in the graph's data units."""
+
+    x0: float
+    y0: float
+    x1: float
+    y1: float
+
+    @classmethod
+    def around(cls, x: float, y: float, width: float, height: float) -> Box:
+        return cls(x - width / 2, y - height / 2, x + width / 2, y + height / 2)
+
+    def overlaps(self, other: Box) -> bool:
+        return (
+            self.x0 < other.x1 and other.x0 < self.x1 and self.y0 < other.y1 and other.y0 < self.y1
+        )
+
+    def crosses(self, a: tuple[float, float], b: tuple[float, float]) -> bool:
+        """Whether the segment a-b passes through the box (Liang-Barsky)."""
+        (ax, ay), (bx, by) = a, b
+        dx, dy = bx - ax, by - ay
+        low, high = 0.0, 1.0
+        for p, q in (
+            (-dx, ax - self.x0),
+            (dx, self.x1 - ax),
+            (-dy, ay - self.y0),
+            (dy, self.y1 - ay),
+        ):
+            if p == 0:
+                if q < 0:
+                    return False
+                continue
+            t = q / p
+            if p < 0:
+                low = max(low, t)
+            else:
+                high = min(high, t)
+            if low > high:
+                return False
+        return True
+
+
+def text_size(text: str, font: float = GRAPH_FONT) -> tuple[float, float]:
+    """A label's width and height in data units, with its padding."""
+    lines = text.split("<br>")
+    width = max(len(line) for line in lines) * CHAR_EM * font + 2 * GRAPH_PAD
+    height = len(lines) * LINE_EM * font + 2 * GRAPH_PAD
+    return width / GRAPH_SCALE, height / GRAPH_SCALE
+
+
 def lock_graph(incident: LockIncident) -> dict[str, Any]:
-    """The waits-for graph: processes on a circle, an arrow from each waiter
-    to its blocker, labelled with the lock; the cycle's arrows in red."""
-    waits = list(incident.waits.all())
+    """The waits-for graph: processes on a circle, each named outside it, an
+    arrow from each waiter to its blocker (arrows between the same two
+    processes side by side), each labelled with its lock beside it, covering
+    no arrow, no process and no other label; the cycle's arrows in red.  An
+    imported report's lead-up waits are not edges of its graph."""
+    waits = list(incident.waits.filter(lead_up=False).order_by("id"))
     labels: dict[int, str] = {}
     for wait in waits:
         labels.setdefault(
@@ -338,36 +414,38 @@ def lock_graph(incident: LockIncident) -> dict[str, Any]:
     }
     cycle = list(incident.cycle or [])
     cycle_edges = set(zip(cycle, cycle[1:] + cycle[:1], strict=True)) if cycle else set()
+    sides = {pid: _outside(place[pid]) for pid in pids}
+    taken = [box for pid in pids for box in _node_boxes(place[pid], labels[pid], sides[pid])]
+    arrows = [_arrow(wait, waits, place) for wait in waits]
+    lines = [(tail, head) for tail, head, _ in arrows]
     figure = go.Figure()
-    for wait in waits:
-        (x0, y0), (x1, y1) = place[wait.waiter_pid], place[wait.blocker_pid]
-        in_cycle = (wait.waiter_pid, wait.blocker_pid) in cycle_edges
+    for wait, (tail, head, side) in zip(waits, arrows, strict=True):
+        colour = "#d9473b" if (wait.waiter_pid, wait.blocker_pid) in cycle_edges else "#5b6570"
         figure.add_annotation(
-            x=x1 * 0.85 + x0 * 0.15,
-            y=y1 * 0.85 + y0 * 0.15,
-            ax=x0 * 0.85 + x1 * 0.15,
-            ay=y0 * 0.85 + y1 * 0.15,
-            xref="x",
-            yref="y",
-            axref="x",
-            ayref="y",
-            showarrow=True,
-            arrowhead=3,
-            arrowwidth=2.5 if in_cycle else 1.5,
-            arrowcolor="#d9473b" if in_cycle else "#5b6570",
-            text=f"{wait.mode} on {wait.locked or wait.lock_type}"
-            + (f" · seen {wait.waited_ms} ms" if wait.waited_ms else ""),
-            font={"size": 11, "color": "#d9473b" if in_cycle else "#1d232a"},
-        )
+            x=head[0], y=head[1], ax=tail[0], ay=tail[1], xref="x", yref="y", axref="x", ayref="y",
+            showarrow=True, arrowhead=3, arrowcolor=colour, text="",
+            arrowwidth=2.5 if colour == "#d9473b" else 1.5,
+        )  # fmt: skip
+        text = _edge_label(wait)
+        centre = _label_place(tail, head, side, text_size(text), lines, taken)
+        taken.append(Box.around(*centre, *text_size(text)))
+        figure.add_annotation(
+            x=centre[0], y=centre[1], xref="x", yref="y", showarrow=False, text=text,
+            xanchor="center", yanchor="middle", align="center", borderpad=GRAPH_PAD - 1,
+            bgcolor="rgba(255,255,255,0.85)", font={"size": GRAPH_FONT, "color": colour},
+            hovertext=f"{wait.waiter_pid} waits for {wait.mode} on "
+            f"{wait.locked or wait.lock_type}, held by {wait.blocker_pid}",
+        )  # fmt: skip
     figure.add_trace(
         go.Scatter(
             mode="markers+text",
             x=[place[p][0] for p in pids],
             y=[place[p][1] for p in pids],
             text=[labels[p] for p in pids],
-            textposition="bottom center",
+            textposition=[sides[p] for p in pids],
+            textfont={"size": GRAPH_FONT},
             marker={
-                "size": 26,
+                "size": 2 * NODE_MARKER,
                 "color": ["#d9473b" if p in cycle else "#3b7dd8" for p in pids],
             },
             hovertext=[_queries(waits, p) for p in pids],
@@ -375,9 +453,113 @@ def lock_graph(incident: LockIncident) -> dict[str, Any]:
             showlegend=False,
         )
     )
-    axis = {"visible": False, "range": [-1.6, 1.6]}
-    figure.update_layout(**LAYOUT, height=460, xaxis=axis, yaxis={**axis, "scaleanchor": "x"})
+    bounds = taken or [Box(-1, -1, 1, 1)]
+    x = [min(b.x0 for b in bounds) - 0.05, max(b.x1 for b in bounds) + 0.05]
+    y = [min(b.y0 for b in bounds) - 0.05, max(b.y1 for b in bounds) + 0.05]
+    margin = {"l": GRAPH_MARGIN, "r": GRAPH_MARGIN, "t": GRAPH_MARGIN, "b": GRAPH_MARGIN}
+    figure.update_layout(
+        **{**LAYOUT, "margin": margin},
+        width=round((x[1] - x[0]) * GRAPH_SCALE) + 2 * GRAPH_MARGIN,
+        height=round((y[1] - y[0]) * GRAPH_SCALE) + 2 * GRAPH_MARGIN,
+        xaxis={"visible": False, "range": x, "constrain": "domain"},
+        yaxis={"visible": False, "range": y, "scaleanchor": "x", "constrain": "domain"},
+    )
     return figure.to_dict()
+
+
+Point = tuple[float, float]
+
+
+def _arrow(wait: Any, waits: list[Any], place: dict[int, Point]) -> tuple[Point, Point, Point]:
+    """(tail, head, side) of a wait's arrow: from the waiter to the blocker,
+    short of both; arrows joining the same two processes (either way) are
+    spread apart.  `side` is the unit vector, square to the arrow, to the
+    side its label goes: away from the other arrows of its pair, or, for an
+    arrow alone, away from the circle's centre (the other arrows are inside)."""
+    pair = sorted((wait.waiter_pid, wait.blocker_pid))
+    joined = [w for w in waits if sorted((w.waiter_pid, w.blocker_pid)) == pair]
+    offset = (joined.index(wait) - (len(joined) - 1) / 2) * PARALLEL_GAP
+    (px, py), (qx, qy) = place[pair[0]], place[pair[1]]
+    length = math.hypot(qx - px, qy - py) or 1.0
+    nx, ny = -(qy - py) / length, (qx - px) / length  # square to the pair's own line
+    if offset:
+        sign = math.copysign(1, offset)
+    else:
+        sign = 1.0 if nx * (px + qx) + ny * (py + qy) >= 0 else -1.0
+    (ax, ay), (bx, by) = place[wait.waiter_pid], place[wait.blocker_pid]
+    ux, uy = (bx - ax) / length, (by - ay) / length
+    short = (NODE_MARKER + 8) / GRAPH_SCALE
+    tail = (ax + nx * offset + ux * short, ay + ny * offset + uy * short)
+    head = (bx + nx * offset - ux * short, by + ny * offset - uy * short)
+    return tail, head, (sign * nx, sign * ny)
+
+
+def _label_place(
+    tail: Point,
+    head: Point,
+    side: Point,
+    size: tuple[float, float],
+    arrows: list[tuple[Point, Point]],
+    taken: list[Box],
+) -> Point:
+    """The centre of an arrow's label: beside the arrow, on its side, as
+    near its middle as a place is free of arrows, processes and labels;
+    else on the other side; else further out.  Beside the arrow (no nearer
+    than the box's half-extent square to it), its own line never runs
+    through it."""
+    width, height = size
+    (ax, ay), (bx, by) = tail, head
+    nx, ny = side
+    reach = abs(nx) * width / 2 + abs(ny) * height / 2
+    tries = [(1, range(LABEL_TRIES // 4)), (-1, range(LABEL_TRIES // 4))]
+    tries.append((1, range(LABEL_TRIES // 4, LABEL_TRIES)))
+    for direction, steps in tries:
+        for step in steps:
+            away = direction * (LABEL_GAP + reach + step * LABEL_STEP)
+            for along in LABEL_ALONG:
+                x = ax + (bx - ax) * along + nx * away
+                y = ay + (by - ay) * along + ny * away
+                box = Box.around(x, y, width, height)
+                if not any(box.crosses(a, b) for a, b in arrows) and not any(
+                    box.overlaps(other) for other in taken
+                ):
+                    return x, y
+    away = LABEL_GAP + reach + LABEL_TRIES * LABEL_STEP
+    return (ax + bx) / 2 + nx * away, (ay + by) / 2 + ny * away
+
+
+def _outside(centre: Point) -> str:
+    """Where a process's name goes: outside the circle, where no arrow is."""
+    x, y = centre
+    if abs(y) > abs(x):
+        return "top center" if y > 0 else "bottom center"
+    return "middle right" if x > 0 else "middle left"
+
+
+def _node_boxes(centre: Point, label: str, position: str) -> list[Box]:
+    """Where a process is drawn: its marker, and its name beside it."""
+    x, y = centre
+    radius = (NODE_MARKER + GRAPH_PAD) / GRAPH_SCALE
+    width, height = text_size(label)
+    if position.startswith("top"):
+        name = Box(x - width / 2, y + radius, x + width / 2, y + radius + height)
+    elif position.startswith("bottom"):
+        name = Box(x - width / 2, y - radius - height, x + width / 2, y - radius)
+    elif position.endswith("right"):
+        name = Box(x + radius, y - height / 2, x + radius + width, y + height / 2)
+    else:
+        name = Box(x - radius - width, y - height / 2, x - radius, y + height / 2)
+    return [Box(x - radius, y - radius, x + radius, y + radius), name]
+
+
+def _edge_label(wait: Any) -> str:
+    """The lock and what it is on (without the database, which the hover
+    and the table below give), wrapped; how long the wait was seen."""
+    locked = DATABASE_SUFFIX.sub("", wait.locked) or wait.lock_type
+    lines = textwrap.wrap(f"{wait.mode} on {locked}", GRAPH_LABEL_CHARS)
+    if wait.waited_ms:
+        lines.append(f"seen {wait.waited_ms} ms")
+    return "<br>".join(line for line in lines if line)
 
 
 def gaps_over_time(gaps: Iterable[tuple[str, str, int]]) -> dict[str, Any]:

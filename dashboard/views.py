@@ -27,7 +27,7 @@ from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.inbox import run_choices
 from dashboard.run_page import run_facts
 from dashboard.security import rejects_bad_input
-from evidence import locks, pglog, tasks
+from evidence import pglog, tasks
 from evidence.models import (
     BundleExport,
     CaptureGap,
@@ -280,6 +280,7 @@ def locks_list(request: HttpRequest) -> HttpResponse:
         "incidents": incidents[:100],
         "source": source,
         "sources": IncidentSource.choices,
+        "formats": pglog.FORMATS,
         "upload_limit_mb": LOG_UPLOAD_LIMIT // (1024 * 1024),
     }
     return render(request, "locks.html", context)
@@ -289,9 +290,11 @@ def locks_list(request: HttpRequest) -> HttpResponse:
 @rejects_bad_input
 def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
     incident = get_object_or_404(LockIncident, pk=incident_id)
+    waits = incident.waits.order_by("id")
     context = {
         "incident": incident,
-        "waits": incident.waits.order_by("id"),
+        "waits": waits.filter(lead_up=False),
+        "lead_up": waits.filter(lead_up=True),
         "graph": charts.lock_graph(incident),
         "plotly": True,
     }
@@ -302,6 +305,9 @@ def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
 @permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
 def locks_import(request: HttpRequest) -> HttpResponse:
+    log_format = request.POST.get("format") or "auto"
+    if log_format not in pglog.FORMATS:
+        raise BadRequest(f"format={log_format!r} is not one of: {', '.join(pglog.FORMATS)}")
     upload = request.FILES.get("log")
     if upload is None:
         messages.error(request, "Choose a PostgreSQL log file to import.")
@@ -311,20 +317,24 @@ def locks_import(request: HttpRequest) -> HttpResponse:
             request, f"{upload.name} is {upload.size} bytes; the limit is {LOG_UPLOAD_LIMIT}."
         )
         return redirect("locks")
-    # NUL is replaced like an undecodable byte: PostgreSQL text cannot hold
-    # one, and the statements quoted in a report are stored as text.
-    text = upload.read().decode(errors="replace").replace("\x00", "\ufffd")
-    reports = pglog.parse(text)
-    if not reports:
+    try:
+        imported = pglog.import_log(pglog.decode(upload.read()), upload.name, log_format)
+    except pglog.LogFormatError as error:
+        messages.error(request, f"{upload.name}: {error}. Nothing was imported.")
+        return redirect("locks")
+    if not imported:
         messages.error(request, f"No 'deadlock detected' report found in {upload.name}.")
         return redirect("locks")
-    for report in reports:
-        locks.store(
-            IncidentSource.LOG,
-            report.graph,
-            summary=f"deadlock of {len(report.graph.processes)} processes from {upload.name}",
-        )
-    messages.success(request, f"{len(reports)} deadlock reports imported from {upload.name}.")
+    partial = sum(bool(incident.unread) for _, incident in imported)
+    messages.success(
+        request,
+        f"{len(imported)} deadlock reports imported from {upload.name}."
+        + (
+            f" {partial} could not be read in full: their pages say what is missing."
+            if partial
+            else ""
+        ),
+    )
     return redirect("locks")
 
 

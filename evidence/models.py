@@ -153,15 +153,22 @@ class IncidentSource(models.TextChoices):
 class LockIncident(models.Model):
     """Lock waits that belong together: seen by the sampler in consecutive
     samples, arranged by `reproduce_contention`, or one "deadlock detected"
-    report of a server log."""
+    report of a server log (evidence/pglog.py)."""
 
     source = models.CharField(max_length=20, choices=IncidentSource)
+    # For an imported report, the time its log gives; a log that gives none
+    # leaves the import's time here, with time_known false: pages say
+    # "time unknown", never that time.
     started_at = models.DateTimeField(db_default=Now())
+    time_known = models.BooleanField(db_default=True)
     ended_at = models.DateTimeField(null=True, blank=True)
     processes = models.PositiveIntegerField(default=0)
     has_cycle = models.BooleanField(default=False)
     cycle = models.JSONField(default=list, blank=True, help_text="pids, in wait-for order")
     summary = models.TextField(blank=True)
+    unread = models.JSONField(
+        db_default=[], blank=True, help_text="What an imported report had that could not be read"
+    )
 
     class Meta:
         ordering = ["-started_at", "-id"]
@@ -172,7 +179,9 @@ class LockIncident(models.Model):
 
 
 class LockWait(models.Model):
-    """One wait-for edge: `waiter` waits for a lock `blocker` holds."""
+    """One wait-for edge: `waiter` waits for a lock `blocker` holds.  An
+    imported report's lead-up waits are the waits the server logged before
+    it (log_lock_waits: "still waiting"), not edges of its graph."""
 
     incident = models.ForeignKey(LockIncident, on_delete=models.CASCADE, related_name="waits")
     waiter_pid = models.IntegerField()
@@ -193,6 +202,7 @@ class LockWait(models.Model):
     first_seen = models.DateTimeField(db_default=Now())
     last_seen = models.DateTimeField(db_default=Now())
     waited_ms = models.PositiveIntegerField(default=0)
+    lead_up = models.BooleanField(db_default=False)
 
     class Meta:
         ordering = ["incident", "id"]

@@ -1,8 +1,8 @@
 """Deadlock reports in PostgreSQL server logs and in application output.
 
-A server log (any log_line_prefix, stderr format) reports a deadlock as an
-ERROR "deadlock detected" followed by a DETAIL whose lines say, for each
-process, what it waits for and who blocks it, then each process's query:
+A server reports a deadlock as an ERROR "deadlock detected" whose DETAIL
+says, for each process, what it waits for and who blocks it, then (in the
+server's log only) each process's query:
 
     ... ERROR:  deadlock detected
     ... DETAIL:  Process 101 waits for ShareLock on transaction 7001; blocked by process 102.
@@ -13,42 +13,107 @@ process, what it waits for and who blocks it, then each process's query:
     ... CONTEXT:  while updating tuple (0,1) in relation "evidence_modelcall"
     ... STATEMENT:  UPDATE ...
 
-Application output quotes the same text (a psycopg DeadlockDetected
-traceback, say) without prefixes.  `parse()` finds every report in either,
-ignoring everything around them.
+With `log_lock_waits`, the processes' waits were logged before it
+("process 101 still waiting for ShareLock on transaction 7001 after
+1000.123 ms", DETAIL "Process holding the lock: 102. Wait queue: 101.").
+
+evidence/pglog_formats.py reads any log format (and what clients print)
+into records; this module finds the reports among them, in any language of
+the catalog, with the waits that led to each, and says what it could not
+read of each one rather than leave it out or guess.  `record()` stores a
+report as a lock incident.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from evidence.locks import Edge, Graph, Process, role_of
+from django.db import transaction
+from django.utils import timezone
 
-REPORT = re.compile(r"deadlock detected")
-LEVEL = re.compile(
-    r"\b(DEBUG\d?|INFO|NOTICE|WARNING|ERROR|LOG|FATAL|PANIC|DETAIL|HINT|QUERY|CONTEXT|"
-    r"LOCATION|STATEMENT):\s"
+from evidence import locks
+from evidence import pglog_messages as messages
+from evidence.locks import Edge, Graph, Process, role_of
+from evidence.models import IncidentSource, LockIncident, LockWait
+from evidence.pglog_formats import (
+    FORMATS,
+    MAX_LINE,
+    MESSAGE,
+    LogFormatError,
+    Record,
+    decode,
+    read,
 )
-# The levels that continue a report; any other level starts something else.
-CONTINUES = {"DETAIL", "HINT", "QUERY", "CONTEXT", "LOCATION", "STATEMENT"}
-WAITS = re.compile(r"Process (\d+) waits for (\w+) on ([^;]*); blocked by process (\d+)")
-# Longer lines are not part of a deadlock report (and are not searched).
-MAX_LINE = 10_000
-QUERY_OF = re.compile(r"Process (\d+): (.*)$")
-PID_IN_PREFIX = re.compile(r"\[(\d+)\]|\bpid[=:]\s*(\d+)")
+
+__all__ = [
+    "FORMATS",
+    "LogFormatError",
+    "LoggedWait",
+    "Report",
+    "decode",
+    "import_log",
+    "parse",
+    "record",
+]
+
+# Words a client wraps around the lines of a report (node's `'...' +`).
+QUOTING = "'\"`+,; "
+# How much of a line the list of what was not read quotes.
+QUOTED = 120
+# The log_lock_waits messages of a wait that goes on (the others end it).
+WAITING = {
+    "lock_wait:still waiting",
+    "lock_wait:detected deadlock",
+    "lock_wait:avoided deadlock",
+}
+# LockWait.waited_ms is an int4.
+MAX_WAITED_MS = 2**31 - 1
+
+
+@dataclass
+class LoggedWait:
+    """A lock wait the server logged before a report (log_lock_waits)."""
+
+    waiter: int
+    mode: str
+    lock_type: str
+    locked: str
+    waited_ms: int
+    time: dt.datetime | None
+    holders: list[int] = field(default_factory=list)
+    line: int = 0
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "waiter": self.waiter,
+            "holders": self.holders,
+            "lock": self.mode,
+            "on": self.locked,
+            "waited_ms": self.waited_ms,
+            "time": self.time.isoformat() if self.time else None,
+        }
 
 
 @dataclass
 class Report:
-    """One "deadlock detected" report: its wait-for graph and the lines it
-    came from."""
+    """One "deadlock detected" report: its wait-for graph, what it could not
+    read, and the waits the log had before it."""
 
     graph: Graph = field(default_factory=Graph)
     reporter: int | None = None
+    time: dt.datetime | None = None
     statement: str = ""
     context: str = ""
-    lines: list[str] = field(default_factory=list)
+    line: int = 0
+    # What the report had that could not be read, one sentence each.
+    unread: list[str] = field(default_factory=list)
+    lead_up: list[LoggedWait] = field(default_factory=list)
+    # The records the report is read from, and the logged waits before it.
+    records: list[Record] = field(default_factory=list, repr=False)
+    earlier: list[LoggedWait] = field(default_factory=list, repr=False)
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -59,75 +124,295 @@ class Report:
             ],
             "cycle": self.graph.cycle(),
             "reporter": self.reporter,
+            "time": self.time.isoformat() if self.time else None,
             "statement": self.statement,
             "context": self.context,
+            "line": self.line,
+            "unread": self.unread,
+            "lead_up": [wait.as_json() for wait in self.lead_up],
         }
 
 
-def parse(text: str) -> list[Report]:
+def parse(text: str, format: str = "auto") -> list[Report]:
+    """Every deadlock report in `text`, in the order the log has them.
+    LogFormatError when `text` is not in `format`."""
     reports: list[Report] = []
-    lines = text.splitlines()
-    i = 0
-    while i < len(lines):
-        match = REPORT.search(lines[i])
-        if not match:
-            i += 1
+    # Per process (None where the log names none): the message its next
+    # DETAIL, HINT... belongs to, and the waits it has logged and not ended.
+    latest: dict[int | None, Report | LoggedWait | None] = {}
+    waiting: dict[int, LoggedWait] = {}
+    # Per process, the application name the log gives it (csvlog, jsonlog).
+    applications: dict[int, str] = {}
+    for item in read(text, format):
+        key = item.pid
+        if key is not None and item.application:
+            applications[key] = item.application
+        if item.label != MESSAGE:
+            owner = latest.get(key)
+            if isinstance(owner, Report):
+                owner.records.append(item)
+            elif isinstance(owner, LoggedWait) and item.label == "DETAIL":
+                owner.holders = _holders(item.text)
             continue
-        report = Report(reporter=_reporter(lines[i][: match.start()]), lines=[lines[i]])
-        i += 1
-        while i < len(lines) and not REPORT.search(lines[i]):
-            level = LEVEL.search(lines[i])
-            if level and level[1] not in CONTINUES:
-                break
-            if lines[i].startswith("Traceback (most recent call last)"):
-                break
-            _read(report, lines[i], level)
-            report.lines.append(lines[i])
-            i += 1
-        if report.graph.edges:
+        if messages.starts("deadlock", item.text.lstrip()):
+            report = Report(reporter=item.pid, time=item.time, line=item.line, records=[item])
+            report.earlier = list(waiting.values())
+            if item.time_problem:
+                report.unread.append(item.time_problem)
             reports.append(report)
+            latest[key] = report
+        elif logged := _logged_wait(item):
+            name, wait = logged
+            if name in WAITING:
+                waiting[wait.waiter] = wait
+                latest[key] = wait
+            else:  # acquired, or failed: that wait is over
+                waiting.pop(wait.waiter, None)
+                latest[key] = None
+        else:
+            latest[key] = None
+    for report in reports:
+        _interpret(report, applications)
+    reports = _distinct(reports)
+    used: set[int] = set()
+    for report in reports:
+        report.lead_up = [
+            wait
+            for wait in report.earlier
+            if wait.waiter in report.graph.processes and id(wait) not in used
+        ]
+        used.update(id(wait) for wait in report.lead_up)
+        report.unread.extend(
+            f"process {wait.waiter}'s lock wait (line {wait.line}) names no process holding "
+            "the lock: it is not stored"
+            for wait in report.lead_up
+            if not set(wait.holders) - {wait.waiter}
+        )
     return reports
 
 
-def _reporter(prefix: str) -> int | None:
-    """The reporting backend's pid, where log_line_prefix gives it (%p)."""
-    level = LEVEL.search(prefix + " ")
-    head = prefix[: level.start()] if level else prefix
-    for match in PID_IN_PREFIX.finditer(head):
-        pid = next(group for group in match.groups() if group)
-        return int(pid)
+def _logged_wait(item: Record) -> tuple[str, LoggedWait] | None:
+    text = item.text.lstrip()
+    for name in messages.names("lock_wait:"):
+        if match := messages.starts(name, text):
+            lock_type, locked = messages.describe_lock(match["lock"]) or _as_written(match["lock"])
+            wait = LoggedWait(
+                waiter=int(match["pid"]),
+                mode=match["mode"],
+                lock_type=lock_type,
+                locked=locked,
+                waited_ms=int(match["ms"]),
+                time=item.time,
+                line=item.line,
+            )
+            return name, wait
     return None
 
 
-def _read(report: Report, line: str, level: re.Match[str] | None) -> None:
-    body = line[level.end() :] if level else line
-    if level and level[1] == "STATEMENT":
-        report.statement = body.strip()
+def _holders(detail: str) -> list[int]:
+    match = messages.find("holders", detail)
+    return [int(pid) for pid in re.findall(r"\d+", match["holders"])] if match else []
+
+
+def _as_written(lock: str) -> tuple[str, str]:
+    """A lock PostgreSQL does not describe so: (its first word, as written)."""
+    return lock.split(" ", 1)[0], lock.strip()
+
+
+# -- one report --------------------------------------------------------------------------
+
+
+def _interpret(report: Report, applications: dict[int, str]) -> None:
+    """Reads the report's processes, edges and queries from its records, and
+    says what it could not read."""
+    unread = report.unread
+    graph = report.graph
+    details = 0
+    for item in report.records:
+        queried: Process | None = None  # the process whose query the next lines continue
+        if item.label == "STATEMENT":
+            report.statement = _unquoted(item.text)
+        elif item.label == "CONTEXT":
+            report.context = _unquoted(item.text)
+        if item.label not in (MESSAGE, "DETAIL", "HINT"):
+            continue
+        details += item.label == "DETAIL"
+        for raw, line in _lines(item):
+            if len(line) > MAX_LINE and not messages.starts("process_query", line):
+                unread.append(f"a line of {len(line)} characters was not read")
+                queried = None
+            elif edges := messages.find_all("waits", line):
+                for match in edges:
+                    _edge(report, match)
+                queried = None
+            elif match := messages.starts("process_query", line):
+                queried = graph.processes.setdefault(int(match["pid"]), Process(int(match["pid"])))
+                queried.query = match["query"].strip()
+            elif queried is not None:
+                queried.query += "\n" + raw  # a query over several lines
+            elif item.label == "DETAIL":
+                unread.append(f"DETAIL line not read: {line[:QUOTED]!r}")
+    for process in graph.processes.values():
+        # The application name, where the log gives one, names the role and run.
+        process.role, process.run_id = role_of(applications.get(process.pid, ""), process.query)
+    _reporter(report)
+    unread.extend(_missing(report, details))
+
+
+def _unquoted(text: str) -> str:
+    """A field as the server wrote it, without the quotes (and the comma
+    after them) a client printed around it: `'while updating ...',`."""
+    text = text.strip()
+    inner = text.removesuffix(",")
+    if len(inner) > 1 and inner[0] in "'\"`" and inner[-1] == inner[0]:
+        return inner[1:-1]
+    return text
+
+
+def _distinct(reports: list[Report]) -> list[Report]:
+    """The reports, each once: a client that chains exceptions (SQLAlchemy,
+    Hibernate then the servlet) prints the same report twice; what the
+    second has and the first lacks (its statement) is kept.  A server's
+    reports, which name their reporter, are each a deadlock of their own."""
+    kept: list[Report] = []
+    for report in reports:
+        same = next((k for k in kept if _same_deadlock(k, report)), None)
+        if same is None:
+            kept.append(report)
+            continue
+        same.statement = same.statement or report.statement
+        same.context = same.context or report.context
+        same.unread += [line for line in report.unread if line not in same.unread]
+    return kept
+
+
+def _same_deadlock(first: Report, second: Report) -> bool:
+    times = first.time is None or second.time is None or first.time == second.time
+    return (
+        first.reporter is None
+        and second.reporter is None
+        and bool(first.graph.edges)
+        and first.graph.edges == second.graph.edges
+        and times
+    )
+
+
+def _lines(item: Record) -> Iterable[tuple[str, str]]:
+    """The lines of a record that can hold report lines (of a message, not
+    the message itself, nor a client's words before it), as written and
+    without the quoting a client wraps around them."""
+    lines = item.text.splitlines()
+    if item.label == MESSAGE:
+        first = lines[0] if lines else ""
+        found = messages.find("deadlock", first)
+        lines = [first[found.end() :] if found else "", *lines[1:]]
+    for line in lines:
+        if stripped := line.strip().strip(QUOTING):
+            yield line.rstrip(), stripped
+
+
+def _edge(report: Report, match: re.Match[str]) -> None:
+    waiter, blocker = int(match["waiter"]), int(match["blocker"])
+    if waiter == blocker:
+        report.unread.append(f"process {waiter}'s waits-for line names itself: left out")
         return
-    if level and level[1] == "CONTEXT":
-        report.context = body.strip()
+    described = messages.describe_lock(match["lock"])
+    if described is None:
+        report.unread.append(
+            f"process {waiter} waits on {match['lock'][:QUOTED]!r}, which is not a lock "
+            "PostgreSQL describes: kept as written"
+        )
+    lock_type, locked = described or _as_written(match["lock"])
+    for pid in (waiter, blocker):
+        report.graph.processes.setdefault(pid, Process(pid))
+    report.graph.edges.append(Edge(waiter, blocker, match["mode"], lock_type, locked))
+
+
+def _reporter(report: Report) -> None:
+    """A reporter the log line names is one of the report's processes."""
+    reporter = report.reporter
+    if reporter is not None and report.graph.processes and reporter not in report.graph.processes:
+        report.unread.append(f"the log line names process {reporter}, which is not in the report")
+
+
+def _missing(report: Report, details: int) -> Iterable[str]:
+    graph = report.graph
+    if not graph.edges:
+        yield (
+            "no waits-for line found: the input does not say which processes waited for what"
+            if details
+            else "the report has no DETAIL: which processes waited for what is not in the input"
+        )
         return
-    if len(body) > MAX_LINE:
-        return
-    if waits := WAITS.search(body):
-        waiter, mode, locked, blocker = int(waits[1]), waits[2], waits[3], int(waits[4])
-        if waiter == blocker:
-            return  # not a wait-for edge: a process never waits for itself
-        for pid in (waiter, blocker):
-            report.graph.processes.setdefault(pid, Process(pid))
-        report.graph.edges.append(Edge(waiter, blocker, mode, _lock_type(locked), locked))
-    elif query := QUERY_OF.search(body):
-        process = report.graph.processes.setdefault(int(query[1]), Process(int(query[1])))
-        process.query = query[2].strip()
-        process.role, _ = role_of("", process.query)
+    waiters = {edge.waiter for edge in graph.edges}
+    for pid in graph.processes:
+        if pid not in waiters:
+            yield f"process {pid}'s waits-for line not found"
+    if not graph.cycle():
+        yield "the waits-for lines do not close a cycle"
+    queries = [p.pid for p in graph.processes.values() if p.query]
+    if not queries:
+        yield (
+            "no process's query is in the input (PostgreSQL sends clients the report "
+            "without them; the server log has them)"
+        )
+    else:
+        yield from (
+            f"process {pid}'s query not found" for pid in graph.processes if pid not in queries
+        )
 
 
-LOCK_TYPES = ("virtual transaction", "transaction", "tuple", "advisory lock", "page", "relation")
+# -- storing -----------------------------------------------------------------------------
 
 
-def _lock_type(locked: str) -> str:
-    """What kind of lock the DETAIL names: `tuple (0,5) of relation ...` -> tuple."""
-    for kind in LOCK_TYPES:
-        if locked.startswith(kind):
-            return kind.removesuffix(" lock")
-    return locked.split(" ", 1)[0]
+def import_log(text: str, origin: str, format: str = "auto") -> list[tuple[Report, LockIncident]]:
+    """Every report of `text` stored as an incident, all or none: input
+    that is not in `format` (LogFormatError) or a failed write stores none."""
+    reports = parse(text, format)
+    with transaction.atomic():
+        return [(report, record(report, origin)) for report in reports]
+
+
+def record(report: Report, origin: str) -> LockIncident:
+    """Stores a report as an incident: its edges, then the waits logged
+    before it, each at the time the log gives (the import's time, marked
+    unknown, where it gives none), and what could not be read."""
+    now = timezone.now()
+    when = report.time or now
+    graph = Graph(dict(report.graph.processes), list(report.graph.edges))
+    cycle = graph.cycle()
+    summary = f"deadlock of {len(graph.processes)} processes from {origin}" + (
+        f"; reported by {report.reporter}" if report.reporter else ""
+    )
+    logged = [
+        (wait, Edge(wait.waiter, holder, wait.mode, wait.lock_type, wait.locked))
+        for wait in report.lead_up
+        for holder in wait.holders
+        if holder != wait.waiter
+    ]
+    for _, edge in logged:
+        graph.processes.setdefault(edge.blocker, Process(edge.blocker))
+    # locks' own helpers, so that an imported wait is stored as a sampled one is.
+    runs = locks._known_runs(graph)
+    with transaction.atomic():
+        incident = LockIncident.objects.create(
+            source=IncidentSource.LOG,
+            started_at=when,
+            time_known=report.time is not None,
+            processes=len(report.graph.processes),
+            has_cycle=bool(cycle),
+            cycle=cycle,
+            summary=summary,
+            unread=report.unread,
+        )
+        waits = [
+            locks._wait(incident, graph, edge, runs, when, when) for edge in report.graph.edges
+        ]
+        for wait, edge in logged:
+            seen = wait.time or now
+            waited = dt.timedelta(milliseconds=min(wait.waited_ms, MAX_WAITED_MS))
+            row = locks._wait(incident, graph, edge, runs, seen - waited, seen)
+            row.lead_up = True
+            waits.append(row)
+        LockWait.objects.bulk_create(waits)
+    return incident

@@ -9,15 +9,8 @@ is gone with it).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -25,111 +18,15 @@ from django.db import connection
 from runs.executor import drive
 from runs.leases import Lease
 from runs.models import Action, AnswerRevision, Receipt, Run, RunEvent, RunStatus
-from runs.tasks import execute_run
 from runs.timeline import EventKind
-from tests.conftest import ROOT
+from tests.processes import Worker, enqueue, wait_until
+
+# The filesystem broker's fixture (tests/test_bundle_export_flow.py takes it from here).
+from tests.processes import broker as broker
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 DOCS = ["northwind-clean-energy.md", "meridian-world-equity.md", "crestline-short-treasury.md"]
-
-
-@pytest.fixture
-def broker(tmp_path: Path, settings: object) -> Iterator[Path]:
-    """The filesystem broker folder the worker processes use (process_env's
-    RUNDESK_VAR_DIR), for the tasks this process sends too."""
-    folder = tmp_path / "var" / "celery-broker"
-    folder.mkdir(parents=True)
-    settings.CELERY_BROKER_TRANSPORT_OPTIONS = {
-        "data_folder_in": str(folder),
-        "data_folder_out": str(folder),
-        "control_folder": str(folder.parent / "celery-control"),
-        "store_processed": False,
-    }
-    conf = execute_run.app.conf
-    previous, conf.broker_transport_options = (
-        conf.broker_transport_options,
-        settings.CELERY_BROKER_TRANSPORT_OPTIONS,
-    )
-    try:
-        yield folder
-    finally:
-        conf.broker_transport_options = previous
-
-
-def enqueue(run_id: int) -> None:
-    """execute_run for the run, on a connection of its own: the app's pooled
-    producer may still point at an earlier test's broker folder."""
-    with execute_run.app.connection_for_write() as conn:
-        execute_run.apply_async((run_id,), connection=conn)
-
-
-class Worker:
-    """`celery -A dashboard worker` (with --beat: beat embedded, as make
-    demo runs it) in its own process group, its log in a file."""
-
-    def __init__(self, env: dict[str, str], log: Path, *, beat: bool) -> None:
-        self.log = log
-        self._out = log.open("w")
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "dashboard",
-                "worker",
-                "--pool",
-                "solo",
-                "--loglevel",
-                "info",
-                "--without-heartbeat",
-                "--without-mingle",
-                "--without-gossip",
-                *(["--beat"] if beat else []),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-    def output(self) -> str:
-        return self.log.read_text()
-
-    def alive(self) -> None:
-        assert self.process.poll() is None, self.output()
-
-    def wait_ready(self, timeout: float = 30) -> None:
-        wait_until(lambda: " ready." in self.output(), timeout, "worker not ready", self)
-
-    def kill(self) -> None:
-        """SIGKILL to the whole group: the worker and its embedded beat."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):  # a child (beat) left behind
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self._out.close()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=15)
-        self.kill()
-
-
-def wait_until(
-    condition: Callable[[], object], timeout: float, what: str, *workers: Worker
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        for worker in workers:
-            worker.alive()
-        time.sleep(0.05)
 
 
 def status(run: Run) -> str:

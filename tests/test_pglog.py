@@ -1,13 +1,18 @@
 """Deadlock reports, read from server logs (any log_line_prefix, with noise
-around them) and from application output quoting a real deadlock."""
+around them) and from application output quoting a real deadlock; what a
+report that cannot be read in full becomes; the import_pg_log command.
+(Formats, languages, clients, noise and the pages have files of their own:
+tests/test_pglog_*.py.)"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import threading
+import time
 import traceback
-from io import StringIO
+from io import BytesIO, StringIO
+from types import SimpleNamespace
 
 import psycopg
 import pytest
@@ -89,18 +94,73 @@ def test_prefix_without_pid_relation_and_advisory_locks():
     assert report.graph.processes[201].query == "SELECT pg_advisory_xact_lock(42)"
 
 
-def test_a_crafted_long_line_is_not_searched_at_length():
-    crafted = "deadlock detected\nDETAIL:  Process 1 waits for X on " + "a" * 200_000 + "\n"
-    assert pglog.parse(crafted) == []
+def test_a_crafted_long_line_is_said_unread_in_bounded_time():
+    line = "Process 1 waits for X on" + " Process 1 waits for X on" * 8_000
+    crafted = f"deadlock detected\nDETAIL:  {line}\n"
+    started = time.monotonic()
+    (report,) = pglog.parse(crafted)
+    assert time.monotonic() - started < 2
+    assert report.graph.edges == []
+    assert report.unread[0] == f"a line of {len(line)} characters was not read"
+
+
+def test_a_waits_for_line_naming_its_own_process_is_left_out_and_said():
+    (report,) = pglog.parse(
+        "deadlock detected\nProcess 7 waits for X on y; blocked by process 7.\n"
+    )
+    assert report.graph.edges == []
+    assert "process 7's waits-for line names itself: left out" in report.unread
+
+
+def test_several_reports_are_found_and_a_report_without_detail_is_kept_and_said():
+    assert len(pglog.parse(THREE_WAY + NO_PID + THREE_WAY)) == 3
+    (bare,) = pglog.parse("LOG:  no problems here\nERROR:  deadlock detected\n")
+    assert bare.graph.processes == {}
+    assert bare.unread == [
+        "the report has no DETAIL: which processes waited for what is not in the input"
+    ]
+    assert pglog.parse("") == []
     assert (
-        pglog.parse("deadlock detected\nProcess 7 waits for X on y; blocked by process 7.\n") == []
+        pglog.parse("LOG:  retrying after deadlock detected\nERROR:  could not serialize\n") == []
     )
 
 
-def test_several_reports_and_nothing_else_are_found():
-    assert len(pglog.parse(THREE_WAY + NO_PID + THREE_WAY)) == 3
-    assert pglog.parse("LOG:  no problems here\nERROR:  deadlock detected\n") == []
-    assert pglog.parse("") == []
+# A report cut short and garbled: 4508 is named as a blocker, its own line
+# is missing; one line is not the server's; 4509's query is missing.
+INCOMPLETE = """\
+2026-11-29 12:00:00.000 UTC [4507] ERROR:  deadlock detected
+2026-11-29 12:00:00.000 UTC [4507] DETAIL:  Process 4507 waits for ShareLock on transaction 31; \
+blocked by process 4508.
+\tProcess 4509 waits for ShareLock on transaction 32; blocked by process 4507.
+\tProcess 4510 waits for ShareLock on transactio
+\tProcess 4507: UPDATE accounts SET balance = 0 WHERE id = 1
+\tProcess 4508: UPDATE accounts SET balance = 0 WHERE id = 2
+"""
+
+
+def test_a_report_not_read_in_full_keeps_what_it_could_and_lists_the_rest():
+    (report,) = pglog.parse(INCOMPLETE)
+    assert [(e.waiter, e.blocker) for e in report.graph.edges] == [(4507, 4508), (4509, 4507)]
+    assert report.unread == [
+        "DETAIL line not read: 'Process 4510 waits for ShareLock on transactio'",
+        "process 4508's waits-for line not found",
+        "the waits-for lines do not close a cycle",
+        "process 4509's query not found",
+    ]
+    assert report.graph.processes[4508].query == "UPDATE accounts SET balance = 0 WHERE id = 2"
+
+
+def test_a_query_over_several_lines_is_read_whole():
+    log = THREE_WAY.replace(
+        "\tProcess 4103: UPDATE evidence_modelcall SET published_revision = 2 WHERE run_id = 3\n",
+        "\tProcess 4103: UPDATE evidence_modelcall\n\t    SET published_revision = 2\n"
+        "\t    WHERE run_id = 3\n",
+    )
+    (report,) = pglog.parse(log)
+    assert report.graph.processes[4103].query == (
+        "UPDATE evidence_modelcall\n    SET published_revision = 2\n    WHERE run_id = 3"
+    )
+    assert report.unread == []
 
 
 def test_a_real_deadlock_quoted_by_application_output():
@@ -144,6 +204,12 @@ def test_a_real_deadlock_quoted_by_application_output():
     (report,) = pglog.parse("unrelated line\n" + output + "more output\n")
     assert sorted(report.graph.cycle()) == pids
     assert {e.lock_type for e in report.graph.edges} == {"transaction"}
+    assert report.context.startswith("while updating tuple")
+    # A client is sent the report without the queries: said, not guessed.
+    assert report.unread == [
+        "no process's query is in the input (PostgreSQL sends clients the report without "
+        "them; the server log has them)"
+    ]
 
 
 def test_import_pg_log_stores_incidents_and_prints_them(tmp_path):
@@ -161,7 +227,67 @@ def test_import_pg_log_stores_incidents_and_prints_them(tmp_path):
     assert wait.waiter_query == "UPDATE evidence_source SET changed = false WHERE id = 5"
 
 
+def test_import_pg_log_prints_each_incident_with_what_it_could_not_read(tmp_path):
+    log = tmp_path / "postgresql.log"
+    log.write_text(THREE_WAY + INCOMPLETE)
+    out = StringIO()
+    call_command("import_pg_log", str(log), stdout=out)
+    first, second = LockIncident.objects.order_by("id")
+    assert out.getvalue().splitlines() == [
+        f"2 deadlock reports imported from {log}",
+        f"  incident {first.pk} (line 2): 4102 -> 4103 -> 4104 -> 4102, "
+        "2026-11-29T10:00:01.456000+00:00",
+        f"  incident {second.pk} (line 14): no cycle, 2026-11-29T12:00:00+00:00",
+        "    not read: DETAIL line not read: 'Process 4510 waits for ShareLock on transactio'",
+        "    not read: process 4508's waits-for line not found",
+        "    not read: the waits-for lines do not close a cycle",
+        "    not read: process 4509's query not found",
+    ]
+    assert first.unread == [] and len(second.unread) == 4
+    assert (first.time_known, first.started_at.isoformat()) == (
+        True,
+        "2026-11-29T10:00:01.456000+00:00",
+    )
+
+
 def test_import_pg_log_refuses_a_missing_file_with_a_clear_error(tmp_path):
     with pytest.raises(CommandError, match=r"cannot read .*missing\.log: No such file"):
         call_command("import_pg_log", str(tmp_path / "missing.log"))
     assert not LockIncident.objects.exists()
+
+
+def test_import_pg_log_refuses_input_not_in_its_format_and_imports_none_of_it(tmp_path):
+    """A jsonlog file whose third line is cut: the report before it is not
+    imported either, and the error says where and what to do."""
+    entry = {"timestamp": "2026-11-29 10:00:01.456 UTC", "pid": 4102, "error_severity": "ERROR"}
+    lines = [
+        json.dumps({**entry, "message": "deadlock detected", "detail": NO_PID_DETAIL}),
+        json.dumps({**entry, "error_severity": "LOG", "message": "checkpoint starting"}),
+        '{"timestamp": "2026-11-29 10:00:02 UTC", "pid": 41',
+    ]
+    log = tmp_path / "postgresql.json"
+    log.write_text("\n".join(lines) + "\n")
+    with pytest.raises(CommandError, match=r"jsonlog line 3 is not JSON: .*nothing was imported"):
+        call_command("import_pg_log", str(log))
+    assert not LockIncident.objects.exists()
+    # Read as text instead, the whole entries are still found.
+    out = StringIO()
+    call_command("import_pg_log", str(log), "--format", "stderr", "--json", stdout=out)
+    (incident,) = json.loads(out.getvalue())["incidents"]
+    assert incident["cycle"] == [200, 201]
+
+
+def test_import_pg_log_reads_standard_input_and_refuses_an_unknown_format(monkeypatch):
+    monkeypatch.setattr("sys.stdin", SimpleNamespace(buffer=BytesIO(THREE_WAY.encode())))
+    out = StringIO()
+    call_command("import_pg_log", "-", "--json", stdout=out)
+    assert json.loads(out.getvalue())["incidents"][0]["cycle"] == [4102, 4103, 4104]
+    with pytest.raises(CommandError, match="invalid choice: 'syslog'"):
+        call_command("import_pg_log", "-", "--format", "syslog")
+
+
+NO_PID_DETAIL = (
+    "Process 200 waits for AccessExclusiveLock on relation 16390 of database 16384; "
+    "blocked by process 201.\n"
+    "Process 201 waits for ExclusiveLock on advisory lock [16384,0,42,1]; blocked by process 200."
+)

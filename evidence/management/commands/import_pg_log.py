@@ -7,19 +7,25 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from evidence import locks, pglog
-from evidence.models import IncidentSource
+from evidence import pglog
 
 
 class Command(BaseCommand):
     help = (
-        "Finds every 'deadlock detected' report in a PostgreSQL server log (any "
-        "log_line_prefix) or in application output quoting one, and stores each as a lock "
-        "incident with its processes, wait-for edges and cycle."
+        "Finds every 'deadlock detected' report in a PostgreSQL server log (stderr with any "
+        "log_line_prefix, csvlog or jsonlog; in any language PostgreSQL translates it to) or in "
+        "application output quoting one, and stores each as a lock incident with its processes, "
+        "wait-for edges, cycle and the lock waits logged before it, and what it could not read."
     )
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("file", help="the log file, or - for standard input")
+        parser.add_argument(
+            "--format",
+            choices=pglog.FORMATS,
+            default="auto",
+            help="the log's format (default: as its content says)",
+        )
         parser.add_argument("--json", action="store_true")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -28,21 +34,26 @@ class Command(BaseCommand):
             raw = sys.stdin.buffer.read() if name == "-" else Path(name).read_bytes()
         except OSError as error:
             raise CommandError(f"cannot read {name}: {error.strerror}") from None
-        reports = pglog.parse(raw.decode(errors="replace"))
-        incidents = []
-        for report in reports:
-            cycle = report.graph.cycle()
-            incident = locks.store(
-                IncidentSource.LOG,
-                report.graph,
-                summary=f"deadlock of {len(report.graph.processes)} processes from {name}"
-                + (f"; reported by {report.reporter}" if report.reporter else ""),
-            )
-            incidents.append({"id": incident.pk, **report.as_json(), "cycle": cycle})
+        try:
+            imported = pglog.import_log(pglog.decode(raw), name, options["format"])
+        except pglog.LogFormatError as error:
+            raise CommandError(f"{name}: {error}; nothing was imported") from None
+        incidents = [{"id": incident.pk, **report.as_json()} for report, incident in imported]
         if options["json"]:
             self.stdout.write(json.dumps({"incidents": incidents}))
-        else:
-            self.stdout.write(f"{len(incidents)} deadlock reports imported from {name}")
-            for incident in incidents:
-                cycle = " -> ".join(str(pid) for pid in incident["cycle"])
-                self.stdout.write(f"  incident {incident['id']}: cycle {cycle}")
+            return
+        self.stdout.write(f"{len(incidents)} deadlock reports imported from {name}")
+        for incident in incidents:
+            cycle = incident["cycle"]
+            self.stdout.write(
+                f"  incident {incident['id']} (line {incident['line']}): "
+                + (" -> ".join(str(pid) for pid in [*cycle, cycle[0]]) if cycle else "no cycle")
+                + f", {incident['time'] or 'time unknown'}"
+                + (
+                    f", {len(incident['lead_up'])} lock waits before it"
+                    if incident["lead_up"]
+                    else ""
+                )
+            )
+            for line in incident["unread"]:
+                self.stdout.write(f"    not read: {line}")

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from runs.benchmarks import bundle, capture, evidence_locked, pages, steps
+from runs.benchmarks import bundle, capture, evidence_locked, pages, scale, steps
 
 # tests/test_bundles.py measures exports with it, imported from here.
 from runs.benchmarks.bundle import measured_command as measured_command
@@ -43,13 +43,30 @@ class Command(BaseCommand):
             action="store_true",
             help="server time of the dashboard's pages at 100 and 100,000 runs (own databases)",
         )
+        parser.add_argument(
+            "--scale",
+            action="store_true",
+            help="runs/s with 1, 2 and 4 Celery worker processes, 100-run batches (own database "
+            "and queue)",
+        )
+        parser.add_argument(
+            "--broker",
+            default=scale.FILESYSTEM,
+            metavar="URL",
+            help="with --scale: the broker (redis://, amqp://); the filesystem broker by default",
+        )
         parser.add_argument("--json", action="store_true")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["steps"] < 1:
             raise CommandError("--steps must be at least 1")
-        if options["dashboard"]:
-            report: Any = {"pages": pages.measure()}
+        if options["scale"]:
+            try:
+                report: Any = scale.report(options["broker"])
+            except RuntimeError as error:
+                raise CommandError(f"bench --scale: {error}") from error
+        elif options["dashboard"]:
+            report = {"pages": pages.measure()}
         elif options["bundle"]:
             report = bundle.report([10_000, 200_000])
         elif options["evidence_locked"]:

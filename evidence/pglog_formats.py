@@ -1,0 +1,554 @@
+"""Log formats, read into one stream of records.
+
+A record is one message of a log or one field of it (the DETAIL, the HINT,
+the CONTEXT, the STATEMENT), with the time, pid and application name the
+log gives for it.  What the reader of deadlock reports (evidence/pglog.py)
+does with them does not depend on where they came from:
+
+- `stderr`: lines, each message's first line after a `log_line_prefix` of
+  any shape (or none); its further lines indented by a tab.  Lines a log
+  shipper prefixed again (syslog's `[3-2] #011`, journald, docker) are read
+  too.  The same reader reads what clients print of the server's error:
+  psycopg, SQLAlchemy, JDBC, node-postgres, pgx, Postgrex, the pg gem quote
+  it on lines of their own, after a stack-trace or logger prefix, inside
+  quotes with `\\n` escapes, or in an application's JSON log lines.
+- `csvlog`: one CSV record per message, the fields in its columns.
+- `jsonlog` (PostgreSQL 15+): one JSON object per message.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import io
+import json
+import re
+import zoneinfo
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from evidence import pglog_messages as messages
+
+FORMATS = ("auto", "stderr", "csvlog", "jsonlog")
+MESSAGE = "MESSAGE"
+# Lines longer than this are not searched for report lines (a crafted line
+# must not cost more than reading it).
+MAX_LINE = 10_000
+# Nested quoting is unwrapped this many times at most.
+MAX_DEPTH = 3
+# A csvlog field holds a whole query (track_activity_query_size is at most 1 MB).
+csv.field_size_limit(max(csv.field_size_limit(), 4 * 1024 * 1024))
+
+
+class LogFormatError(ValueError):
+    """The input is not in the format it was said, or found, to be in."""
+
+
+@dataclass(frozen=True)
+class Record:
+    label: str  # MESSAGE, or the field: DETAIL, HINT, QUERY, CONTEXT, LOCATION, STATEMENT
+    text: str
+    severity: str = ""  # of a message: ERROR, LOG... ("" when the input does not say)
+    time: dt.datetime | None = None
+    # Why a time the input gives for the record could not be read.
+    time_problem: str = ""
+    pid: int | None = None
+    application: str = ""
+    line: int = 0  # where the record starts in the input
+
+
+def decode(raw: bytes) -> str:
+    """A log's bytes as text: an undecodable byte, and NUL (PostgreSQL text
+    cannot hold one), as U+FFFD."""
+    return raw.decode(errors="replace").replace("\x00", "\ufffd")
+
+
+def read(text: str, format: str = "auto") -> Iterator[Record]:
+    """The records of `text`, read as `format` (auto: as its content says)."""
+    if format == "auto":
+        format = detect(text)
+    if format == "csvlog":
+        return _csv_records(text)
+    if format == "jsonlog":
+        return _json_records(text)
+    if format == "stderr":
+        return _TextReader().read(text)
+    raise LogFormatError(f"unknown format {format!r}: one of {', '.join(FORMATS)}")
+
+
+def detect(text: str) -> str:
+    """csvlog or jsonlog when the first line is one of their records, else
+    stderr (which also reads what applications print)."""
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    if first.lstrip().startswith("{"):
+        try:
+            entry = json.loads(first)
+        except ValueError:
+            return "stderr"
+        return "jsonlog" if _is_server_entry(entry) else "stderr"
+    if CSV_START.match(first):
+        try:
+            row = next(csv.reader(io.StringIO(text)), [])
+        except csv.Error:
+            return "stderr"
+        if len(row) >= CSV_MIN_FIELDS and _severity(row[11]):
+            return "csvlog"
+    return "stderr"
+
+
+# -- csvlog and jsonlog ----------------------------------------------------------------
+
+# csvlog's columns (PostgreSQL 13: 24, 14+: 26), named as jsonlog names them.
+CSV_COLUMNS = [
+    "timestamp",
+    "user",
+    "dbname",
+    "pid",
+    "remote_host",
+    "session_id",
+    "line_num",
+    "ps",
+    "session_start",
+    "vxid",
+    "txid",
+    "error_severity",
+    "state_code",
+    "message",
+    "detail",
+    "hint",
+    "internal_query",
+    "internal_position",
+    "context",
+    "statement",
+    "cursor_position",
+    "location",
+    "application_name",
+    "backend_type",
+    "leader_pid",
+    "query_id",
+]
+CSV_MIN_FIELDS = 23
+CSV_START = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:\.\d+)?(?: [^,]*)?,")
+# A server entry's fields, and the key an application's JSON gives each.
+FIELDS = {
+    MESSAGE: ("message", "msg"),
+    "DETAIL": ("detail",),
+    "HINT": ("hint",),
+    "QUERY": ("internal_query", "internalQuery"),
+    "CONTEXT": ("context", "where"),
+    "STATEMENT": ("statement", "query"),
+}
+TIME_KEYS = ("timestamp", "time", "ts", "@timestamp", "log_time")
+
+
+def _csv_records(text: str) -> Iterator[Record]:
+    reader = csv.reader(text.splitlines(keepends=True))
+    try:
+        for row in reader:
+            if not row:
+                continue
+            start = reader.line_num
+            if len(row) < CSV_MIN_FIELDS:
+                raise LogFormatError(
+                    f"csvlog record ending on line {start} has {len(row)} fields; "
+                    f"csvlog records have {CSV_MIN_FIELDS} to {len(CSV_COLUMNS)}"
+                )
+            yield from _entry_records(dict(zip(CSV_COLUMNS, row, strict=False)), start)
+    except csv.Error as error:
+        raise LogFormatError(f"csvlog line {reader.line_num}: {error}") from None
+
+
+def _json_records(text: str) -> Iterator[Record]:
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError as error:
+            raise LogFormatError(f"jsonlog line {number} is not JSON: {error}") from None
+        if not _is_server_entry(entry):
+            raise LogFormatError(
+                f"jsonlog line {number} is not a server log entry (no error_severity or message)"
+            )
+        yield from _entry_records(entry, number)
+
+
+def _is_server_entry(entry: object) -> bool:
+    return isinstance(entry, dict) and "error_severity" in entry and "message" in entry
+
+
+def _entry_records(
+    entry: dict[str, Any], line: int, time: tuple[dt.datetime | None, str] = (None, "")
+) -> Iterator[Record]:
+    """The records of one message given as named fields: a csvlog or
+    jsonlog entry, or an error object in an application's log."""
+    stamp = next((entry[key] for key in TIME_KEYS if entry.get(key) not in (None, "")), None)
+    when, problem = read_time(stamp) if stamp is not None else time
+    pid = entry.get("pid")
+    common = {
+        "time": when,
+        "time_problem": problem,
+        # An application's own pid is not a server process.
+        "pid": int(pid) if _is_server_entry(entry) and str(pid).isdigit() else None,
+        "application": str(entry.get("application_name") or ""),
+        "line": line,
+    }
+    severity = _severity(str(entry.get("error_severity") or entry.get("severity") or ""))
+    for label, keys in FIELDS.items():
+        value = next((entry[key] for key in keys if isinstance(entry.get(key), str)), "")
+        if value:
+            yield Record(label, value, severity if label == MESSAGE else "", **common)
+
+
+def _severity(word: str) -> str:
+    match = messages.label_pattern().fullmatch(f"{word.strip()}:  ")
+    return match.lastgroup[2:] if match and match.lastgroup.startswith("s_") else ""
+
+
+# -- stderr and application output ----------------------------------------------------
+
+# A client's name for a field, at the start of its line: JDBC's "  Detail:",
+# node-postgres's "  detail: '...'", Postgrex's "    hint:", SQLAlchemy's "[SQL: ".
+CLIENT_FIELDS = {
+    "detail": "DETAIL",
+    "hint": "HINT",
+    "where": "CONTEXT",
+    "context": "CONTEXT",
+    "statement": "STATEMENT",
+    "internalquery": "QUERY",
+    "sql": "STATEMENT",
+}
+# The other fields of a client's error, read so that they end the one before.
+OTHER_FIELDS = [
+    "position",
+    "internalposition",
+    "location",
+    "serversqlstate",
+    "routine",
+    "file",
+    "line",
+    "schema",
+    "table",
+    "column",
+    "datatype",
+    "constraint",
+    "length",
+    "severity",
+    "code",
+    "name",
+]
+CLIENT_LABEL = re.compile(r"^\s*\[?(?P<key>[A-Za-z][A-Za-z_ ]{0,20}?):\s")
+# A frame of a stack trace: Java's and node's `at ...`, Python's `File "..."`,
+# Ruby's `from ...:12:in`, Elixir's `(app 1.2.3) lib/...`, Java's `... 5 more`.
+STACK_FRAME = re.compile(
+    r"^\s+(?:at\s+(?:async\s+)?(?:[\w$.<>\[\]]+\s?\(.*\)|\S+:\d+:\d+)"
+    r"|File\s\"[^\"]+\",\sline\s\d+|from\s\S+:\d+:in\s|\(\S+\s[\d.]+\)\s"
+    r"|\.\.\.\s\d+\s(?:more|common))"
+    r"|^Traceback \(most recent call last\)|^goroutine \d+"
+)
+# A line of only quotes and punctuation: the rest of a quoted field.
+LEFTOVER = re.compile(r"^[\s'\"`+,;:()\[\]{}]*$")
+ESCAPED_NEWLINE = re.compile(r"\\n")
+SHIPPER_TAB = re.compile(r"\t|#011")
+DIGITS = re.compile(r"\d+")
+QUOTED_VALUE = re.compile(
+    r"""(?<![\w"'])["':]?(?P<key>[A-Za-z_]+)["']?\s*(?::|=>?)\s*"""
+    r"""(?P<quote>["'])(?P<value>(?:\\.|(?!(?P=quote))[^\\])*)(?P=quote)"""
+)
+
+
+@dataclass
+class _Pending:
+    """The record being read: its first line's facts and its lines."""
+
+    label: str
+    severity: str
+    prefix: str
+    line: int
+    lines: list[str] = field(default_factory=list)
+    time: dt.datetime | None = None
+    time_problem: str = ""
+    pid: int | None = None
+
+    def record(self) -> Record:
+        text = "\n".join(self.lines).strip("\n")
+        return Record(
+            self.label, text, self.severity, self.time, self.time_problem, self.pid, "", self.line
+        )
+
+
+class _TextReader:
+    def __init__(self) -> None:
+        self.pending: _Pending | None = None
+
+    def read(self, text: str) -> Iterator[Record]:
+        for number, line in enumerate(text.splitlines(), start=1):
+            yield from self._line(line, number, depth=0, time=(None, ""))
+        yield from self._flush()
+
+    def _line(
+        self, line: str, number: int, depth: int, time: tuple[dt.datetime | None, str]
+    ) -> Iterator[Record]:
+        if depth < MAX_DEPTH and _quotes_a_report(line):
+            if line.lstrip().startswith("{"):
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    entry = None
+                if isinstance(entry, dict):
+                    yield from self._flush()
+                    yield from self._object(entry, number, depth, time)
+                    return
+            pairs = _quoted_values(line) if len(line) <= MAX_LINE else {}
+            if "detail" in pairs and any(key in pairs for key in FIELDS[MESSAGE]):
+                yield from self._flush()
+                yield from _entry_records(
+                    pairs, number, read_time(line) if _has_time(line) else time
+                )
+                return
+            if ESCAPED_NEWLINE.search(line):
+                for piece in _unquote(line).splitlines():
+                    yield from self._line(piece, number, depth + 1, time)
+                return
+        yield from self._text_line(line, number, time)
+
+    def _object(
+        self, entry: dict[str, Any], number: int, depth: int, time: tuple[dt.datetime | None, str]
+    ) -> Iterator[Record]:
+        """A JSON line: a server's jsonlog entry; or an application's log
+        line, whose error object (node-postgres, Postgrex: message, detail,
+        hint, where) or, failing that, whose strings hold a report."""
+        if _is_server_entry(entry):
+            yield from _entry_records(entry, number)
+            return
+        stamp = next((entry[key] for key in TIME_KEYS if entry.get(key) not in (None, "")), None)
+        time = read_time(stamp) if stamp is not None else time
+        if error := _error_object(entry):
+            yield from _entry_records(error, number, time)
+            return
+        for value in _strings(entry):
+            if _quotes_a_report(value):
+                for piece in value.splitlines():
+                    yield from self._line(piece, number, depth + 1, time)
+                yield from self._flush()
+
+    def _text_line(
+        self, line: str, number: int, time: tuple[dt.datetime | None, str]
+    ) -> Iterator[Record]:
+        start = _start(line)
+        if start is not None:
+            yield from self._flush()
+            prefix, label, severity, text = start
+            when, problem = read_time(prefix) if _has_time(prefix) else time
+            self.pending = _Pending(
+                label, severity, prefix, number, [text], when, problem, _pid(prefix)
+            )
+            return
+        pending = self.pending
+        if pending is None:
+            return
+        if (rest := _continuation(line, pending.prefix)) is not None:
+            pending.lines.append(rest)
+        elif LEFTOVER.match(line):
+            pending.lines.append("")
+        else:
+            yield from self._flush()
+
+    def _flush(self) -> Iterator[Record]:
+        if self.pending is not None:
+            yield self.pending.record()
+            self.pending = None
+
+
+def _start(line: str) -> tuple[str, str, str, str] | None:
+    """(prefix, label, severity, text) when `line` starts a message or a
+    field: after a log_line_prefix, a severity or a label; or a client's
+    field name at its start; or a deadlock report a client quotes."""
+    found = messages.label_pattern().search(line) if len(line) <= MAX_LINE else None
+    quoted = _quoted_report(line)
+    if found and (quoted is None or found.start() <= quoted):
+        kind, word = found.lastgroup[0], found.lastgroup[2:]
+        label, severity = (MESSAGE, word) if kind == "s" else (word, "")
+        return line[: found.start()], label, severity, line[found.end() :]
+    if quoted is not None:
+        return line[:quoted], MESSAGE, "", line[quoted:]
+    if (client := CLIENT_LABEL.match(line)) and not STACK_FRAME.match(line):
+        key = client["key"].replace(" ", "").replace("_", "").lower()
+        if key in CLIENT_FIELDS or key in OTHER_FIELDS:
+            text = line[client.end() :]
+            return "", CLIENT_FIELDS.get(key, "OTHER"), "", text.removesuffix("]")
+    return None
+
+
+def _error_object(value: object) -> dict[str, Any] | None:
+    """The first object in `value` that is an error with a detail."""
+    if isinstance(value, dict):
+        if isinstance(value.get("detail"), str) and any(
+            isinstance(value.get(key), str) for key in FIELDS[MESSAGE]
+        ):
+            return value
+        value = list(value.values())
+    if isinstance(value, list):
+        return next((found for item in value if (found := _error_object(item))), None)
+    return None
+
+
+def _strings(value: object) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict | list):
+        for item in value.values() if isinstance(value, dict) else value:
+            yield from _strings(item)
+
+
+def _quoted_report(line: str) -> int | None:
+    """Where a deadlock report a client quotes starts in `line`: the message
+    after a class name, a parenthesis or a quote, not inside a sentence."""
+    if len(line) > MAX_LINE or not (found := messages.find("deadlock", line)):
+        return None
+    before = line[: found.start()].rstrip()
+    return None if before and before[-1].isalnum() else found.start()
+
+
+def _continuation(line: str, prefix: str) -> str | None:
+    """The rest of the message when `line` continues it: indented (the
+    server indents a message's further lines by a tab) but not a stack
+    frame; or a report's line a client wrote unindented; or a line a log
+    shipper prefixed again (`host postgres[4102]: [3-2] #011...`)."""
+    if line[:1].isspace():
+        return None if STACK_FRAME.match(line) else line[1:] if line[0] == "\t" else line
+    if len(line) <= MAX_LINE and any(
+        messages.starts(name, line) for name in ("waits", "process_query", "holders")
+    ):
+        return line
+    if prefix and (tab := SHIPPER_TAB.search(line)):
+        shipped = DIGITS.sub("0", line[: tab.start()])
+        if shipped and DIGITS.sub("0", prefix).startswith(shipped):
+            return line[tab.end() :]
+    if prefix and line.strip() and DIGITS.sub("0", prefix).startswith(DIGITS.sub("0", line)):
+        return ""
+    return None
+
+
+def _quotes_a_report(text: str) -> bool:
+    return len(text) <= 100 * MAX_LINE and bool(
+        messages.find("deadlock", text) or messages.find("waits", text)
+    )
+
+
+def _quoted_values(line: str) -> dict[str, str]:
+    """`key: "value"` pairs of an error object printed on one line (Elixir's
+    inspect, node's util.inspect, a JSON fragment), values unescaped."""
+    return {m["key"]: _unescape(m["value"]) for m in QUOTED_VALUE.finditer(line)}
+
+
+QUOTED_LITERAL = re.compile(r"""(?P<quote>["'])(?P<body>(?:\\.|(?!(?P=quote))[^\\])*)(?P=quote)""")
+
+
+def _unquote(line: str) -> str:
+    """A line with a report inside a quoted string (a repr, a JSON string in
+    text): what comes before the string, then the string unescaped, without
+    its quotes and what follows them; or the whole line unescaped."""
+    for literal in QUOTED_LITERAL.finditer(line):
+        body = literal["body"]
+        if ESCAPED_NEWLINE.search(body) and _quotes_a_report(body):
+            return line[: literal.start()] + _unescape(body)
+    return _unescape(line)
+
+
+UNESCAPES = {"n": "\n", "r": "", "t": "\t", '"': '"', "'": "'", "\\": "\\", "/": "/"}
+
+
+def _unescape(text: str) -> str:
+    r"""`\n`, `\t`, `\"`, `\\` and `\uXXXX` as what they stand for."""
+
+    def one(match: re.Match[str]) -> str:
+        escaped = match[1]
+        if escaped.startswith("u"):
+            return chr(int(escaped[1:], 16))
+        return UNESCAPES.get(escaped, match[0])
+
+    return re.sub(r"\\(u[0-9a-fA-F]{4}|.)", one, text)
+
+
+# -- what a prefix says ----------------------------------------------------------------
+
+ISO_TIME = re.compile(
+    r"(?<!\d)(?P<date>\d{4}-\d{2}-\d{2})[ T](?P<clock>\d{2}:\d{2}:\d{2})(?P<fraction>[.,]\d+)?"
+    r"(?:\s?(?P<offset>Z|[+-]\d{2}(?::?\d{2})?)(?![\w:])|\s(?P<zone>[A-Za-z][\w/+-]*))?"
+)
+EPOCH_TIME = re.compile(r"(?<![\d.])(?P<seconds>\d{10})(?:\.(?P<fraction>\d{1,6}))?(?![\d.])")
+PID_IN_PREFIX = re.compile(
+    r"\[(?P<bracket>\d+)(?:-\d+)?\]|\bpid[=:]\s*(?P<named>\d+)"
+    r"|(?<![\w.])[0-9a-f]{8}\.(?P<session>[0-9a-f]{1,8})(?![\w.])"
+)
+# Zone abbreviations that name one offset (minutes east of UTC).  CST and
+# IST name several: a time in them is unknown.
+ZONES = {
+    "UTC": 0, "UT": 0, "GMT": 0, "Z": 0, "WET": 0, "WEST": 60, "BST": 60, "CET": 60,
+    "CEST": 120, "MET": 60, "MEST": 120, "EET": 120, "EEST": 180, "MSK": 180, "SAST": 120,
+    "EST": -300, "EDT": -240, "CDT": -300, "MST": -420, "MDT": -360, "PST": -480,
+    "PDT": -420, "AKST": -540, "AKDT": -480, "HST": -600, "JST": 540, "KST": 540,
+    "HKT": 480, "AWST": 480, "ACST": 570, "ACDT": 630, "AEST": 600, "AEDT": 660,
+    "NZST": 720, "NZDT": 780, "WIB": 420, "PKT": 300,
+}  # fmt: skip
+# Words that follow a time in application logs and are not zones.
+LEVELS = {"TRACE", "DEBUG", "INFO", "NOTICE", "WARN", "WARNING", "ERROR", "FATAL", "PANIC"}
+
+
+def _has_time(prefix: str) -> bool:
+    return bool(ISO_TIME.search(prefix) or EPOCH_TIME.search(prefix))
+
+
+def read_time(value: object) -> tuple[dt.datetime | None, str]:
+    """(the time, "") or (None, why it cannot be read) from what a log gives:
+    a prefix with %t/%m ("2026-11-29 10:00:01.456 UTC", zone names or
+    offsets), %n (epoch seconds), or a JSON number (seconds or milliseconds)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = value / 1000 if value > 10**11 else value
+        return dt.datetime.fromtimestamp(seconds, dt.UTC), ""
+    text = str(value)
+    if match := ISO_TIME.search(text):
+        return _iso_time(match)
+    if match := EPOCH_TIME.search(text):
+        return dt.datetime.fromtimestamp(float(match[0]), dt.UTC), ""
+    return None, ""
+
+
+def _iso_time(match: re.Match[str]) -> tuple[dt.datetime | None, str]:
+    fraction = (match["fraction"] or ".0")[1:7].ljust(6, "0")
+    try:
+        local = dt.datetime.fromisoformat(f"{match['date']}T{match['clock']}.{fraction}")
+    except ValueError:
+        return None, f"the time {match[0]!r} is not a date and time"
+    written = match[0].strip()
+    if match["offset"]:
+        offset = match["offset"].replace(":", "")
+        if offset == "Z":
+            return local.replace(tzinfo=dt.UTC), ""
+        minutes = int(offset[1:3]) * 60 + int(offset[3:5] or 0)
+        zone = dt.timezone(dt.timedelta(minutes=-minutes if offset[0] == "-" else minutes))
+        return local.replace(tzinfo=zone), ""
+    name = match["zone"] or ""
+    if name.upper() in ZONES:
+        return local.replace(tzinfo=dt.timezone(dt.timedelta(minutes=ZONES[name.upper()]))), ""
+    if "/" in name:
+        try:
+            return local.replace(tzinfo=zoneinfo.ZoneInfo(name)), ""
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            return None, f"the time {written!r} names a zone this server does not know"
+    if name.isalpha() and name.isupper() and name not in LEVELS and len(name) <= 5:
+        return None, f"the time {written!r} is in zone {name}, whose offset is not known here"
+    end = match.end("fraction") if match["fraction"] else match.end("clock")
+    return None, f"the time {match.string[match.start() : end]!r} gives no time zone"
+
+
+def _pid(prefix: str) -> int | None:
+    """The reporting backend's pid, where log_line_prefix gives it (%p, or
+    the %c session id, whose second half is the pid in hex)."""
+    if not (match := PID_IN_PREFIX.search(prefix)):
+        return None
+    if match["session"]:
+        return int(match["session"], 16)
+    return int(match["bracket"] or match["named"])

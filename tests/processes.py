@@ -1,0 +1,70 @@
+"""Real Celery worker processes for tests: started, waited for, killed.
+
+The worker process itself is the benchmark's (runs/benchmarks/scale.py:
+`CeleryWorker`, configured for a `Broker`); a test's `Worker` adds that a
+worker which dies unasked fails the test, with its output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from runs.benchmarks.scale import CeleryWorker
+from runs.tasks import execute_run
+
+
+@pytest.fixture
+def broker(tmp_path: Path, settings: object) -> Iterator[Path]:
+    """The filesystem broker folder the worker processes use (process_env's
+    RUNDESK_VAR_DIR), for the tasks this process sends too."""
+    folder = tmp_path / "var" / "celery-broker"
+    folder.mkdir(parents=True)
+    settings.CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(folder),
+        "data_folder_out": str(folder),
+        "control_folder": str(folder.parent / "celery-control"),
+        "store_processed": False,
+    }
+    conf = execute_run.app.conf
+    previous, conf.broker_transport_options = (
+        conf.broker_transport_options,
+        settings.CELERY_BROKER_TRANSPORT_OPTIONS,
+    )
+    try:
+        yield folder
+    finally:
+        conf.broker_transport_options = previous
+
+
+def enqueue(run_id: int) -> None:
+    """execute_run for the run, on a connection of its own: the app's pooled
+    producer may still point at an earlier test's broker folder."""
+    with execute_run.app.connection_for_write() as conn:
+        execute_run.apply_async((run_id,), connection=conn)
+
+
+class Worker(CeleryWorker):
+    """`celery -A dashboard worker` (solo pool unless told; with beat=True,
+    beat embedded, as make demo runs it) for a `Broker`, or with the
+    project's settings (the filesystem broker of `broker` above)."""
+
+    def alive(self) -> None:
+        assert not self.exited(), self.output()
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        wait_until(self.ready, timeout, "worker not ready", self)
+
+
+def wait_until(
+    condition: Callable[[], object], timeout: float, what: str, *workers: Worker
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        for worker in workers:
+            worker.alive()
+        time.sleep(0.05)

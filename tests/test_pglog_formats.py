@@ -1,0 +1,219 @@
+"""Log formats: stderr with any log_line_prefix (none, redacted, without a
+pid, with any zone, re-prefixed by syslog, journald or docker), csvlog and
+jsonlog; the format found from the content, or the one asked for."""
+
+from __future__ import annotations
+
+import datetime as dt
+import zoneinfo
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from evidence import pglog, pglog_formats
+
+FIXTURES = Path(__file__).parent / "fixtures" / "pglog"
+UTC = dt.UTC
+
+# (clock, pid, severity or label, text): a two-process report between
+# other sessions' duration and statement logging.
+EVENTS = [
+    ("10:00:00.900", 4105, "LOG", "duration: 0.412 ms  statement: SELECT 1"),
+    ("10:00:01.456", 4102, "ERROR", "deadlock detected"),
+    (
+        "10:00:01.456",
+        4102,
+        "DETAIL",
+        "Process 4102 waits for ShareLock on transaction 9001; blocked by process 4103.\n"
+        "Process 4103 waits for ShareLock on transaction 9002; blocked by process 4102.\n"
+        "Process 4102: UPDATE accounts SET balance = 1 WHERE id = 2\n"
+        "Process 4103: UPDATE accounts SET balance = 2 WHERE id = 1",
+    ),
+    ("10:00:01.456", 4102, "HINT", "See server log for query details."),
+    ("10:00:01.456", 4102, "CONTEXT", 'while updating tuple (0,2) in relation "accounts"'),
+    ("10:00:01.456", 4102, "STATEMENT", "UPDATE accounts SET balance = 1 WHERE id = 2"),
+    ("10:00:02.000", 4105, "LOG", "statement: SELECT 2"),
+]
+EPOCH = dt.datetime(2026, 11, 29, 10, 0, 1, 456000, UTC).timestamp()
+
+
+def stderr(prefix: Callable[[str, int], str], continued: Callable[[str], str] = lambda _: "\t"):
+    """EVENTS as a server writes them to stderr: each message's first line
+    after `prefix`, its further lines after `continued` (a tab, unless a
+    log shipper prefixes every line again)."""
+    lines = []
+    for clock, pid, word, text in EVENTS:
+        first, *rest = text.split("\n")
+        head = prefix(clock, pid)
+        lines.append(f"{head}{word}:  {first}")
+        lines += [continued(head) + line for line in rest]
+    return "\n".join(lines) + "\n"
+
+
+def at(zone: dt.tzinfo, seconds: float = 1.456) -> dt.datetime:
+    whole = int(seconds)
+    return dt.datetime(2026, 11, 29, 10, 0, whole, round((seconds - whole) * 1e6), zone)
+
+
+def syslog_next(head: str) -> str:
+    """The next line of a syslog message: [7-1] becomes [7-2], a tab #011."""
+    return head.replace("-1] ", "-2] ") + "#011"
+
+
+PREFIXES = [
+    # (log_line_prefix or shipper, prefix, continuation, time, reporter)
+    ("none", lambda c, p: "", None, None, None),
+    ("%t", lambda c, p: f"2026-11-29 {c[:8]} UTC ", None, at(UTC, 1), None),
+    ("%m [%p]", lambda c, p: f"2026-11-29 {c} UTC [{p}] ", None, at(UTC), 4102),
+    ("%n [%p]", lambda c, p: f"{EPOCH:.3f} [{p}] ", None, at(UTC), 4102),
+    (
+        "%m [%p-%l] %q%u@%d",
+        lambda c, p: f"2026-11-29 {c} CET [{p}-3] rundesk@app ",
+        None,
+        at(dt.timezone(dt.timedelta(hours=1))),
+        4102,
+    ),
+    (
+        "RDS %t:%r:%u@%d:[%p]:",
+        lambda c, p: f"2026-11-29 {c[:8]} UTC:10.0.0.5(51234):rundesk@app:[{p}]:",
+        None,
+        at(UTC, 1),
+        4102,
+    ),
+    ("%c", lambda c, p: f"6769a1b0.{p:x} ", None, None, 4102),
+    ("pid=%p,app=%a", lambda c, p: f"pid={p},user=rundesk,app=rundesk:executor ", None, None, 4102),
+    (
+        "offset zone",
+        lambda c, p: f"2026-11-29 {c} -03 [{p}] ",
+        None,
+        at(dt.timezone(dt.timedelta(hours=-3))),
+        4102,
+    ),
+    (
+        "ISO with offset",
+        lambda c, p: f"2026-11-29T{c}+05:30 [{p}] ",
+        None,
+        at(dt.timezone(dt.timedelta(hours=5, minutes=30))),
+        4102,
+    ),
+    (
+        "named zone",
+        lambda c, p: f"2026-11-29 {c} Europe/Berlin [{p}] ",
+        None,
+        at(zoneinfo.ZoneInfo("Europe/Berlin")),
+        4102,
+    ),
+    ("redacted", lambda c, p: "XXXX-XX-XX XX:XX:XX.XXX UTC [XXXX] ", None, None, None),
+    ("no pid", lambda c, p: f"2026-11-29 {c} UTC [] ", None, at(UTC), None),
+    (
+        "syslog",
+        lambda c, p: f"Nov 29 {c[:8]} db1 postgres[{p}]: [7-1] ",
+        syslog_next,
+        None,
+        4102,
+    ),
+    (
+        "journald",
+        lambda c, p: f"Nov 29 {c[:8]} db1 postgres[{p}]: 2026-11-29 {c} UTC [{p}] ",
+        lambda head: head.split(" 2026")[0] + " \t",
+        at(UTC),
+        4102,
+    ),
+    (
+        "docker",
+        lambda c, p: f"db-1  | 2026-11-29 {c} UTC [{p}] ",
+        lambda head: "db-1  | \t",
+        at(UTC),
+        4102,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("prefix", "continued", "time", "reporter"),
+    [case[1:] for case in PREFIXES],
+    ids=[case[0] for case in PREFIXES],
+)
+def test_stderr_report_is_read_under_any_prefix(prefix, continued, time, reporter):
+    text = stderr(prefix, continued or (lambda _: "\t"))
+    assert pglog_formats.detect(text) == "stderr"
+    (report,) = pglog.parse(text)
+    assert [(e.waiter, e.blocker, e.mode, e.locked) for e in report.graph.edges] == [
+        (4102, 4103, "ShareLock", "transaction 9001"),
+        (4103, 4102, "ShareLock", "transaction 9002"),
+    ]
+    assert report.graph.cycle() == [4102, 4103]
+    assert report.graph.processes[4103].query == "UPDATE accounts SET balance = 2 WHERE id = 1"
+    assert report.statement == "UPDATE accounts SET balance = 1 WHERE id = 2"
+    assert report.context == 'while updating tuple (0,2) in relation "accounts"'
+    assert (report.time, report.reporter) == (time, reporter)
+    assert report.unread == []
+
+
+def test_a_time_in_a_zone_that_names_several_offsets_is_unknown_and_said():
+    (report,) = pglog.parse(stderr(lambda c, p: f"2026-11-29 {c} CST [{p}] "))
+    assert report.time is None
+    assert report.unread == [
+        "the time '2026-11-29 10:00:01.456 CST' is in zone CST, whose offset is not known here"
+    ]
+    (report,) = pglog.parse(stderr(lambda c, p: f"2026-11-29 {c} [{p}] "))
+    assert report.time is None
+    assert report.unread == ["the time '2026-11-29 10:00:01.456' gives no time zone"]
+
+
+def three_way_facts(report: pglog.Report) -> dict[str, object]:
+    data = report.as_json()
+    return {key: data[key] for key in ("edges", "cycle", "time", "context", "statement", "lead_up")}
+
+
+@pytest.mark.parametrize(
+    ("name", "format"), [("three_way.csv", "csvlog"), ("three_way.json", "jsonlog")]
+)
+def test_csvlog_and_jsonlog_reports_read_like_the_same_report_in_stderr(name, format):
+    """csvlog spreads a report over one record's fields (its DETAIL a quoted
+    multi-line field); jsonlog over one object's keys."""
+    text = (FIXTURES / name).read_text()
+    assert pglog_formats.detect(text) == format
+    (report,) = pglog.parse(text)
+    (stderr_report,) = pglog.parse((FIXTURES / "three_way.log").read_text())
+    assert three_way_facts(report) == three_way_facts(stderr_report)
+    assert report.graph.cycle() == [4102, 4103, 4104]
+    assert [w.waiter for w in report.lead_up] == [4103, 4104, 4102]
+    assert report.reporter == 4102
+    # Both name each session's application: roles and runs.
+    roles = {p.pid: (p.role, p.run_id) for p in report.graph.processes.values()}
+    assert roles == {4102: ("capture", 3), 4103: ("executor", 2), 4104: ("source refresh", None)}
+    assert report.unread == []
+
+
+def test_a_format_asked_for_overrides_what_the_content_says():
+    csv_text = (FIXTURES / "three_way.csv").read_text()
+    json_text = (FIXTURES / "three_way.json").read_text()
+    with pytest.raises(pglog.LogFormatError, match="jsonlog line 1 is not JSON"):
+        pglog.parse(csv_text, "jsonlog")
+    with pytest.raises(pglog.LogFormatError, match="csvlog record ending on line 1 has 20 fields"):
+        pglog.parse(json_text, "csvlog")
+    # As text, the server's entries are still read.
+    (report,) = pglog.parse(json_text, "stderr")
+    assert report.graph.cycle() == [4102, 4103, 4104]
+    with pytest.raises(pglog.LogFormatError, match="unknown format 'syslog'"):
+        pglog.parse(json_text, "syslog")
+
+
+def test_csvlog_of_an_older_server_and_a_broken_record():
+    # PostgreSQL 12 and older: 23 columns, no backend_type, leader_pid, query_id.
+    row = (
+        '2026-11-29 10:00:01.456 UTC,"rundesk","app",4102,"[local]",6769a1b0.1006,5,"UPDATE",'
+        '2026-11-29 09:59:00 UTC,3/12,9001,ERROR,40P01,"deadlock detected","'
+        "Process 4102 waits for ShareLock on transaction 9001; blocked by process 4103.\n"
+        'Process 4103 waits for ShareLock on transaction 9002; blocked by process 4102.",'
+        '"See server log for query details.",,,,"UPDATE accounts SET balance = 1",,,"psql"\n'
+    )
+    assert pglog_formats.detect(row) == "csvlog"
+    (report,) = pglog.parse(row)
+    assert report.graph.cycle() == [4102, 4103]
+    assert report.statement == "UPDATE accounts SET balance = 1"
+    cut = row[: row.index(',"See server')] + "\n"
+    with pytest.raises(pglog.LogFormatError, match="has 15 fields; csvlog records have 23 to 26"):
+        pglog.parse(row + cut, "csvlog")
