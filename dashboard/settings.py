@@ -303,6 +303,8 @@ CELERY_BEAT_SCHEDULE = {
     "rundesk-sweep": {"task": "runs.tasks.sweep", "schedule": RUNDESK_SWEEP_SECONDS},
 }
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
+# Beat runs the sweep in its own process rather than queue it behind the runs.
+CELERY_BEAT_SCHEDULER = "runs.tasks:SweepingScheduler"
 
 # The research agent.
 RUNDESK_CORPUS_DIR = Path(env_str("RUNDESK_CORPUS_DIR", str(BASE_DIR / "runs" / "sample_corpus")))

@@ -5,6 +5,8 @@ With only Celery workers (no `manage.py executor`), two things keep a run
 from stalling: `execute_run` retries while the run is active and its owner
 may be dead (its lease is valid but no longer renewed: the broker handed the
 task out again before it expired), and beat's `sweep` requeues what is left.
+Beat runs the sweep itself (`SweepingScheduler`): sent as a task, it would
+wait in the queue behind every run queued before it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from celery import shared_task
+from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.signals import worker_process_shutdown
 from django.conf import settings
+from django.db import close_old_connections
 
 from evidence.capture import capture
 from runs import sweep as sweeping
@@ -56,6 +60,32 @@ def sweep() -> dict[str, int]:
         "resumed": len(swept.resumed),
         "redelivered": len(swept.redelivered),
     }
+
+
+class SweepingScheduler(PersistentScheduler):
+    """Celery beat (CELERY_BEAT_SCHEDULER), which runs the sweep in its own
+    process instead of sending it.  A task would go into the queue of the
+    runs, where workers (acks_late, prefetch 1) take one message at a time:
+    a sweep would wait behind every run queued before it, and while it
+    waited, a dead owner's cancelled run would stay running, a settled run
+    would stay waiting, and one more sweep would pile up every interval.
+    Other entries are sent as usual."""
+
+    def apply_async(
+        self, entry: ScheduleEntry, producer: Any = None, advance: bool = True, **kwargs: Any
+    ) -> Any:
+        if entry.task != sweep.name:
+            return super().apply_async(entry, producer, advance, **kwargs)
+        if advance:
+            self.reserve(entry)
+        # Beat lives for weeks: a connection the server closed meanwhile is
+        # replaced, as Django does around each request.
+        close_old_connections()
+        try:
+            sweep()
+        finally:
+            close_old_connections()
+        return None
 
 
 @worker_process_shutdown.connect

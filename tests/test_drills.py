@@ -1,10 +1,12 @@
 """Fault drills (runs/drills.py): `manage.py drill --json` passes every
 scenario on this database; its questions fail when the data says so; the
-drills page shows them and lets an operator start one."""
+drills page shows them and lets an operator start one, which a real
+Celery worker runs."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +14,14 @@ from pathlib import Path
 import pytest
 from django.test import Client
 
+from runs import tasks
 from runs.drills import CHECKS, SCENARIOS, Finding, Lab, boundaries, executed_once
 from runs.models import Drill, DrillResult, DrillState, DrillVerdict, Run
 from tests.conftest import ROOT, database_url
+from tests.processes import Worker, wait_until
+
+# The filesystem broker folder a real worker reads.
+from tests.processes import broker as broker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -123,6 +130,33 @@ def test_the_drills_page_shows_results_and_an_operator_starts_a_drill(
     assert operator.post("/drills/start/", {"scenario": "nope"}).status_code == 302
     Drill.objects.filter(pk=newest.pk).update(state=DrillState.DONE)
     assert operator.get(f"/drills/{newest.pk}/progress/").status_code == 286
+
+
+@pytest.mark.slow
+def test_a_drill_started_on_the_page_is_run_by_a_real_worker(
+    operator: Client, process_env: dict[str, str], tmp_path: Path, broker: Path, monkeypatch
+) -> None:
+    sent: list[tuple] = []
+    monkeypatch.setattr(tasks.drill, "delay", lambda *args: sent.append(args))
+    chosen = ["cancel_mid_run", "invented_receipt"]
+    assert operator.post("/drills/start/", {"scenario": chosen}).status_code == 302
+    drill = Drill.objects.get()
+    assert sent == [(drill.pk,)]  # after commit, as the view sends it
+    with tasks.drill.app.connection_for_write() as conn:
+        tasks.drill.apply_async((drill.pk,), connection=conn)
+    worker = Worker(process_env, tmp_path / "worker.log", beat=False)
+    try:
+        done = Drill.objects.filter(pk=drill.pk, state=DrillState.DONE)
+        wait_until(done.exists, 120, "the drill never ended", worker)
+    finally:
+        worker.stop()
+    results = {r.scenario: r for r in DrillResult.objects.filter(drill=drill)}
+    assert sorted(results) == sorted(chosen)
+    assert all(r.verdict == DrillVerdict.PASSED for r in results.values()), results
+    assert all(isinstance(r.checks["boundaries_kept"], bool) for r in results.values())
+    progress = operator.get(f"/drills/{drill.pk}/progress/")
+    assert progress.status_code == 286 and "2 of 2" in progress.content.decode()
+    assert re.search(r"runs\.tasks\.drill\[[^\]]+\] succeeded", worker.output())
 
 
 def test_drills_runs_are_hidden_from_the_runs_list_unless_asked_for(viewer: Client) -> None:

@@ -476,27 +476,21 @@ def test_bench_scale_says_when_its_broker_does_not_answer():
 
 
 @pytest.mark.parametrize("celery_broker", ["filesystem"], indirect=True)
-@pytest.mark.xfail(
-    strict=True,
-    reason="beat sends runs.tasks.sweep (dashboard/settings.py CELERY_BEAT_SCHEDULE) into the "
-    "queue of the runs: a FIFO queue that workers with acks_late and prefetch 1 take one "
-    "message at a time from, so a sweep waits behind every run queued before it, and one "
-    "more sweep task piles up per RUNDESK_SWEEP_SECONDS meanwhile",
-)
 def test_beats_sweep_ends_a_dead_owners_cancelled_run_while_the_workers_are_busy(
     celery_broker, kill_env, tmp_path
 ):
     # With Celery only (beat embedded, no executor), the sweep is what ends
     # the run of an owner that died after a cancel was asked (runs/sweep.py).
     # An executor sweeps "busy or idle: a backlog of runs never keeps
-    # settled runs waiting" (Executor._sweep_if_due); beat's sweep should
-    # not wait for the backlog either.
+    # settled runs waiting" (Executor._sweep_if_due); beat runs its sweep
+    # itself (runs.tasks.SweepingScheduler), so it does not wait behind the
+    # backlog in the queue either.
     (worker,) = ready(start_node(kill_env, tmp_path, celery_broker, "node0", beat=True))
     try:
         backlog = slow_runs(4)  # about 9 s of work for the one pool process
         celery_broker.send(backlog)
         wait_until(lambda: holder(backlog, worker), 30, "the backlog did not start", worker)
-        # From here on, a sweep beat sends waits behind three runs.
+        # From here on, a task sent now would wait behind three runs.
         dead = Run.objects.submit(question="Compare", documents=THREE_DOCS)
         assert Lease.claim(dead.pk, "dead-owner") is not None
         assert dead.request_cancel(by="alice")
