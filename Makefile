@@ -55,7 +55,8 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 bench: install
-	$(PY) manage.py bench --json
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) manage.py bench --all --json
 
 clean:
 	rm -rf var/outbox var/celery-broker var/celery-processed var/static

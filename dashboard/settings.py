@@ -306,6 +306,14 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celerybeat-schedule")
 # Beat runs the sweep in its own process rather than queue it behind the runs.
 CELERY_BEAT_SCHEDULER = "runs.tasks:SweepingScheduler"
 
+# How often a run saves a checkpoint: every this many steps or seconds,
+# whichever comes first (runs/checkpoints.py).  The receipts are the facts; a
+# checkpoint spares a resumed run recomputing its agent's state.  At 0.5 s it
+# costs under 1% of a run's commits however fast its steps (bench --json);
+# with model calls that take seconds, that is one after every action.
+RUNDESK_CHECKPOINT_EVERY = int(env_float("RUNDESK_CHECKPOINT_EVERY", 100, minimum=1))
+RUNDESK_CHECKPOINT_SECONDS = env_float("RUNDESK_CHECKPOINT_SECONDS", 0.5, minimum=0.0)
+
 # The research agent.
 RUNDESK_CORPUS_DIR = Path(env_str("RUNDESK_CORPUS_DIR", str(BASE_DIR / "runs" / "sample_corpus")))
 RUNDESK_OUTBOX_DIR = Path(env_str("RUNDESK_OUTBOX_DIR", str(VAR_DIR / "outbox")))

@@ -119,7 +119,8 @@ class ResearchAgent:
         return report
 
     def _checkpoint(self, step_key: str, state: ResearchState) -> None:
-        self.dispatcher.checkpoint(step_key, asdict(state))
+        if self.dispatcher.checkpoint_due(step_key):  # its state, only then
+            self.dispatcher.checkpoint(step_key, asdict(state))
 
     # -- the state the receipts lead to ---------------------------------------
 

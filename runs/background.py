@@ -8,8 +8,9 @@ is written.  The contract they share, kept here:
 - Handing an item over never blocks and never raises: it goes into a bounded
   in-process queue, or, when the queue is full, is counted as lost.
 - One daemon thread drains the queue on its own database connection, named
-  in pg_stat_activity (`application_name(role)`) and closed when the thread
-  ends.  It is started when something is handed over and none is running.
+  in pg_stat_activity (`application_name(role)`), committing asynchronously
+  (`_set_up`), and closed when the thread ends.  It is started when
+  something is handed over and none is running.
 - It takes a batch at a time: up to `batch` items, gathered for `linger`
   seconds unless someone waits for them (flush, stop).
 - It outlives anything: what it cannot write is counted as lost, never
@@ -164,17 +165,33 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
 
     def _run(self, stopping: threading.Event) -> None:
         try:
-            name_connection(self.role)
-        except DatabaseError as error:
-            self._logger.warning("%s: cannot name its connection: %s", self.role, error)
-            connection.close()
-        try:
             self._drain(stopping)
         finally:
             connection.close()
 
+    def _set_up(self, session: object) -> object:
+        """This thread's connection, set up once per session (a lost one is
+        replaced): named, and committing asynchronously.  What a writer
+        commits is optional, so it does not wait for its WAL to be flushed:
+        the server flushes it with its own writes within a few
+        wal_writer_delay.  A server crash may lose that last moment's rows,
+        as a killed process loses its queue; the facts of the main path
+        commit synchronously, each on its own."""
+        if connection.connection is not None and connection.connection is session:
+            return session
+        try:
+            name_connection(self.role)
+            with connection.cursor() as cursor:
+                cursor.execute("SET synchronous_commit = off")
+        except DatabaseError as error:
+            self._logger.warning("%s: cannot set up its connection: %s", self.role, error)
+            connection.close()
+            return None
+        return connection.connection
+
     def _drain(self, stopping: threading.Event) -> None:
         written_at = time.monotonic()
+        session = self._set_up(None)
         while not stopping.is_set():
             items = self._take()
             markers = [item for item in items if isinstance(item, threading.Event)]
@@ -182,6 +199,7 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
                 item for item in items if item is not None and not isinstance(item, threading.Event)
             ]
             if batch:
+                session = self._set_up(session)
                 try:
                     self._write(batch)
                 except Exception as error:  # the writer must outlive anything

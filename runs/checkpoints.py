@@ -1,5 +1,5 @@
 """Checkpoints: the agent's state and the run's progress, saved after an
-action the agent completes.
+action the agent completes, when one is due (`Checkpointer.due`).
 
 A checkpoint is recovery, not a fact: it supports continuing and never
 overrides a receipt.  Saving one is its own statement, never part of a
@@ -35,10 +35,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from django.conf import settings
 from django.db import DatabaseError
 
 from runs.faults import FaultPlan
@@ -84,8 +86,27 @@ class Checkpointer:
         self.lease = lease
         self.run_id = lease.run_id
         self.faults = faults
+        self.saved_at(0)
 
     # -- saving ------------------------------------------------------------
+
+    def due(self, number: int) -> bool:
+        """Whether a checkpoint is due after step `number`: every
+        RUNDESK_CHECKPOINT_EVERY steps or RUNDESK_CHECKPOINT_SECONDS,
+        whichever comes first.  The receipts are the facts; a checkpoint
+        only spares a resumed run recomputing the agent's state, so it need
+        not cost a commit per step.  A run whose fault plan aims at a
+        checkpoint or a receipt saves one after every action
+        (FaultPlan.aims_at_writes)."""
+        return (
+            self.faults.aims_at_writes
+            or number - self._last_number >= settings.RUNDESK_CHECKPOINT_EVERY
+            or time.monotonic() - self._last_at >= settings.RUNDESK_CHECKPOINT_SECONDS
+        )
+
+    def saved_at(self, number: int) -> None:
+        """Counts from here (a save, or the checkpoint a resume starts from)."""
+        self._last_number, self._last_at = number, time.monotonic()
 
     def save(
         self, step_key: str, action_id: int, progress: Progress, state: dict[str, Any]
@@ -93,6 +114,7 @@ class Checkpointer:
         """Saves `progress` and the agent's `state` after the action
         `step_key` (`action_id`), which this owner has just completed."""
         number = progress.steps
+        self.saved_at(number)
         raw: Any = {**state, **asdict(progress)}
         if self.faults.fire("checkpoint_serialize_error", number):
             raw["scratch"] = object()  # the fault: a value JSON cannot encode

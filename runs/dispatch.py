@@ -17,7 +17,17 @@ The two settled writes live here, side by side: a step's receipt and an
 answer revision's publication.  Each is fenced by the lease (runs/leases.py),
 and a COMMIT that got no answer is settled by evidence (runs/outcomes.py).
 Each completed action's evidence (the source read, the model call) is
-handed to capture (evidence/capture.py), off the main path.
+handed to capture (evidence/capture.py), off the main path, once its
+receipt is written.
+
+One durable commit per read: a read's receipt is written with the run's
+next write -- the next action's boundary, in one fenced statement, or the
+run's finish -- or on its own before any other write (a publication, a
+checkpoint, the end of the run however it ends).  The agent has the
+result at once; until that commit, the read is a boundary without a
+receipt, which a next owner sends again under its identity: a lost merged
+write costs a read, never an effect.  An effect's receipt is written the
+moment its answer arrives, in its own commit.
 
 The run's progress (`Progress`) is the runtime's, not the agent's: a
 checkpoint saves it beside the agent's state, and `resume()` restores both
@@ -26,18 +36,21 @@ in one place (runs/checkpoints.py says when a checkpoint may be trusted).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
 
-from django.db import transaction
+from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from evidence.capture import RunEvidence
 from runs.checkpoints import Checkpointer
 from runs.faults import FaultPlan, inject_cancel, steal_lease
-from runs.leases import Lease, LeaseLost
+from runs.leases import CancelRequested, Lease, LeaseLost, PendingReceipt, WriteRefused
 from runs.models import (
     AUTHORISING,
     Action,
@@ -48,6 +61,7 @@ from runs.models import (
     Phase,
     Receipt,
     Run,
+    RunStatus,
     action_identity,
     digest,
 )
@@ -55,6 +69,28 @@ from runs.outcomes import NeedsOperator, open_item, write_settled
 from runs.progress import History, Progress
 from runs.timeline import EventKind, timeline
 from runs.tools import TOOLS, OutcomeUnknown, Tool, ToolFailed, ToolRefused
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Completed:
+    """A read this owner has the result of, whose receipt is not written
+    yet: it goes with the run's next write."""
+
+    action_id: int
+    step_key: str
+    step: int  # the run's step count when it completed (fault plans count so)
+    tool: Tool
+    input: dict[str, Any]
+    result: dict[str, Any]
+    sources: Sequence[str]
+
+    @property
+    def receipt(self) -> PendingReceipt:
+        return PendingReceipt(self.action_id, self.result)
 
 
 class Stopping(Exception):
@@ -86,6 +122,8 @@ class Dispatcher:
         self.covered: set[str] = set()
         self.evidence = RunEvidence(self.run.pk)
         self.checkpoints = Checkpointer(lease, self.faults)
+        # The newest completed read, until its receipt is written.
+        self.unwritten: Completed | None = None
 
     # -- resuming ----------------------------------------------------------
 
@@ -108,6 +146,7 @@ class Dispatcher:
             return None
         self.progress = point.progress
         self.covered = set(point.progress.taken)
+        self.checkpoints.saved_at(point.progress.steps)
         return point.state
 
     # -- what an agent does --------------------------------------------------
@@ -137,18 +176,16 @@ class Dispatcher:
         action = self.history.get(step_key)
         if action is None:
             action_id = self._new_boundary(step_key, tool, input)
-            result = self._call_tool(action_id, step_key, tool, input)
+            result = self._call_tool(action_id, step_key, tool, input, sources)
         elif (result := self._settled_result(action, tool, input)) is None:
             self._redispatch(action)
-            action_id = action.pk
-            result = self._call_tool(action_id, step_key, tool, input)
+            result = self._call_tool(action.pk, step_key, tool, input, sources)
         else:
-            action_id = action.pk
+            # Handed over again: the owner that wrote the receipt may have
+            # died before capture saved it (capture saves each once).
+            self.evidence.completed(action.pk, tool.name, input, result, sources)
         if not covered:
             self.progress.taken.append(step_key)
-        # Handed over again when settled by a receipt: the owner that wrote
-        # it may have died before capture saved it (capture saves each once).
-        self.evidence.completed(action_id, tool.name, input, result, sources)
         return result
 
     def publish(
@@ -158,6 +195,7 @@ class Dispatcher:
         keys) it used; an unanswered COMMIT is settled by evidence, and
         what stays unknown waits for an operator."""
         used = [self.action_id(step_key) for step_key in model_calls]
+        self.write_receipt()
 
         def write() -> bool:
             with self.faults.at_commit("publication", self.progress.steps):
@@ -187,13 +225,20 @@ class Dispatcher:
                 content_digest=digest(content),
             )
 
+    def checkpoint_due(self, step_key: str) -> bool:
+        """Whether a checkpoint is to be saved after the action `step_key`:
+        this owner has just completed it (an action settled by an earlier
+        receipt needs none) and one is due (Checkpointer.due).  An agent
+        asks before it gathers its state."""
+        return step_key in self.completed_now and self.checkpoints.due(self.progress.steps)
+
     def checkpoint(self, step_key: str, state: dict[str, Any]) -> None:
         """Saves the agent's `state` and the run's progress after the action
-        `step_key`, if this owner has just completed it (an action settled
-        by an earlier receipt needs none)."""
-        action_id = self.completed_now.get(step_key)
-        if action_id is not None:
-            self.checkpoints.save(step_key, action_id, self.progress, state)
+        `step_key`, if one is due (`checkpoint_due`), the last read's
+        receipt first."""
+        if self.checkpoint_due(step_key):
+            self.write_receipt()
+            self.checkpoints.save(step_key, self.completed_now[step_key], self.progress, state)
 
     def finalize_if_due(self, *, actions_needed: int) -> str:
         """Why research is over, moving the run to finalizing if the budget
@@ -208,10 +253,62 @@ class Dispatcher:
         elif self.run.deadline is not None and timezone.now() >= self.run.deadline:
             reason = "deadline passed"
         if reason:
+            self.write_receipt()
             self.lease.enter_phase(Phase.FINALIZING, reason)
             self.run.phase, self.run.phase_reason = Phase.FINALIZING, reason
             timeline.record(self.run.pk, EventKind.PHASE_CHANGED, f"finalizing: {reason}")
         return reason
+
+    # -- the unwritten receipt -------------------------------------------------
+
+    def write_receipt(self) -> None:
+        """Writes the receipt of the newest completed read, if it is not
+        written yet, on its own: before a write that does not carry it."""
+        completed, self.unwritten = self.unwritten, None
+        if completed is not None:
+            self._record_receipt(completed)
+            self._receipt_written(completed)
+
+    @contextlib.contextmanager
+    def receipt_kept(self) -> Iterator[None]:
+        """Around the agent: however its research ends early (a failure, a
+        cancel, a stop, an operator's turn), the receipt of its last read is
+        written first if it can be; if not, the next owner reads it again."""
+        try:
+            yield
+        except BaseException:
+            try:
+                self.write_receipt()
+            except (WriteRefused, NeedsOperator, DatabaseError) as error:
+                logger.warning(
+                    "run %s: the last read's receipt not written: %s", self.run.pk, error
+                )
+            raise
+
+    def finish(self, status: RunStatus, reason: str) -> RunStatus:
+        """Ends this ownership (Lease.finish), with the last read's receipt
+        in the same statement."""
+        completed, self.unwritten = self.unwritten, None
+        if completed is None:
+            return self.lease.finish(status, reason)
+        ended = self.lease.finish(status, reason, receipt=completed.receipt)
+        self._receipt_written(completed)
+        return ended
+
+    def _receipt_written(self, completed: Completed) -> None:
+        """What follows a receipt: the timeline says so, capture saves the
+        action's evidence."""
+        result = completed.result
+        timeline.record(
+            self.run.pk,
+            EventKind.ACTION_COMPLETED,
+            completed.step_key + (f" refused: {result['refused']}" if "refused" in result else ""),
+            action_id=completed.action_id,
+            result_digest=digest(result),
+        )
+        self.evidence.completed(
+            completed.action_id, completed.tool.name, completed.input, result, completed.sources
+        )
 
     # -- one step --------------------------------------------------------------
 
@@ -226,13 +323,34 @@ class Dispatcher:
             raise LeaseLost(f"run {self.lease.run_id}: heartbeat found the lease gone")
 
     def _new_boundary(self, step_key: str, tool: Tool, input: dict[str, Any]) -> int:
+        """Writes the boundary, with the last read's receipt if it is not
+        written yet (one statement: both commit, or neither)."""
         self._check_can_dispatch()
-        action_id = self.lease.record_boundary(
-            step_key=step_key,
-            kind=tool.name,
-            effect_class=tool.effect_class,
-            input=input,
-        )
+        completed, self.unwritten = self.unwritten, None
+
+        def write() -> tuple[int | None]:
+            return (
+                self.lease.record_boundary(
+                    step_key=step_key,
+                    kind=tool.name,
+                    effect_class=tool.effect_class,
+                    input=input,
+                    receipt=completed and completed.receipt,
+                ),
+            )
+
+        if completed is None:
+            (action_id,) = write()
+        else:
+            try:
+                written = self._settled_receipt(completed, write)
+            except CancelRequested:
+                self._receipt_written(completed)  # the receipt went; the boundary did not
+                raise
+            self._receipt_written(completed)
+            # None: an earlier attempt committed, the boundary with it
+            # unless a cancel refused it (then writing it alone says so).
+            (action_id,) = written or (self._boundary_id(step_key) or write()[0],)
         if action_id is None:
             raise NeedsOperator(
                 f"identity {step_key} exists but was not loaded: another owner wrote it"
@@ -245,6 +363,13 @@ class Dispatcher:
             epoch=self.lease.epoch,
         )
         return action_id
+
+    def _boundary_id(self, step_key: str) -> int | None:
+        return (
+            Action.objects.filter(run_id=self.run.pk, step_key=step_key, epoch=self.lease.epoch)
+            .values_list("pk", flat=True)
+            .first()
+        )
 
     def _settled_result(
         self, action: Action, tool: Tool, input: dict[str, Any]
@@ -287,6 +412,7 @@ class Dispatcher:
 
     def _redispatch(self, action: Action) -> None:
         self._check_can_dispatch()
+        self.write_receipt()
         self.lease.redispatch_boundary(action.pk)
         action.attempts += 1
         timeline.record(
@@ -299,7 +425,12 @@ class Dispatcher:
         )
 
     def _call_tool(
-        self, action_id: int, step_key: str, tool: Tool, input: dict[str, Any]
+        self,
+        action_id: int,
+        step_key: str,
+        tool: Tool,
+        input: dict[str, Any],
+        sources: Sequence[str],
     ) -> dict[str, Any]:
         if delay := self.faults.tool_delay(self.progress.steps):
             time.sleep(delay)
@@ -320,41 +451,51 @@ class Dispatcher:
         except ToolFailed as error:
             self._mark(action_id, ActionState.FAILED, str(error), EventKind.ACTION_FAILED)
             raise ActionFailed(step_key, str(error)) from error
-        result_digest = self._record_receipt(action_id, step_key, result)
         self.completed_now[step_key] = action_id
-        timeline.record(
-            self.run.pk,
-            EventKind.ACTION_COMPLETED,
-            step_key + (f" refused: {result['refused']}" if "refused" in result else ""),
-            action_id=action_id,
-            result_digest=result_digest,
+        completed = Completed(
+            action_id, step_key, self.progress.steps, tool, input, result, sources
         )
+        # An effect's receipt does not wait; nor any in a run whose fault
+        # plan aims at a receipt (FaultPlan.aims_at_writes).
+        if tool.effect_class == EffectClass.EFFECT or self.faults.aims_at_writes:
+            self._record_receipt(completed)
+            self._receipt_written(completed)
+        else:
+            self.unwritten = completed
         return result
 
-    def _record_receipt(self, action_id: int, step_key: str, result: dict[str, Any]) -> str:
-        """Writes the receipt; an unanswered COMMIT is settled by evidence."""
+    def _record_receipt(self, completed: Completed) -> None:
+        """Writes the receipt on its own."""
+        self._settled_receipt(
+            completed, lambda: self.lease.record_receipt(completed.action_id, completed.result)
+        )
 
-        def write() -> str:
-            with self.faults.at_commit("receipt", self.progress.steps):
-                return self.lease.record_receipt(action_id, result)
+    def _settled_receipt(self, completed: Completed, write: Callable[[], T]) -> T | None:
+        """Runs a write that carries `completed`'s receipt; an unanswered
+        COMMIT is settled by evidence (None: an earlier attempt committed)."""
 
-        written = write_settled(
-            write,
+        def attempt() -> T:
+            with self.faults.at_commit("receipt", completed.step):
+                return write()
+
+        action_id = completed.action_id
+        return write_settled(
+            attempt,
             lambda: Receipt.objects.filter(action_id=action_id).exists(),
-            what=f"receipt of {step_key}",
+            what=f"receipt of {completed.step_key}",
             run_id=self.run.pk,
             kind=OutcomeKind.RECEIPT,
             subject=f"receipt:action-{action_id}",
             lease_epoch=self.lease.epoch,
-            afterwards=f"{step_key} completed; the run waits for an operator",
+            afterwards=f"{completed.step_key} completed; the run waits for an operator",
             action_id=action_id,
         )
-        return written or digest(result)
 
     def _effect_unknown(self, action_id: int, step_key: str, reason: str) -> NoReturn:
         """Only the receiver knows whether an effect happened: an operator
         settles it with the receiver's evidence.  The action's state and its
         item are written together: never one without the other."""
+        self.write_receipt()
         with transaction.atomic():
             self.lease.record_action_state(action_id, ActionState.UNKNOWN, reason)
             item = open_item(
@@ -377,5 +518,6 @@ class Dispatcher:
         return Action.objects.filter(pk=action_id).values_list("attempts", flat=True).get()
 
     def _mark(self, action_id: int, state: ActionState, reason: str, kind: EventKind) -> None:
+        self.write_receipt()
         self.lease.record_action_state(action_id, state, reason)
         timeline.record(self.run.pk, kind, reason, action_id=action_id)

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 
@@ -94,9 +94,10 @@ def drive(lease: Lease, stop: threading.Event) -> Ending:
         with heartbeat(lease) as lost:
             dispatcher = Dispatcher(lease, stop=stop, lease_lost=lost)
             agent = ResearchAgent(dispatcher)
-            agent.research(dispatcher.resume(agent.replay))
+            with dispatcher.receipt_kept():
+                agent.research(dispatcher.resume(agent.replay))
             steps = dispatcher.progress.steps
-            return _end(lease, RunStatus.COMPLETED, "", f"{steps} steps")
+            return _end(lease, RunStatus.COMPLETED, "", f"{steps} steps", finish=dispatcher.finish)
     except Stopping:
         return _release(lease)
     except NeedsOperator as reason:
@@ -129,15 +130,21 @@ ENDED = {
 
 
 def _end(
-    lease: Lease, status: RunStatus, reason: str, said: str = "", item_id: int | None = None
+    lease: Lease,
+    status: RunStatus,
+    reason: str,
+    said: str = "",
+    item_id: int | None = None,
+    finish: Callable[[RunStatus, str], RunStatus] | None = None,
 ) -> Ending:
-    """Ends this ownership with `status`.  Fenced out at this last write
-    (another owner took the run meanwhile), it ends nothing: the new owner
-    decides.  A run about to wait for an operator ends as cancelled if a
-    cancel was asked meanwhile, and goes back to the queue if the item it
+    """Ends this ownership with `status` (through `finish`: the Dispatcher's,
+    which writes the last read's receipt with it).  Fenced out at this last
+    write (another owner took the run meanwhile), it ends nothing: the new
+    owner decides.  A run about to wait for an operator ends as cancelled if
+    a cancel was asked meanwhile, and goes back to the queue if the item it
     waits for (`item_id`) was settled meanwhile."""
     try:
-        ended = lease.finish(status, reason)
+        ended = (finish or lease.finish)(status, reason)
     except LeaseLost as refused:
         return _after_refused_write(lease, refused)
     if ended != status:

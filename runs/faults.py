@@ -102,6 +102,18 @@ class FaultPlan:
             raise FaultPlanError("a fault plan is a JSON list of faults")
         return cls(tuple(_parse_fault(i, item) for i, item in enumerate(raw)), run_id)
 
+    @property
+    def aims_at_writes(self) -> bool:
+        """Whether the plan breaks a receipt's or a checkpoint's write.  Such
+        a run writes each receipt on its own at once and saves a checkpoint
+        after every action, so the fault meets the very write it names (not
+        one a read's receipt rode with, or a checkpoint not due)."""
+        return any(
+            f.point == "checkpoint_serialize_error"
+            or (f.point == "drop_connection_at_commit" and f.write in ("receipt", "checkpoint"))
+            for f in self.faults
+        )
+
     def tool_delay(self, step: int) -> float:
         """Seconds to sleep before the tool of the run's `step`-th action."""
         ms = sum(f.ms for f in self.faults if f.point == "tool_delay" and f.action in (None, step))

@@ -13,13 +13,14 @@ one round trip, no open transaction around slow work.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import socket
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from django.conf import settings
 from django.db import transaction
@@ -47,6 +48,26 @@ HELD_NOT_CANCELLED = f"{HELD} AND cancel_requested_at IS NULL"
 # The run row, locked FOR SHARE, as long as the caller holds it.
 OWNED = f"SELECT 1 FROM runs_run WHERE {HELD} FOR SHARE"
 OWNED_NOT_CANCELLED = f"SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED} FOR SHARE"
+# The receipt of an action this owner dispatched (%(receipt_action)s; NULL:
+# none), as CTEs to put in front of another write of the run, so that both
+# commit together: the action's state becomes completed and the receipt
+# copies its identity from its row.  `held` is the run row, locked FOR
+# SHARE, with whether new work may start; the receipt needs only the lease.
+RECEIPT_CTES = f"""held AS (
+        SELECT cancel_requested_at IS NULL AS may_start FROM runs_run
+        WHERE {HELD} FOR SHARE),
+    completed AS (
+        UPDATE runs_action SET state = 'completed', finished_at = now()
+        WHERE id = %(receipt_action)s AND run_id = %(run)s AND epoch = %(epoch)s
+          AND state = 'dispatched' AND EXISTS (SELECT 1 FROM held)
+        RETURNING id, run_id, step_key),
+    receipt AS (
+        INSERT INTO runs_receipt (action_id, run_id, step_key, result, result_digest, epoch,
+            xid, created_at)
+        SELECT id, run_id, step_key, %(result)s, %(result_digest)s, %(epoch)s,
+            rundesk_xid(false), now()
+        FROM completed
+        RETURNING action_id)"""
 # A cancelled run's status_reason names who asked.
 CANCELLED_BY = "'cancelled by ' || cancel_requested_by"
 
@@ -77,6 +98,30 @@ class LeaseLost(WriteRefused):
 class CancelRequested(WriteRefused):
     """... because a cancel was asked: the run is still this owner's, to end
     as cancelled."""
+
+
+@dataclass(frozen=True)
+class PendingReceipt:
+    """The result of an action this owner dispatched, for its receipt."""
+
+    action_id: int | None
+    result: dict[str, Any]
+
+    NONE: ClassVar[PendingReceipt]
+
+    @property
+    def result_digest(self) -> str:
+        return digest(self.result)
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "receipt_action": self.action_id,
+            "result": Jsonb(self.result),
+            "result_digest": self.result_digest,
+        }
+
+
+PendingReceipt.NONE = PendingReceipt(None, {})
 
 
 def new_owner_name() -> str:
@@ -176,27 +221,52 @@ class Lease:
     # -- protected writes --------------------------------------------------
 
     def record_boundary(
-        self, *, step_key: str, kind: str, effect_class: str, input: dict[str, Any]
+        self,
+        *,
+        step_key: str,
+        kind: str,
+        effect_class: str,
+        input: dict[str, Any],
+        receipt: PendingReceipt | None = None,
     ) -> int | None:
-        """The durable write before a dispatch.  Returns the action id, or
-        None when the identity already exists (the caller looks at it)."""
-        row = self._fetch_one(
-            f"""INSERT INTO runs_action (run_id, step_key, kind, effect_class, input,
-                    input_digest, state, epoch, attempts, error, created_at, dispatched_at)
-                SELECT %(run)s, %(step_key)s, %(kind)s, %(effect_class)s, %(input)s,
-                    %(input_digest)s, 'dispatched', %(epoch)s, 1, '', now(), now()
-                FROM ({OWNED_NOT_CANCELLED}) AS owned
-                ON CONFLICT (run_id, step_key) DO NOTHING
-                RETURNING id""",
-            step_key=step_key,
-            kind=kind,
-            effect_class=effect_class,
-            input=Jsonb(input),
-            input_digest=digest(input),
-        )
-        if row is None and not self._changes_rows(OWNED_NOT_CANCELLED):
-            raise self._refused(f"boundary of {step_key}")
-        return row[0] if row else None
+        """The durable write before a dispatch, with the receipt of the
+        action completed before it (`receipt`), if any, in the same
+        statement.  Returns the action id, or None when the identity already
+        exists (the caller looks at it).  Refused, it says why: fenced out
+        (LeaseLost: nothing is written), or a cancel (CancelRequested: the
+        receipt is written, the boundary is not).  With a receipt, a lost
+        connection raises CommitUnanswered (both or neither committed)."""
+        params = (receipt or PendingReceipt.NONE).params()
+        what = f"boundary of {step_key}"
+        with unanswered_as(what) if receipt else contextlib.nullcontext():
+            row = self._fetch_one(
+                f"""WITH {RECEIPT_CTES},
+                    boundary AS (
+                        INSERT INTO runs_action (run_id, step_key, kind, effect_class, input,
+                            input_digest, state, epoch, attempts, error, created_at,
+                            dispatched_at)
+                        SELECT %(run)s, %(step_key)s, %(kind)s, %(effect_class)s, %(input)s,
+                            %(input_digest)s, 'dispatched', %(epoch)s, 1, '', now(), now()
+                        FROM held WHERE may_start AND (%(receipt_action)s::bigint IS NULL
+                            OR EXISTS (SELECT 1 FROM receipt))
+                        ON CONFLICT (run_id, step_key) DO NOTHING
+                        RETURNING id)
+                    SELECT (SELECT may_start FROM held), EXISTS (SELECT 1 FROM receipt),
+                        (SELECT id FROM boundary)""",
+                step_key=step_key,
+                kind=kind,
+                effect_class=effect_class,
+                input=Jsonb(input),
+                input_digest=digest(input),
+                **params,
+            )
+        assert row is not None
+        may_start, receipt_written, action_id = row
+        if may_start is None or (receipt is not None and not receipt_written):
+            raise LeaseLost(f"{what} refused")
+        if not may_start:
+            raise CancelRequested(f"{what} refused: a cancel was asked")
+        return action_id
 
     def redispatch_boundary(self, action_id: int) -> None:
         """Re-arms the boundary of an action that has no receipt, under its
@@ -216,28 +286,19 @@ class Lease:
 
     def record_receipt(self, action_id: int, result: dict[str, Any]) -> str:
         """The fact that the action completed, with the action's state, in one
-        statement.  The receipt copies the action's identity from its row.
-        Returns the result's digest.  A lost connection raises
+        statement.  Returns the result's digest.  A lost connection raises
         CommitUnanswered: the caller settles it (runs/outcomes.py)."""
-        result_digest = digest(result)
+        receipt = PendingReceipt(action_id, result)
         with unanswered_as(f"receipt of action {action_id}"):
-            self._require(
-                f"""WITH completed AS (
-                        UPDATE runs_action SET state = 'completed', finished_at = now()
-                        WHERE id = %(action)s AND run_id = %(run)s AND epoch = %(epoch)s
-                          AND state = 'dispatched' AND EXISTS ({OWNED})
-                        RETURNING id, run_id, step_key)
-                    INSERT INTO runs_receipt (action_id, run_id, step_key, result,
-                        result_digest, epoch, xid, created_at)
-                    SELECT id, run_id, step_key, %(result)s, %(result_digest)s, %(epoch)s,
-                        rundesk_xid(false), now()
-                    FROM completed""",
-                f"receipt of action {action_id}",
-                action=action_id,
-                result=Jsonb(result),
-                result_digest=result_digest,
+            row = self._fetch_one(
+                f"WITH {RECEIPT_CTES} SELECT EXISTS (SELECT 1 FROM receipt)",
+                **receipt.params(),
             )
-        return result_digest
+        if not row or not row[0]:
+            raise self._refused(
+                f"receipt of action {action_id}", f": run {self.run_id} epoch {self.epoch} not held"
+            )
+        return receipt.result_digest
 
     def record_action_state(self, action_id: int, state: ActionState, error: str) -> None:
         """A dispatched action that did not complete: `failed` (known not to
@@ -312,18 +373,23 @@ class Lease:
             reason=reason,
         )
 
-    def finish(self, status: RunStatus, reason: str = "") -> RunStatus:
+    def finish(
+        self, status: RunStatus, reason: str = "", *, receipt: PendingReceipt | None = None
+    ) -> RunStatus:
         """Ends this ownership with the run's new status: completed, failed,
         cancelled (its reason names who asked), or needs_operator (the run
         waits for a person) -- unless a cancel was asked meanwhile: a run
         that would wait ends as cancelled instead, since nobody is to decide
-        for it any more.  Returns the status written."""
+        for it any more.  With `receipt` (the last read's), both are
+        written in one statement, or neither: a run never ends with its
+        last receipt missing.  Returns the status written."""
         cancelled = (
             "(%(status)s::text = 'cancelled' OR (%(status)s::text = 'needs_operator'"
             " AND cancel_requested_at IS NOT NULL))"
         )
         row = self._fetch_one(
-            f"""UPDATE runs_run SET
+            f"""WITH {RECEIPT_CTES}
+                UPDATE runs_run SET
                    status = CASE WHEN {cancelled} THEN 'cancelled' ELSE %(status)s::text END,
                    status_reason = CASE WHEN {cancelled} THEN {CANCELLED_BY} ELSE %(reason)s END,
                    phase = CASE WHEN %(status)s::text = 'completed' THEN 'done' ELSE phase END,
@@ -332,9 +398,11 @@ class Lease:
                                  THEN now() END,
                    lease_owner = '', lease_expires_at = NULL
                 WHERE {OWNER}
+                  AND (%(receipt_action)s::bigint IS NULL OR EXISTS (SELECT 1 FROM receipt))
                 RETURNING status""",
             status=status.value,
             reason=reason,
+            **(receipt or PendingReceipt.NONE).params(),
         )
         if row is None:
             raise LeaseLost(

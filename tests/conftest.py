@@ -122,6 +122,19 @@ def journal(tmp_path: Path, settings: object) -> Journal:
     return Journal(path)
 
 
+# The decision table's and resume's tests look for a checkpoint after the
+# actions they break or resume from: here one is due after every action
+# (the production cadence, every 100 steps or 0.5 s, has its own tests in
+# test_checkpoints.py and test_one_commit_per_step.py, and is what bench
+# measures).
+CHECKPOINT_EVERY = 1
+
+
+@pytest.fixture(autouse=True)
+def _checkpoint_every_action(settings: object) -> None:
+    settings.RUNDESK_CHECKPOINT_EVERY = CHECKPOINT_EVERY
+
+
 @pytest.fixture(autouse=True)
 def _outbox(tmp_path: Path, settings: object) -> Path:
     settings.RUNDESK_OUTBOX_DIR = tmp_path / "outbox"
@@ -150,6 +163,7 @@ def process_env(tmp_path: Path, journal: Journal) -> dict[str, str]:
         "RUNDESK_OUTBOX_DIR": str(tmp_path / "outbox"),
         "RUNDESK_CORPUS_DIR": str(django_settings.RUNDESK_CORPUS_DIR),
         "RUNDESK_LEASE_SECONDS": "2",
+        "RUNDESK_CHECKPOINT_EVERY": str(CHECKPOINT_EVERY),
         "RUNDESK_POLL_SECONDS": "0.2",
         "PYTHONUNBUFFERED": "1",
     }

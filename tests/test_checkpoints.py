@@ -77,6 +77,37 @@ def test_a_checkpoint_follows_each_completed_action_in_its_own_transaction(journ
     assert [path for path, _ in checkpoints[-1].state["summaries"]] == DOCS
 
 
+def test_checkpoints_are_due_every_so_many_steps_or_seconds(journal, settings):
+    settings.RUNDESK_CHECKPOINT_EVERY, settings.RUNDESK_CHECKPOINT_SECONDS = 3, 3600
+    run, outcome = run_with([])
+    assert outcome == RunStatus.COMPLETED
+    # Due after steps 3 and 6; the agent saves after reads, summaries and
+    # the composition only, so after 3 (read:1) and 6 (summarize:2).
+    assert [(c.number, c.after_action.step_key) for c in saved(run)] == [
+        (3, "read:1"),
+        (6, "summarize:2"),
+    ]
+
+    settings.RUNDESK_CHECKPOINT_EVERY, settings.RUNDESK_CHECKPOINT_SECONDS = 1000, 0
+    run, outcome = run_with([])
+    assert [c.number for c in saved(run)] == [1, 2, 3, 4, 5, 6, 7]  # every time is due
+
+    settings.RUNDESK_CHECKPOINT_SECONDS = 3600
+    run, outcome = run_with([])
+    assert outcome == RunStatus.COMPLETED and saved(run) == []
+    assert_completed_once_each(journal, run)
+
+    # Production's cadence: with steps of 300 ms, one every other step.
+    settings.RUNDESK_CHECKPOINT_EVERY = 100
+    settings.RUNDESK_CHECKPOINT_SECONDS = 0.5
+    slow = [{"point": "tool_delay", "ms": 300}]
+    run, outcome = run_with(slow)
+    assert outcome == RunStatus.COMPLETED
+    # 300 ms a step: due after the second step, then every other one.
+    numbers = [c.number for c in saved(run)]
+    assert numbers and all(b - a <= 3 for a, b in zip([0, *numbers], numbers, strict=False))
+
+
 # -- row 1: failed before write, receipt verifies, lease held, no cancel ------------
 
 

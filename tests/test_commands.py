@@ -66,8 +66,14 @@ def test_executor_run_refuses_an_unknown_run():
         run_command("executor", "--run", "999")
 
 
+def test_bench_takes_one_benchmark_at_a_time_or_all():
+    with pytest.raises(CommandError, match="one benchmark at a time, or --all"):
+        call_command("bench", "--peers", "--throughput")
+
+
 def test_bench_reports_step_and_commit_times():
-    report = json.loads(run_command("bench", "--steps", "20", "--json"))
+    whole = json.loads(run_command("bench", "--steps", "20", "--json"))
+    report = whole["noop_step"]
     assert report["steps"] == 20
     assert report["step_ms_p50"] > 0 and report["commit_ms_p50"] > 0
     ratio = report["step_ms_p50"] / report["commit_ms_p50"]
@@ -75,8 +81,21 @@ def test_bench_reports_step_and_commit_times():
     writes = report["writes_ms_p50"] / report["commit_ms_p50"]
     assert report["writes_over_commit"] == pytest.approx(writes, rel=0.02)
     assert 0 < report["roundtrip_ms_p50"] < report["writes_ms_p50"]
-    bench_run = Run.objects.get(question__startswith="bench:")
-    # Each round made a step and the two writes alone: 20 receipts each.
+    # The real agent path: 9 documents, two steps each, the composition
+    # and the delivery, counted by the server (each step commits at least
+    # its boundary), then timed.
+    agent = whole["agent_path"]
+    assert (agent["steps"], agent["documents"]) == (20, 9)
+    assert agent["commits_per_step"] >= 1 and agent["wal_syncs_per_step"] > 0
+    assert agent["noise_wal_syncs_per_step"] >= 0
+    assert agent["step_over_commit"] == pytest.approx(
+        agent["step_ms_p50"] / agent["commit_ms_p50"], rel=0.02
+    )
+    agent_runs = Run.objects.filter(question="bench: compare")
+    assert [r.status for r in agent_runs] == [RunStatus.COMPLETED] * 2
+    assert all(r.receipts.count() == 20 for r in agent_runs)
+    bench_run = Run.objects.get(question__startswith="bench: 20")
+    # Each round made a step and its fenced write alone: 20 receipts each.
     assert bench_run.status == RunStatus.COMPLETED
     assert bench_run.receipts.filter(step_key__startswith="noop:").count() == 20
     assert bench_run.receipts.filter(step_key__startswith="writes:").count() == 20

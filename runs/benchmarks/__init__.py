@@ -2,9 +2,14 @@
 measures, and the statistics they share (`reproduce_contention` uses them
 too).
 
-- steps: an executor step against a single-row INSERT + COMMIT;
+- steps: the commits and WAL syncs of a step of the real agent path, and
+  its time against a single-row INSERT + COMMIT; a no-op step alone;
 - capture: what handing a copy to a stalled evidence capture costs;
 - evidence_locked: a whole run while every evidence table is locked;
+- peers: a no-op step through DBOS, LangGraph and Rundesk, side by side;
+- throughput: runs/s of executor processes against the commit ceiling, and
+  the failover time after an executor dies;
+- scale: runs/s of Celery worker processes on a broker;
 - bundle: export time and peak memory of investigation bundles;
 - pages: server time of the dashboard's pages, small tables against large.
 """

@@ -27,12 +27,9 @@ every 50 ms.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +45,7 @@ from django.db import connection, transaction
 from kombu import Connection, Exchange, Queue
 
 from runs.benchmarks.pages import bench_database
+from runs.benchmarks.processes import GroupProcess
 from runs.models import Run, RunStatus
 from runs.tasks import execute_run
 from runs.timeline import timeline
@@ -189,7 +187,7 @@ class Broker:
                 channel.exchange_delete(self.queue)
 
 
-class CeleryWorker:
+class CeleryWorker(GroupProcess):
     """A `celery worker` process for `broker` (the project's settings when
     None), in a process group of its own (a kill takes its pool and an
     embedded beat too), its output in `log`."""
@@ -205,9 +203,7 @@ class CeleryWorker:
         concurrency: int = 1,
         name: str = "worker",
     ) -> None:
-        self.log = log
-        self._out = log.open("w")
-        self.process = subprocess.Popen(
+        super().__init__(
             [
                 sys.executable,
                 "-c",
@@ -227,42 +223,12 @@ class CeleryWorker:
                 "--without-gossip",
                 *(["--beat"] if beat else []),
             ],
-            cwd=settings.BASE_DIR,
-            env=env,
-            stdout=self._out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            env,
+            log,
         )
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def output(self) -> str:
-        return self.log.read_text()
 
     def ready(self) -> bool:
         return " ready." in self.output()
-
-    def exited(self) -> bool:
-        return self.process.poll() is not None
-
-    def kill(self) -> None:
-        """SIGKILL to the whole group: the worker, its pool, its beat."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):  # a child (beat) left behind
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self._out.close()
-
-    def stop(self) -> None:
-        """SIGTERM (warm shutdown), then what is left is killed."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=15)
-        self.kill()
 
 
 def report(broker_url: str = FILESYSTEM) -> dict[str, Any]:

@@ -1,27 +1,160 @@
-"""`bench` (the default): one executor step (boundary + no-op read +
-receipt) against a single-row INSERT + COMMIT on the same database."""
+"""`bench` (the default): what a step of the real agent path costs -- the
+durable commits and WAL syncs it makes, counted by the server, and its time
+against a single-row INSERT + COMMIT on the same database -- and the same
+for a no-op step alone.
+
+Counting is server-side: `pg_stat_database.xact_commit` of this database
+(every transaction, read-only ones too) and `pg_stat_wal.wal_sync` (every
+WAL flush of the whole server: the durable commits, group commits merged).
+A backend reports its counts when idle, at most once a second (an idle
+one that reported less than a second ago waits ten), so each count first
+makes every backend of the bench report: its own (pg_stat_force_next_flush),
+and the timeline's and capture's writers, by ending their connections (a
+backend reports as it exits; the heartbeat's ended with its run).  Then it
+waits STATS_SETTLE seconds for the server's own processes.  The server's
+noise is an idle window counted the same way."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import psycopg
+from django.conf import settings
 from django.core.management.base import CommandError
 
+from evidence.capture import capture
+from runs.agent import ResearchAgent
 from runs.benchmarks import p50
 from runs.dispatch import Dispatcher
-from runs.leases import Lease, new_owner_name
-from runs.models import Run, RunStatus
+from runs.executor import heartbeat
+from runs.leases import Lease, PendingReceipt, new_owner_name
+from runs.models import Checkpoint, Run, RunStatus
 from runs.sql import server_cursor
 from runs.timeline import timeline
 
+# Seconds for every backend to report its counts (PostgreSQL 15 reports
+# at most once a second, when idle).
+STATS_SETTLE = 1.5
+
+
+@dataclass(frozen=True)
+class Counts:
+    commits: int
+    wal_syncs: int
+
+    @classmethod
+    def now(cls) -> Counts:
+        for writer in (timeline, capture):
+            writer.flush()
+            writer.stop()
+        with server_cursor() as cursor:
+            cursor.execute("SELECT pg_stat_force_next_flush()")
+        time.sleep(STATS_SETTLE)
+        with server_cursor() as cursor:
+            cursor.execute(
+                "SELECT xact_commit, (SELECT wal_sync FROM pg_stat_wal)"
+                " FROM pg_stat_database WHERE datname = current_database()"
+            )
+            commits, wal_syncs = cursor.fetchone()
+        return cls(commits, wal_syncs)
+
+    def __sub__(self, other: Counts) -> Counts:
+        return Counts(self.commits - other.commits, self.wal_syncs - other.wal_syncs)
+
 
 def report(steps: int) -> dict[str, Any]:
+    counted = agent_path(steps)
     samples = measure(steps)
+    return {"agent_path": counted, "noop_step": noop_report(steps, samples)}
+
+
+def agent_path(steps: int) -> dict[str, Any]:
+    """A research run of about `steps` steps (two per document, then the
+    composition and the delivery) through the real agent path, as the
+    executor drives it: its commits and WAL syncs counted alone, then
+    another such run timed step by step, each step followed by a bare
+    commit on the same connection."""
+    count_run, timed_run = (_long_run(steps) for _ in range(2))
+    idle = Counts.now()
+    started = time.monotonic()
+    time.sleep(1.0)
+    noise = Counts.now() - idle
+    noise_per_s = noise.wal_syncs / (time.monotonic() - started - STATS_SETTLE)
+
+    before = Counts.now()
+    started = time.monotonic()
+    taken = _research(count_run, Dispatcher)
+    seconds = time.monotonic() - started
+    used = Counts.now() - before
+    samples: dict[str, list[float]] = {"step": [], "commit": []}
+    with commit_table():
+        _research(timed_run, _timed_dispatcher(samples))
+    commit = statistics.median(samples["commit"])
+    return {
+        "steps": taken,
+        "documents": len(count_run.documents),
+        "commits_per_step": round(used.commits / taken, 3),
+        "wal_syncs_per_step": round(used.wal_syncs / taken, 3),
+        # What the rest of the server flushed meanwhile, at its idle rate.
+        "noise_wal_syncs_per_step": round(noise_per_s * seconds / taken, 3),
+        "checkpoints": Checkpoint.objects.filter(run=count_run, state__isnull=False).count(),
+        "step_ms_p50": p50(samples["step"]),
+        "commit_ms_p50": p50(samples["commit"]),
+        "step_over_commit": round(statistics.median(samples["step"]) / commit, 2),
+    }
+
+
+def _long_run(steps: int) -> Run:
+    corpus = sorted(
+        p.name for p in settings.RUNDESK_CORPUS_DIR.glob("*.md") if p.name != "README.md"
+    )
+    documents = [corpus[i % len(corpus)] for i in range(max(1, math.ceil((steps - 2) / 2)))]
+    return Run.objects.submit(
+        question="bench: compare", documents=documents, action_budget=2 * len(documents) + 2
+    )
+
+
+def _research(run: Run, dispatcher_class: type[Dispatcher]) -> int:
+    """Drives `run` as the executor does (drive()), with `dispatcher_class`;
+    the steps it took.  Waits until its timeline and evidence are written."""
+    lease = Lease.claim(run.pk, new_owner_name())
+    if lease is None:
+        raise CommandError(f"could not claim bench run {run.pk}")
+    with heartbeat(lease) as lost:
+        dispatcher = dispatcher_class(lease, stop=threading.Event(), lease_lost=lost)
+        agent = ResearchAgent(dispatcher)
+        with dispatcher.receipt_kept():
+            agent.research(dispatcher.resume(agent.replay))
+        if dispatcher.finish(RunStatus.COMPLETED, "bench") != RunStatus.COMPLETED:
+            raise CommandError(f"bench run {run.pk} did not complete")
+    timeline.flush()
+    capture.flush()
+    return dispatcher.progress.steps
+
+
+def _timed_dispatcher(samples: dict[str, list[float]]) -> type[Dispatcher]:
+    class Timed(Dispatcher):
+        def step(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            start = time.perf_counter()
+            result = super().step(*args, **kwargs)
+            samples["step"].append((time.perf_counter() - start) * 1000)
+            with server_cursor() as cursor:
+                start = time.perf_counter()
+                cursor.execute("INSERT INTO rundesk_bench_commit DEFAULT VALUES")
+                samples["commit"].append((time.perf_counter() - start) * 1000)
+            return result
+
+    return Timed
+
+
+def noop_report(steps: int, samples: dict[str, list[float]]) -> dict[str, Any]:
     commit = statistics.median(samples["commit"])
     return {
         "steps": steps,
@@ -48,7 +181,7 @@ def noop_run(steps: int) -> Iterator[Dispatcher]:
         raise CommandError(f"could not claim bench run {run.pk}")
     dispatcher = Dispatcher(lease, stop=threading.Event(), lease_lost=threading.Event())
     yield dispatcher
-    lease.finish(RunStatus.COMPLETED, "bench")
+    dispatcher.finish(RunStatus.COMPLETED, "bench")
     timeline.flush()
 
 
@@ -64,8 +197,10 @@ def measure(steps: int) -> dict[str, list[float]]:
     INSERT + COMMIT (autocommit: one round trip) on a logged table, on the
     same connection: both see the same machine at the same moment.  Each
     round also times the step's two fenced writes made through the lease
-    alone (no dispatcher, timeline or tool) and a `SELECT 1`."""
+    alone (no dispatcher, timeline or tool): the boundary, with the
+    receipt of the read before it; and a `SELECT 1`."""
     samples: dict[str, list[float]] = {"step": [], "commit": [], "writes": [], "roundtrip": []}
+    previous: list[int | None] = [None]
 
     def timed(name: str, work: Callable[..., object], *args: Any) -> None:
         start = time.perf_counter()
@@ -73,20 +208,34 @@ def measure(steps: int) -> dict[str, list[float]]:
         samples[name].append((time.perf_counter() - start) * 1000)
 
     def writes(lease: Lease, i: int) -> None:
-        action = lease.record_boundary(
-            step_key=f"writes:{i}", kind="noop", effect_class="read", input={"i": i}
+        receipt = None if previous[0] is None else PendingReceipt(previous[0], {"ok": True})
+        previous[0] = lease.record_boundary(
+            step_key=f"writes:{i}",
+            kind="noop",
+            effect_class="read",
+            input={"i": i},
+            receipt=receipt,
         )
-        lease.record_receipt(action, {"ok": True})
 
-    with noop_run(steps) as dispatcher, server_cursor() as cursor:
-        cursor.execute(
-            "CREATE TABLE IF NOT EXISTS rundesk_bench_commit "
-            "(id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT now())"
-        )
+    with noop_run(steps) as dispatcher, commit_table() as cursor:
         for i in range(steps):
             timed("step", noop_step, dispatcher, i)
             timed("commit", cursor.execute, "INSERT INTO rundesk_bench_commit DEFAULT VALUES")
             timed("writes", writes, dispatcher.lease, i)
             timed("roundtrip", cursor.execute, "SELECT 1")
-        cursor.execute("DROP TABLE rundesk_bench_commit")
+        dispatcher.lease.record_receipt(previous[0], {"ok": True})
     return samples
+
+
+@contextlib.contextmanager
+def commit_table() -> Iterator[psycopg.Cursor[Any]]:
+    """The logged table the bare commit inserts into, for the bench's life."""
+    with server_cursor() as cursor:
+        cursor.execute(
+            "CREATE TABLE IF NOT EXISTS rundesk_bench_commit "
+            "(id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT now())"
+        )
+        try:
+            yield cursor
+        finally:
+            cursor.execute("DROP TABLE rundesk_bench_commit")

@@ -4,11 +4,21 @@ they ask for."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
-from runs.benchmarks import bundle, capture, evidence_locked, pages, scale, steps
+from runs.benchmarks import (
+    bundle,
+    capture,
+    evidence_locked,
+    pages,
+    peers,
+    scale,
+    steps,
+    throughput,
+)
 
 # tests/test_bundles.py measures exports with it, imported from here.
 from runs.benchmarks.bundle import measured_command as measured_command
@@ -16,10 +26,9 @@ from runs.benchmarks.bundle import measured_command as measured_command
 
 class Command(BaseCommand):
     help = (
-        "Measures one executor step (boundary + no-op read + receipt) against a single-row "
-        "INSERT + COMMIT on the same database; with --capture, the cost of handing a copy "
-        "to evidence capture while the database is stalled for it; with --evidence-locked, a "
-        "whole run while another session holds every evidence table locked."
+        "Counts the durable commits and WAL syncs of a step of the real agent path and times "
+        "it, and a no-op step, against a single-row INSERT + COMMIT on the same database; "
+        "with an option, another benchmark (runs/benchmarks/); with --all, every one."
     )
 
     def add_arguments(self, parser: Any) -> None:
@@ -31,7 +40,9 @@ class Command(BaseCommand):
             help="the same run with no lock, and with every evidence table locked by another "
             "session for the run's whole life (SHARE, ACCESS EXCLUSIVE)",
         )
-        parser.add_argument("--rounds", type=int, default=3, help="with --evidence-locked")
+        parser.add_argument(
+            "--rounds", type=int, default=3, help="with --evidence-locked and --peers"
+        )
         parser.add_argument(
             "--bundle",
             action="store_true",
@@ -55,30 +66,66 @@ class Command(BaseCommand):
             metavar="URL",
             help="with --scale: the broker (redis://, amqp://); the filesystem broker by default",
         )
+        parser.add_argument(
+            "--peers",
+            action="store_true",
+            help="no-op steps through DBOS, LangGraph (PostgresSaver, durability=sync) and "
+            "Rundesk, interleaved with the bare commit, each in its own database (needs the "
+            "bench extra: pip install -e '.[bench]')",
+        )
+        parser.add_argument(
+            "--throughput",
+            action="store_true",
+            help="runs/s and actions/s of 100-run batches with 1, 2 and 4 executor processes "
+            "against the commits/s ceiling, and the time from an executor's death to another "
+            "owner resuming its run",
+        )
+        parser.add_argument("--all", action="store_true", help="every benchmark, in one JSON")
         parser.add_argument("--json", action="store_true")
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["steps"] < 1:
             raise CommandError("--steps must be at least 1")
-        if options["scale"]:
-            try:
-                report: Any = scale.report(options["broker"])
-            except RuntimeError as error:
-                raise CommandError(f"bench --scale: {error}") from error
-        elif options["dashboard"]:
-            report = {"pages": pages.measure()}
-        elif options["bundle"]:
-            report = bundle.report([10_000, 200_000])
-        elif options["evidence_locked"]:
-            if options["rounds"] < 1:
-                raise CommandError("--rounds must be at least 1")
-            report = evidence_locked.report(options["rounds"])
-        elif options["capture"]:
-            report = capture.report(options["steps"])
+        if options["rounds"] < 1:
+            raise CommandError("--rounds must be at least 1")
+        # The default (steps) has no option of its own; --steps sizes it.
+        chosen = [name for name in BENCHMARKS if name != "steps" and options[name]]
+        if options["all"]:
+            # Every one, each in its own key; one that fails says why there
+            # and the others still run (the exit status says one failed).
+            report: Any = {}
+            for name in BENCHMARKS:
+                try:
+                    report[name] = self._measure(name, options)
+                except CommandError as error:
+                    report[name] = {"error": str(error)}
+        elif len(chosen) > 1:
+            raise CommandError(f"one benchmark at a time, or --all (asked: {', '.join(chosen)})")
         else:
-            report = steps.report(options["steps"])
+            report = self._measure(chosen[0] if chosen else "steps", options)
         if options["json"]:
             self.stdout.write(json.dumps(report))
         else:
             for key, value in report.items():
                 self.stdout.write(f"{key}: {value}")
+        if options["all"] and (failed := [n for n, v in report.items() if "error" in v]):
+            raise CommandError(f"bench --all: {', '.join(failed)} failed (see its error)")
+
+    def _measure(self, name: str, options: dict[str, Any]) -> Any:
+        try:
+            return BENCHMARKS[name](options)
+        except (RuntimeError, ValueError) as error:
+            raise CommandError(f"bench --{name.replace('_', '-')}: {error}") from error
+
+
+# Each benchmark by its option (dest), in the order --all runs them.
+BENCHMARKS: dict[str, Callable[[dict[str, Any]], Any]] = {
+    "steps": lambda options: steps.report(options["steps"]),
+    "capture": lambda options: capture.report(options["steps"]),
+    "evidence_locked": lambda options: evidence_locked.report(options["rounds"]),
+    "peers": lambda options: peers.report(options["steps"], options["rounds"]),
+    "throughput": lambda options: throughput.report(),
+    "scale": lambda options: scale.report(options["broker"]),
+    "bundle": lambda options: bundle.report([10_000, 200_000]),
+    "dashboard": lambda options: {"pages": pages.measure()},
+}
