@@ -40,7 +40,7 @@ from evidence.sources import SourceRefresh
 from runs.background import GAP_INTERVAL as GAP_INTERVAL  # how soon a gap is written
 from runs.background import BackgroundWriter
 from runs.models import digest
-from runs.sql import application_name
+from runs.sql import application_name, commit_asynchronously
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
@@ -201,6 +201,7 @@ class CopyTransaction:
             "SELECT set_config('application_name', %s, true)",
             [application_name(Capture.role, self.copy.run_id)],
         )
+        commit_asynchronously(cursor)
         if self.policy == "nowait":
             bound_lock_waits(cursor)
 

@@ -13,6 +13,8 @@ from typing import Any
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
 
+from runs.sql import commit_asynchronously
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,6 +30,7 @@ def bounded() -> Iterator[Any]:
     """An evidence write's transaction: it can fail, never hold anyone up."""
     with transaction.atomic(), connection.cursor() as cursor:
         bound_lock_waits(cursor)
+        commit_asynchronously(cursor)
         yield cursor
 
 

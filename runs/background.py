@@ -8,8 +8,9 @@ is written.  The contract they share, kept here:
 - Handing an item over never blocks and never raises: it goes into a bounded
   in-process queue, or, when the queue is full, is counted as lost.
 - One daemon thread drains the queue on its own database connection, named
-  in pg_stat_activity (`application_name(role)`), committing asynchronously
-  (`_set_up`), and closed when the thread ends.  It is started when
+  in pg_stat_activity (`application_name(role)`), and closed when the
+  thread ends.  What it writes is optional: its transactions commit
+  asynchronously (`runs.sql.commit_asynchronously`).  It is started when
   something is handed over and none is running.
 - It takes a batch at a time: up to `batch` items, gathered for `linger`
   seconds unless someone waits for them (flush, stop).
@@ -170,21 +171,14 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
             connection.close()
 
     def _set_up(self, session: object) -> object:
-        """This thread's connection, set up once per session (a lost one is
-        replaced): named, and committing asynchronously.  What a writer
-        commits is optional, so it does not wait for its WAL to be flushed:
-        the server flushes it with its own writes within a few
-        wal_writer_delay.  A server crash may lose that last moment's rows,
-        as a killed process loses its queue; the facts of the main path
-        commit synchronously, each on its own."""
+        """This thread's connection, named once per session (a lost one is
+        replaced, and the new one named too)."""
         if connection.connection is not None and connection.connection is session:
             return session
         try:
             name_connection(self.role)
-            with connection.cursor() as cursor:
-                cursor.execute("SET synchronous_commit = off")
         except DatabaseError as error:
-            self._logger.warning("%s: cannot set up its connection: %s", self.role, error)
+            self._logger.warning("%s: cannot name its connection: %s", self.role, error)
             connection.close()
             return None
         return connection.connection

@@ -273,13 +273,21 @@ class Dispatcher:
     def receipt_kept(self) -> Iterator[None]:
         """Around the agent: however its research ends early (a failure, a
         cancel, a stop, an operator's turn), the receipt of its last read is
-        written first if it can be; if not, the next owner reads it again."""
+        written first if it can be; if not, the next owner reads it again.
+        A receipt whose COMMIT stays unknown makes the run wait for an
+        operator (NeedsOperator)."""
         try:
             yield
-        except BaseException:
+        except BaseException as ending:
             try:
                 self.write_receipt()
-            except (WriteRefused, NeedsOperator, DatabaseError) as error:
+            except NeedsOperator as unknown:
+                # Whether it committed is unknown: its item holds the run for
+                # an operator, whatever else ended research (unless another
+                # owner has the run: it decides).
+                if not isinstance(ending, LeaseLost):
+                    raise unknown from ending
+            except (WriteRefused, DatabaseError) as error:
                 logger.warning(
                     "run %s: the last read's receipt not written: %s", self.run.pk, error
                 )
@@ -328,29 +336,34 @@ class Dispatcher:
         self._check_can_dispatch()
         completed, self.unwritten = self.unwritten, None
 
-        def write() -> tuple[int | None]:
+        def write(receipt: PendingReceipt | None) -> tuple[int | None]:
             return (
                 self.lease.record_boundary(
                     step_key=step_key,
                     kind=tool.name,
                     effect_class=tool.effect_class,
                     input=input,
-                    receipt=completed and completed.receipt,
+                    receipt=receipt,
                 ),
             )
 
         if completed is None:
-            (action_id,) = write()
+            (action_id,) = write(None)
         else:
             try:
-                written = self._settled_receipt(completed, write)
+                written = self._settled_receipt(completed, lambda: write(completed.receipt))
             except CancelRequested:
                 self._receipt_written(completed)  # the receipt went; the boundary did not
+                raise
+            except DatabaseError:
+                # Answered with an error: the statement rolled back, and the
+                # receipt can still go on its own (receipt_kept).
+                self.unwritten = completed
                 raise
             self._receipt_written(completed)
             # None: an earlier attempt committed, the boundary with it
             # unless a cancel refused it (then writing it alone says so).
-            (action_id,) = written or (self._boundary_id(step_key) or write()[0],)
+            (action_id,) = written or (self._boundary_id(step_key) or write(None)[0],)
         if action_id is None:
             raise NeedsOperator(
                 f"identity {step_key} exists but was not loaded: another owner wrote it"

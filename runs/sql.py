@@ -70,6 +70,16 @@ def application_name(role: str, run_id: int | None = None) -> str:
     return f"rundesk:{role}" + (f":run-{run_id}" if run_id is not None else "")
 
 
+def commit_asynchronously(cursor: Any) -> None:
+    """For the rest of this transaction, its COMMIT does not wait for its
+    WAL to be flushed: the server flushes it with its other writes within a
+    few wal_writer_delay.  For optional writes (the timeline, evidence
+    capture) only: a server crash may lose that last moment's rows, never a
+    fact, which commits synchronously.  Local to the transaction, so a
+    pooler's server connection never carries it to another client."""
+    cursor.execute("SELECT set_config('synchronous_commit', 'off', true)")
+
+
 def name_connection(role: str, run_id: int | None = None) -> None:
     """Says in pg_stat_activity what this thread's connection serves, so a
     lock graph can name it."""

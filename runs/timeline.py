@@ -16,11 +16,11 @@ import logging
 from collections import Counter
 from typing import Any, NamedTuple
 
-from django.db import DatabaseError, IntegrityError, connection, models
+from django.db import DatabaseError, IntegrityError, connection, models, transaction
 from psycopg.types.json import Jsonb
 
 from runs.background import BackgroundWriter
-from runs.sql import server_cursor
+from runs.sql import commit_asynchronously, server_cursor
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +156,11 @@ class Timeline(BackgroundWriter[Event, tuple[int, str]]):
 
     @staticmethod
     def _copy(rows: list[Event]) -> None:
-        with server_cursor() as cursor, cursor.copy(COPY_EVENTS) as copy:
-            for row in rows:
-                copy.write_row(row._replace(data=Jsonb(row.data)))
+        with transaction.atomic(), server_cursor() as cursor:
+            commit_asynchronously(cursor)
+            with cursor.copy(COPY_EVENTS) as copy:
+                for row in rows:
+                    copy.write_row(row._replace(data=Jsonb(row.data)))
 
 
 timeline = Timeline()

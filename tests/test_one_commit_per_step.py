@@ -11,15 +11,25 @@ from __future__ import annotations
 import threading
 
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection
 
-from runs.dispatch import Dispatcher
+from runs.dispatch import Dispatcher, Stopping
 from runs.executor import claim_and_drive
 from runs.faults import FaultPlan, inject_cancel, steal_lease
 from runs.leases import CancelRequested, Lease, LeaseLost, PendingReceipt
-from runs.models import Action, ActionState, Receipt, Run, RunStatus
+from runs.models import (
+    Action,
+    ActionState,
+    OutcomeItem,
+    OutcomeKind,
+    OutcomeState,
+    Receipt,
+    Run,
+    RunStatus,
+)
+from runs.outcomes import NeedsOperator, xact_status
 from runs.timeline import EventKind, timeline
-from tests.faultruns import DOCS, KEYS, events, executions
+from tests.faultruns import DOCS, KEYS, events, executions, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -146,3 +156,41 @@ def test_a_merged_write_whose_commit_got_no_answer_is_settled_as_the_receipt(jou
     assert all(r.verifies(r.action) for r in Receipt.objects.all())
     assert Receipt.objects.count() == 2
     assert all(executions(journal, dispatcher.run, f"noop:{i}") == 1 for i in range(2))
+
+
+@pytest.mark.usefixtures("short_settle")
+def test_a_cancel_behind_a_merged_write_that_committed_unanswered_is_a_cancel():
+    dispatcher = claimed()
+    noop(dispatcher, 0)
+    inject_cancel(dispatcher.run.pk)
+    cut = {"point": "drop_connection_at_commit", "write": "receipt", "action": 1}
+    dispatcher.faults = FaultPlan.parse([{**cut, "outcome": "committed"}], run_id=dispatcher.run.pk)
+    with pytest.raises(CancelRequested):
+        noop(dispatcher, 1)
+    assert list(Receipt.objects.values_list("step_key", flat=True)) == ["noop:0"]
+    assert not Action.objects.filter(step_key="noop:1").exists()
+
+
+def test_a_merged_write_the_database_refuses_leaves_the_receipt_to_go_alone():
+    dispatcher = claimed()
+    with pytest.raises(DatabaseError), dispatcher.receipt_kept():
+        noop(dispatcher, 0)
+        # jsonb refuses a NUL: the statement rolls back, receipt and all.
+        dispatcher.step("noop:1", "noop", {"text": "\x00"})
+    assert list(Receipt.objects.values_list("step_key", flat=True)) == ["noop:0"]
+    assert not Action.objects.filter(step_key="noop:1").exists()
+
+
+@pytest.mark.usefixtures("short_settle")
+def test_a_last_receipt_whose_commit_stays_unknown_holds_the_run_for_an_operator():
+    dispatcher = claimed()
+    noop(dispatcher, 0)
+    late = {"point": "drop_connection_at_commit", "write": "receipt", "action": 1}
+    plan = [{**late, "outcome": "late", "stall_ms": 3000}]
+    dispatcher.faults = FaultPlan.parse(plan, run_id=dispatcher.run.pk)
+    # The executor stops: the receipt goes alone, and its answer is lost.
+    with pytest.raises(NeedsOperator, match="receipt of noop:0"), dispatcher.receipt_kept():
+        raise Stopping()
+    item = OutcomeItem.objects.get(run=dispatcher.run)
+    assert (item.kind, item.state) == (OutcomeKind.RECEIPT, OutcomeState.OPEN)
+    wait_for(lambda: xact_status(item.xid) == "committed")
