@@ -351,7 +351,11 @@ class Dispatcher:
             (action_id,) = write(None)
         else:
             try:
-                written = self._settled_receipt(completed, lambda: write(completed.receipt))
+                written = self._settled_receipt(
+                    completed,
+                    lambda: write(completed.receipt),
+                    fault=("boundary", self.progress.steps),
+                )
             except CancelRequested:
                 self._receipt_written(completed)  # the receipt went; the boundary did not
                 raise
@@ -483,12 +487,15 @@ class Dispatcher:
             completed, lambda: self.lease.record_receipt(completed.action_id, completed.result)
         )
 
-    def _settled_receipt(self, completed: Completed, write: Callable[[], T]) -> T | None:
-        """Runs a write that carries `completed`'s receipt; an unanswered
+    def _settled_receipt(
+        self, completed: Completed, write: Callable[[], T], *, fault: tuple[str, int] = ("", 0)
+    ) -> T | None:
+        """Runs a write that carries `completed`'s receipt (alone, or with
+        what `fault` names: the fault plan's write and step); an unanswered
         COMMIT is settled by evidence (None: an earlier attempt committed)."""
 
         def attempt() -> T:
-            with self.faults.at_commit("receipt", completed.step):
+            with self.faults.at_commit(*(fault if fault[0] else ("receipt", completed.step))):
                 return write()
 
         action_id = completed.action_id

@@ -456,6 +456,12 @@ def receipt_commit_lost(lab: Lab) -> Finding:
     return _commit_lost(lab, "receipt", 2)
 
 
+def boundary_commit_lost(lab: Lab) -> Finding:
+    """The answer to a boundary's COMMIT is lost (it committed): the
+    boundary of action 2, carrying the receipt of the read before it."""
+    return _commit_lost(lab, "boundary", 2)
+
+
 def publication_commit_lost(lab: Lab) -> Finding:
     """The answer to the draft's publication COMMIT is lost (it committed)."""
     return _commit_lost(lab, "publication", 2)
@@ -716,6 +722,7 @@ SCENARIOS: dict[str, Callable[[Lab], Finding]] = {
     "checkpoint_fails_before_write": checkpoint_fails_before_write,
     "checkpoint_commit_lost": checkpoint_commit_lost,
     "receipt_commit_lost": receipt_commit_lost,
+    "boundary_commit_lost": boundary_commit_lost,
     "publication_commit_lost": publication_commit_lost,
     "delivery_answer_lost": delivery_answer_lost,
     "lease_stolen": lease_stolen,

@@ -15,9 +15,11 @@ resumed run does not meet it again.
   K does not serialize (a real TypeError from the JSON encoder), so it
   fails before anything is written.
 - `drop_connection_at_commit` `{"write": "checkpoint" | "receipt" |
-  "publication", "action": K, "outcome": "committed" | "aborted" | "late"}`:
-  the first such write at or after action K loses its connection while its
-  transaction is in flight, after announcing its xid.  The server side
+  "publication" | "boundary", "action": K, "outcome": "committed" |
+  "aborted" | "late"}`: the first such write at or after action K loses
+  its connection while its transaction is in flight, after announcing its
+  xid.  A `boundary` is one that carries the previous read's receipt (the
+  write it is settled as); a `receipt` is one written alone.  The server side
   then commits (`committed`), is terminated before COMMIT (`aborted`), or
   stays in flight for `stall_ms` (default 10000) and commits later (`late`:
   the writer cannot settle it in time).  The writer gets no answer in all
@@ -48,7 +50,7 @@ from django.db import connection
 from runs.sql import application_name, socket_fd, this_backend
 from runs.timeline import EventKind, timeline
 
-WRITES = ("checkpoint", "receipt", "publication")
+WRITES = ("checkpoint", "receipt", "publication", "boundary")
 OUTCOMES = ("committed", "aborted", "late")
 
 # point -> its keys besides "point"

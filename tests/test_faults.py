@@ -68,7 +68,7 @@ def test_failed_read_is_known_not_to_have_happened_and_the_other_reads_go_on(jou
         ({"point": "lease_stolen", "action": 0}, "'action' must be a positive integer"),
         (
             {"point": "drop_connection_at_commit", "action": 1, "write": "event"},
-            "'write' must be one of ['checkpoint', 'receipt', 'publication']",
+            "'write' must be one of ['checkpoint', 'receipt', 'publication', 'boundary']",
         ),
         (
             {"point": "drop_connection_at_commit", "action": 1, "write": "receipt", "outcome": "x"},

@@ -138,8 +138,8 @@ def test_a_merged_write_that_never_commits_costs_a_read_sent_again(journal):
 def test_a_merged_write_whose_commit_got_no_answer_is_settled_as_the_receipt(journal, outcome):
     dispatcher = claimed()
     noop(dispatcher, 0)
-    # The next write, which carries noop:0's receipt, loses its answer.
-    cut = {"point": "drop_connection_at_commit", "write": "receipt", "action": 1}
+    # The next boundary, which carries noop:0's receipt, loses its answer.
+    cut = {"point": "drop_connection_at_commit", "write": "boundary", "action": 2}
     dispatcher.faults = FaultPlan.parse([{**cut, "outcome": outcome}], run_id=dispatcher.run.pk)
     noop(dispatcher, 1)
     assert dispatcher.finish(RunStatus.COMPLETED, "done") == RunStatus.COMPLETED
@@ -163,7 +163,7 @@ def test_a_cancel_behind_a_merged_write_that_committed_unanswered_is_a_cancel():
     dispatcher = claimed()
     noop(dispatcher, 0)
     inject_cancel(dispatcher.run.pk)
-    cut = {"point": "drop_connection_at_commit", "write": "receipt", "action": 1}
+    cut = {"point": "drop_connection_at_commit", "write": "boundary", "action": 2}
     dispatcher.faults = FaultPlan.parse([{**cut, "outcome": "committed"}], run_id=dispatcher.run.pk)
     with pytest.raises(CancelRequested):
         noop(dispatcher, 1)
