@@ -217,7 +217,8 @@ class Executor:
 
     def serve(self, *, once: bool = False) -> list[tuple[int, Ending]]:
         """Claims and runs runs until stopped (or, with once, until the queue
-        is empty).  Returns what happened to each run it took."""
+        is empty).  With once, returns what happened to each run it took; a
+        long-running executor logs each instead of keeping them all."""
         workers = [
             threading.Thread(target=self._work, args=(once,), name=f"executor-{i}")
             for i in range(self.concurrency)
@@ -300,6 +301,7 @@ class Executor:
                     connection.close()
                     continue
                 logger.info("run %s: %s", lease.run_id, ending)
-                self.results.append((lease.run_id, ending))
+                if once:
+                    self.results.append((lease.run_id, ending))
         finally:
             connection.close()

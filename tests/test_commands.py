@@ -8,6 +8,7 @@ from io import StringIO
 import pytest
 from django.core.management import CommandError, call_command
 
+from runs.benchmarks import pages
 from runs.models import Run, RunStatus
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -64,6 +65,13 @@ def test_executor_run_executes_one_run_and_reports_it():
 def test_executor_run_refuses_an_unknown_run():
     with pytest.raises(CommandError, match="no run 999"):
         run_command("executor", "--run", "999")
+
+
+def test_the_dashboard_benchmark_seeds_rows_the_schema_accepts():
+    # Raw SQL, so a new NOT NULL column of runs_run would break it unseen.
+    big = pages.seed(12, 3)
+    assert Run.objects.filter(question__startswith="Compare the funds").count() == 12
+    assert Run.objects.get(pk=big).events.count() == pages.BIG_RUN_EVENTS
 
 
 def test_bench_takes_one_benchmark_at_a_time_or_all():

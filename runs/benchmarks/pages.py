@@ -63,9 +63,11 @@ def seed(runs: int, events_per_run: int) -> int:
                 """WITH new AS (
                        INSERT INTO runs_run (question, documents, status, status_reason, phase,
                            phase_reason, action_budget, faults, faults_fired, lease_owner,
-                           lease_epoch, created_at, updated_at, started_at, finished_at)
+                           lease_epoch, cancel_requested_by, is_drill, origin_format,
+                           origin_installation, origin_seal, created_at, updated_at,
+                           started_at, finished_at)
                        SELECT 'Compare the funds, bench run ' || g, ARRAY['a.md'], 'completed',
-                           '', 'done', '', 40, '[]', '{}', '', 1,
+                           '', 'done', '', 40, '[]', '{}', '', 1, '', false, '', '', '',
                            now() - make_interval(secs => g), now(), now(), now()
                        FROM generate_series(1, %s) g
                        RETURNING id, created_at),

@@ -97,8 +97,8 @@ class Command(BaseCommand):
             for name in BENCHMARKS:
                 try:
                     report[name] = self._measure(name, options)
-                except CommandError as error:
-                    report[name] = {"error": str(error)}
+                except Exception as error:  # said in the report; the others still run
+                    report[name] = {"error": str(error) or repr(error)}
         elif len(chosen) > 1:
             raise CommandError(f"one benchmark at a time, or --all (asked: {', '.join(chosen)})")
         else:
