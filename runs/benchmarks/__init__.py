@@ -19,6 +19,24 @@ from __future__ import annotations
 import math
 import statistics
 
+from django.db.models.functions import Now
+
+from runs.models import Run, RunStatus
+
+
+def holding_run(question: str) -> Run:
+    """A run that only holds a benchmark's rows (events, copies): ended at
+    once, so no executor of the database takes it, nor refuses to start
+    (bench --throughput) because it waits to be claimed."""
+    run = Run.objects.submit(question=question, documents=["(none)"])
+    Run.objects.filter(pk=run.pk).update(
+        status=RunStatus.CANCELLED,
+        status_reason="a benchmark's run: never executed",
+        finished_at=Now(),
+    )
+    run.refresh_from_db()
+    return run
+
 
 def percentile(samples: list[float], q: float) -> float:
     """Nearest-rank percentile: the smallest sample with at least q of the

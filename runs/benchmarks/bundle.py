@@ -14,7 +14,7 @@ from django.conf import settings
 from django.core.management.base import CommandError
 from django.db import connection
 
-from runs.models import Run
+from runs.benchmarks import holding_run
 
 
 def measured_command(
@@ -48,9 +48,7 @@ def report(sizes: list[int]) -> dict[str, Any]:
     measured = []
     with tempfile.TemporaryDirectory() as folder:
         for events in sizes:
-            run = Run.objects.submit(
-                question=f"bench --bundle: {events} events", documents=["(none)"]
-            )
+            run = holding_run(f"bench --bundle: {events} events")
             with connection.cursor() as cursor:
                 cursor.execute(
                     """INSERT INTO runs_runevent (run_id, kind, message, data, created_at)

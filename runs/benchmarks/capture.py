@@ -10,8 +10,7 @@ import psycopg
 from django.db import connection
 
 from evidence.capture import Capture, Copy
-from runs.benchmarks import p50, percentile
-from runs.models import Run
+from runs.benchmarks import holding_run, p50, percentile
 
 
 def report(copies: int) -> dict[str, Any]:
@@ -19,7 +18,7 @@ def report(copies: int) -> dict[str, Any]:
     holds an ACCESS EXCLUSIVE lock on the evidence tables: the writer is
     stuck on its first copy, the queue fills, the rest become gaps.  What
     the caller pays is the time of each submit()."""
-    run = Run.objects.submit(question="bench: capture", documents=["(none)"])
+    run = holding_run("bench: capture")
     writer = Capture(capacity=max(1, copies // 4))
     writer.flush()  # the writer thread is running, as in a live executor
     params = connection.get_connection_params()
