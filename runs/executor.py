@@ -206,8 +206,15 @@ def claim_and_drive(run_id: int, *, stop: threading.Event | None = None) -> Endi
 
 
 class Executor:
-    def __init__(self, *, concurrency: int = 1, poll_seconds: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        concurrency: int = 1,
+        poll_seconds: float | None = None,
+        on_ending: Callable[[int, Ending], None] | None = None,
+    ) -> None:
         self.concurrency = concurrency
+        self.on_ending = on_ending  # told each run's ending as it comes
         self.poll_seconds = poll_seconds or settings.RUNDESK_POLL_SECONDS
         self.stop = threading.Event()
         self.results: list[tuple[int, Ending]] = []
@@ -218,7 +225,8 @@ class Executor:
     def serve(self, *, once: bool = False) -> list[tuple[int, Ending]]:
         """Claims and runs runs until stopped (or, with once, until the queue
         is empty).  With once, returns what happened to each run it took; a
-        long-running executor logs each instead of keeping them all."""
+        long-running executor tells `on_ending` and the log instead of
+        keeping them all."""
         workers = [
             threading.Thread(target=self._work, args=(once,), name=f"executor-{i}")
             for i in range(self.concurrency)
@@ -301,6 +309,8 @@ class Executor:
                     connection.close()
                     continue
                 logger.info("run %s: %s", lease.run_id, ending)
+                if self.on_ending is not None:
+                    self.on_ending(lease.run_id, ending)
                 if once:
                     self.results.append((lease.run_id, ending))
         finally:

@@ -2,12 +2,13 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
 from evidence.capture import capture
-from runs.executor import Executor, claim_and_drive
+from runs.executor import Ending, Executor, claim_and_drive
 from runs.models import Run
 
 
@@ -23,7 +24,20 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         if options["concurrency"] < 1:
             raise CommandError("--concurrency must be at least 1")
-        executor = Executor(concurrency=options["concurrency"])
+        printing = threading.Lock()
+
+        def say(run_id: int, ending: Ending) -> None:
+            """Each run's ending as it comes (one line; JSON with --json)."""
+            line = (
+                json.dumps({"run_id": run_id, "outcome": ending})
+                if options["json"]
+                else f"run {run_id}: {ending}"
+            )
+            with printing:
+                self.stdout.write(line)
+                self.stdout.flush()
+
+        executor = Executor(concurrency=options["concurrency"], on_ending=say)
         stop = executor.stop
 
         def on_signal(signum: int, frame: Any) -> None:
@@ -37,14 +51,9 @@ class Command(BaseCommand):
             if options["run"] is not None:
                 if not Run.objects.filter(pk=options["run"]).exists():
                     raise CommandError(f"no run {options['run']}")
-                results = [(options["run"], claim_and_drive(options["run"], stop=stop))]
+                say(options["run"], claim_and_drive(options["run"], stop=stop))
             else:
-                results = executor.serve(once=options["once"])
+                executor.serve(once=options["once"])
         finally:
             # What capture could not save in time becomes `shutdown` gaps.
             capture.stop()
-        for run_id, ending in results:
-            if options["json"]:
-                self.stdout.write(json.dumps({"run_id": run_id, "outcome": ending}))
-            else:
-                self.stdout.write(f"run {run_id}: {ending}")
