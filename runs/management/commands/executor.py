@@ -37,7 +37,10 @@ class Command(BaseCommand):
                 self.stdout.write(line)
                 self.stdout.flush()
 
-        executor = Executor(concurrency=options["concurrency"], on_ending=say)
+        # Without --json, the executor's log says each ending (runs.executor).
+        executor = Executor(
+            concurrency=options["concurrency"], on_ending=say if options["json"] else None
+        )
         stop = executor.stop
 
         def on_signal(signum: int, frame: Any) -> None:
