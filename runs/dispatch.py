@@ -37,6 +37,7 @@ in one place (runs/checkpoints.py says when a checkpoint may be trusted).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -88,7 +89,7 @@ class Completed:
     result: dict[str, Any]
     sources: Sequence[str]
 
-    @property
+    @functools.cached_property
     def receipt(self) -> PendingReceipt:
         return PendingReceipt(self.action_id, self.result)
 
@@ -312,7 +313,7 @@ class Dispatcher:
             EventKind.ACTION_COMPLETED,
             completed.step_key + (f" refused: {result['refused']}" if "refused" in result else ""),
             action_id=completed.action_id,
-            result_digest=digest(result),
+            result_digest=completed.receipt.result_digest,
         )
         self.evidence.completed(
             completed.action_id, completed.tool.name, completed.input, result, completed.sources

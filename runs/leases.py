@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import os
 import socket
 import uuid
@@ -26,9 +27,8 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Coalesce, Now
-from psycopg.types.json import Jsonb
 
-from runs.models import ActionState, Phase, Run, RunStatus, digest
+from runs.models import ActionState, Phase, Run, RunStatus, canonical_json, digest, text_digest
 from runs.sql import server_cursor, unanswered_as
 
 # The ownership a lease grants: this owner and epoch, the run still running.
@@ -64,7 +64,7 @@ RECEIPT_CTES = f"""held AS (
     receipt AS (
         INSERT INTO runs_receipt (action_id, run_id, step_key, result, result_digest, epoch,
             xid, created_at)
-        SELECT id, run_id, step_key, %(result)s, %(result_digest)s, %(epoch)s,
+        SELECT id, run_id, step_key, %(result)s::jsonb, %(result_digest)s, %(epoch)s,
             rundesk_xid(false), now()
         FROM completed
         RETURNING action_id)"""
@@ -102,21 +102,26 @@ class CancelRequested(WriteRefused):
 
 @dataclass(frozen=True)
 class PendingReceipt:
-    """The result of an action this owner dispatched, for its receipt."""
+    """The result of an action this owner dispatched, for its receipt
+    (serialised once, however often it is written or said)."""
 
     action_id: int | None
     result: dict[str, Any]
 
     NONE: ClassVar[PendingReceipt]
 
-    @property
+    @functools.cached_property
+    def result_json(self) -> str:
+        return canonical_json(self.result)
+
+    @functools.cached_property
     def result_digest(self) -> str:
-        return digest(self.result)
+        return text_digest(self.result_json)
 
     def params(self) -> dict[str, Any]:
         return {
             "receipt_action": self.action_id,
-            "result": Jsonb(self.result),
+            "result": self.result_json,
             "result_digest": self.result_digest,
         }
 
@@ -237,6 +242,7 @@ class Lease:
         receipt is written, the boundary is not).  With a receipt, a lost
         connection raises CommitUnanswered (both or neither committed)."""
         params = (receipt or PendingReceipt.NONE).params()
+        input_json = canonical_json(input)
         what = f"boundary of {step_key}"
         with unanswered_as(what) if receipt else contextlib.nullcontext():
             row = self._fetch_one(
@@ -245,7 +251,7 @@ class Lease:
                         INSERT INTO runs_action (run_id, step_key, kind, effect_class, input,
                             input_digest, state, epoch, attempts, error, created_at,
                             dispatched_at)
-                        SELECT %(run)s, %(step_key)s, %(kind)s, %(effect_class)s, %(input)s,
+                        SELECT %(run)s, %(step_key)s, %(kind)s, %(effect_class)s, %(input)s::jsonb,
                             %(input_digest)s, 'dispatched', %(epoch)s, 1, '', now(), now()
                         FROM held WHERE may_start AND (%(receipt_action)s::bigint IS NULL
                             OR EXISTS (SELECT 1 FROM receipt))
@@ -256,8 +262,8 @@ class Lease:
                 step_key=step_key,
                 kind=kind,
                 effect_class=effect_class,
-                input=Jsonb(input),
-                input_digest=digest(input),
+                input=input_json,
+                input_digest=text_digest(input_json),
                 **params,
             )
         assert row is not None

@@ -24,9 +24,19 @@ from runs.faults import FaultPlan
 from runs.timeline import EventKind, timeline
 
 
+def canonical_json(value: Any) -> str:
+    """A JSON value in canonical form (sorted keys, no spaces): the text
+    `digest` hashes.  The hot path sends the same text as the jsonb value,
+    so each value is serialised once."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def digest(value: Any) -> str:
-    """SHA-256 of a JSON value in canonical form (sorted keys, no spaces)."""
-    canonical = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """SHA-256 of a JSON value in canonical form."""
+    return text_digest(canonical_json(value))
+
+
+def text_digest(canonical: str) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 

@@ -9,10 +9,12 @@ to the tool journal when RUNDESK_TOOL_JOURNAL is set.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import http.client
 import json
 import os
+import stat
 import tempfile
 import urllib.error
 import urllib.parse
@@ -76,16 +78,34 @@ def resolve_in_corpus(relative: str, corpus: Path) -> Path:
         raise ToolRefused(f"{relative!r}: absolute paths are refused; name a file of the corpus")
     if ".." in pure.parts:
         raise ToolRefused(f"{relative!r}: '..' is refused; name a file inside the corpus")
-    root = corpus.resolve()
+    root = _real_folder(str(corpus))
+    target = root.joinpath(*pure.parts)
     try:
-        target = (root / pure).resolve(strict=True)
-    except FileNotFoundError:
+        # No symlink below the (resolved) corpus folder: the path is inside
+        # it as written, one lstat per part (usually one).  With a symlink,
+        # where it leads decides.
+        if any(
+            stat.S_ISLNK(os.lstat(root.joinpath(*pure.parts[:n])).st_mode)
+            for n in range(1, len(pure.parts) + 1)
+        ):
+            target = Path(os.path.realpath(target, strict=True))
+        mode = os.stat(target).st_mode
+    except (FileNotFoundError, NotADirectoryError):
         raise ToolRefused(f"{relative!r}: no such document in the corpus") from None
+    except OSError as error:  # a symlink loop, a folder it may not read
+        raise ToolRefused(f"{relative!r}: {error.strerror or error}") from None
     if not target.is_relative_to(root):
         raise ToolRefused(f"{relative!r}: resolves outside the corpus folder (symlink)")
-    if not target.is_file():
+    if not stat.S_ISREG(mode):
         raise ToolRefused(f"{relative!r}: not a regular file")
     return target
+
+
+@functools.lru_cache(maxsize=8)
+def _real_folder(corpus: str) -> Path:
+    """The corpus folder with its own symlinks resolved, once per process
+    (it is a setting: where it points is decided at deployment)."""
+    return Path(corpus).resolve()
 
 
 def read_document(input: dict[str, Any], identity: str) -> dict[str, Any]:

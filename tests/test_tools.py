@@ -115,10 +115,15 @@ def test_read_document_allows_a_symlink_that_stays_inside_the_corpus(corpus, jou
         ("funds/../../secret.txt", "'..' is refused"),
         ("missing.md", "no such document"),
         ("funds", "not a regular file"),
+        ("fund.md/inside", "no such document"),
+        ("./funds/./nested.md/", None),
         ("", "empty or invalid document path"),
     ],
 )
 def test_read_document_refuses_paths_that_do_not_name_a_corpus_file(corpus, journal, path, message):
+    if message is None:  # the same file, written another way
+        assert read_document({"path": path}, IDENTITY)["text"] == "nested sheet\n"
+        return
     with pytest.raises(ToolRefused, match=message):
         read_document({"path": path}, IDENTITY)
     assert journal.entries() == []
@@ -140,6 +145,33 @@ def test_read_document_refuses_a_symlinked_folder_that_leaves_the_corpus(corpus,
     with pytest.raises(ToolRefused, match="resolves outside the corpus"):
         read_document({"path": "elsewhere/secret.txt"}, IDENTITY)
     assert journal.entries() == []
+
+
+def test_read_document_refuses_a_symlink_loop(corpus, journal):
+    (corpus / "loop.md").symlink_to(corpus / "loop.md")
+
+    with pytest.raises(ToolRefused, match=r"'loop\.md': Too many levels of symbolic links"):
+        read_document({"path": "loop.md"}, IDENTITY)
+    assert journal.entries() == []
+
+
+def test_read_document_confines_to_the_folder_a_symlinked_corpus_points_at(
+    tmp_path, settings, journal
+):
+    """A corpus setting that is itself a symlink: its target is the folder,
+    and a link inside that leads back out of it is still refused."""
+    real = tmp_path / "real-corpus"
+    real.mkdir()
+    (real / "fund.md").write_text("sheet\n")
+    (real / "out.md").symlink_to(tmp_path / "secret.txt")
+    (tmp_path / "secret.txt").write_text("outside\n")
+    (tmp_path / "corpus-link").symlink_to(real)
+    settings.RUNDESK_CORPUS_DIR = tmp_path / "corpus-link"
+
+    assert read_document({"path": "fund.md"}, IDENTITY)["text"] == "sheet\n"
+    with pytest.raises(ToolRefused, match="resolves outside the corpus"):
+        read_document({"path": "out.md"}, "other")
+    assert journal.counts() == {IDENTITY: 1}
 
 
 def test_read_document_refuses_a_file_larger_than_the_limit(corpus, journal):
