@@ -18,10 +18,41 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
+from typing import Any
 
 from django.db.models.functions import Now
 
 from runs.models import Run, RunStatus
+
+
+@dataclass(frozen=True)
+class ServerCounts:
+    """What the server has counted: the committed transactions of one
+    database (pg_stat_database.xact_commit, read-only ones too) and the WAL
+    fsyncs of the whole server (pg_stat_wal.wal_sync: the durable commits,
+    group commits merged).  A backend hands its counts over when idle, at
+    most once a second, or as it exits: each benchmark first makes the
+    backends it counts report, in the way its work allows, and says how."""
+
+    commits: int
+    wal_syncs: int
+
+    @classmethod
+    def read(cls, connection: Any, database: str | None = None) -> ServerCounts:
+        """The counts now, read on `connection` (a psycopg connection or
+        cursor, in autocommit: each reading is a new stats snapshot), of
+        `database` (its own by default)."""
+        row = connection.execute(
+            "SELECT (SELECT xact_commit FROM pg_stat_database"
+            "        WHERE datname = coalesce(%s, current_database())),"
+            " (SELECT wal_sync FROM pg_stat_wal)",
+            (database,),
+        ).fetchone()
+        return cls(int(row[0] or 0), int(row[1]))
+
+    def __sub__(self, other: ServerCounts) -> ServerCounts:
+        return ServerCounts(self.commits - other.commits, self.wal_syncs - other.wal_syncs)
 
 
 def holding_run(question: str) -> Run:

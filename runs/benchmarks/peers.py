@@ -65,7 +65,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from evidence.capture import capture
-from runs.benchmarks import p50
+from runs.benchmarks import ServerCounts, p50
 from runs.benchmarks.steps import noop_run, noop_step
 from runs.timeline import timeline
 
@@ -354,16 +354,6 @@ class Observer:
         self.since = since  # backends started since then are the bench's
         self.databases = databases  # the bench's
 
-    def counters(self, database: str | None) -> tuple[int, int]:
-        """xact_commit of `database` (0 for None) and the server's wal_sync.
-        Autocommit: each reading is a transaction, and a new stats snapshot."""
-        row = self.conn.execute(
-            "SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = %s),"
-            " (SELECT wal_sync FROM pg_stat_wal)",
-            (database,),
-        ).fetchone()
-        return (row[0] or 0, row[1])
-
     def settle(self) -> bool:
         """Waits until every backend the bench opened has exited, and so
         handed its counts to the server.  False when some are still there
@@ -384,18 +374,17 @@ class Observer:
 
     def count(self, database: str | None, block: Callable[..., object], *args: Any) -> Tally:
         """What the server counted while `block(*args)` ran (committed
-        transactions of `database`, the server's WAL fsyncs), from when
+        transactions of `database` -- None: the observer's own, for an idle
+        block -- and the server's WAL fsyncs), from when
         every backend the bench opened before it has exited to when every
         one it opened has."""
         self.settle()
-        commits, wal_syncs = self.counters(database)
+        before = ServerCounts.read(self.conn, database)
         start = time.perf_counter()
         block(*args)
         self.settle()
-        commits_after, wal_syncs_after = self.counters(database)
-        return Tally(
-            commits_after - commits, wal_syncs_after - wal_syncs, time.perf_counter() - start
-        )
+        used = ServerCounts.read(self.conn, database) - before
+        return Tally(used.commits, used.wal_syncs, time.perf_counter() - start)
 
 
 # -- the peers -------------------------------------------------------------------

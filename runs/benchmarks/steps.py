@@ -22,7 +22,6 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -31,7 +30,7 @@ from django.core.management.base import CommandError
 
 from evidence.capture import capture
 from runs.agent import ResearchAgent
-from runs.benchmarks import p50
+from runs.benchmarks import ServerCounts, p50
 from runs.dispatch import Dispatcher
 from runs.executor import heartbeat
 from runs.leases import Lease, PendingReceipt, new_owner_name
@@ -44,29 +43,16 @@ from runs.timeline import timeline
 STATS_SETTLE = 1.5
 
 
-@dataclass(frozen=True)
-class Counts:
-    commits: int
-    wal_syncs: int
-
-    @classmethod
-    def now(cls) -> Counts:
-        for writer in (timeline, capture):
-            writer.flush()
-            writer.stop()
-        with server_cursor() as cursor:
-            cursor.execute("SELECT pg_stat_force_next_flush()")
-        time.sleep(STATS_SETTLE)
-        with server_cursor() as cursor:
-            cursor.execute(
-                "SELECT xact_commit, (SELECT wal_sync FROM pg_stat_wal)"
-                " FROM pg_stat_database WHERE datname = current_database()"
-            )
-            commits, wal_syncs = cursor.fetchone()
-        return cls(commits, wal_syncs)
-
-    def __sub__(self, other: Counts) -> Counts:
-        return Counts(self.commits - other.commits, self.wal_syncs - other.wal_syncs)
+def counts_now() -> ServerCounts:
+    """The server's counts once every backend of this bench has reported."""
+    for writer in (timeline, capture):
+        writer.flush()
+        writer.stop()
+    with server_cursor() as cursor:
+        cursor.execute("SELECT pg_stat_force_next_flush()")
+    time.sleep(STATS_SETTLE)
+    with server_cursor() as cursor:
+        return ServerCounts.read(cursor)
 
 
 def report(steps: int) -> dict[str, Any]:
@@ -82,17 +68,17 @@ def agent_path(steps: int) -> dict[str, Any]:
     another such run timed step by step, each step followed by a bare
     commit on the same connection."""
     count_run, timed_run = (_long_run(steps) for _ in range(2))
-    idle = Counts.now()
+    idle = counts_now()
     started = time.monotonic()
     time.sleep(1.0)
-    noise = Counts.now() - idle
+    noise = counts_now() - idle
     noise_per_s = noise.wal_syncs / (time.monotonic() - started - STATS_SETTLE)
 
-    before = Counts.now()
+    before = counts_now()
     started = time.monotonic()
     taken = _research(count_run, Dispatcher)
     seconds = time.monotonic() - started
-    used = Counts.now() - before
+    used = counts_now() - before
     samples: dict[str, list[float]] = {"step": [], "commit": []}
     with commit_table():
         _research(timed_run, _timed_dispatcher(samples))

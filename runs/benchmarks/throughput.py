@@ -70,7 +70,7 @@ import psycopg
 from django.conf import settings
 from django.db import connection, transaction
 
-from runs.benchmarks import p50
+from runs.benchmarks import ServerCounts, p50
 from runs.benchmarks.processes import GroupProcess
 from runs.benchmarks.scale import worker_env
 from runs.models import Action, Run, RunEvent, RunStatus
@@ -386,11 +386,7 @@ def xact_commits() -> int:
     """pg_stat_database.xact_commit of this database, on a connection of
     its own (its own transactions are not in it yet)."""
     with side_connection("bench") as side:
-        row = side.execute(
-            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
+        return ServerCounts.read(side).commits
 
 
 def commit_ceiling(clients: int, seconds: float) -> float:
