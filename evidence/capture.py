@@ -35,7 +35,7 @@ from django.conf import settings
 from django.db import DatabaseError, OperationalError, connection, transaction
 
 from evidence.models import GapReason
-from evidence.records import bound_lock_waits, bounded, record_model_call, record_source
+from evidence.records import bounded, bounded_lock_waits, record_model_call, record_source
 from evidence.sources import SourceRefresh
 from runs.background import GAP_INTERVAL as GAP_INTERVAL  # how soon a gap is written
 from runs.background import BackgroundWriter
@@ -197,13 +197,11 @@ class CopyTransaction:
         self.copy, self.policy = copy, policy
 
     def begin(self, cursor: Any) -> None:
-        cursor.execute(
-            "SELECT set_config('application_name', %s, true)",
-            [application_name(Capture.role, self.copy.run_id)],
+        commit_asynchronously(
+            cursor,
+            application_name=application_name(Capture.role, self.copy.run_id),
+            **(bounded_lock_waits() if self.policy == "nowait" else {}),
         )
-        commit_asynchronously(cursor)
-        if self.policy == "nowait":
-            bound_lock_waits(cursor)
 
     def lock_sources(self, cursor: Any) -> None:
         cursor.execute(

@@ -18,19 +18,17 @@ from runs.sql import commit_asynchronously
 logger = logging.getLogger(__name__)
 
 
-def bound_lock_waits(cursor: Any) -> None:
-    """For the rest of this transaction, a lock not granted within
+def bounded_lock_waits() -> dict[str, str]:
+    """The setting by which a lock not granted within
     RUNDESK_CAPTURE_LOCK_TIMEOUT_MS fails the statement (55P03)."""
-    timeout = f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"
-    cursor.execute("SELECT set_config('lock_timeout', %s, true)", [timeout])
+    return {"lock_timeout": f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"}
 
 
 @contextmanager
 def bounded() -> Iterator[Any]:
     """An evidence write's transaction: it can fail, never hold anyone up."""
     with transaction.atomic(), connection.cursor() as cursor:
-        bound_lock_waits(cursor)
-        commit_asynchronously(cursor)
+        commit_asynchronously(cursor, **bounded_lock_waits())
         yield cursor
 
 

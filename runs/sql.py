@@ -70,14 +70,17 @@ def application_name(role: str, run_id: int | None = None) -> str:
     return f"rundesk:{role}" + (f":run-{run_id}" if run_id is not None else "")
 
 
-def commit_asynchronously(cursor: Any) -> None:
+def commit_asynchronously(cursor: Any, **also: str) -> None:
     """For the rest of this transaction, its COMMIT does not wait for its
     WAL to be flushed: the server flushes it with its other writes within a
     few wal_writer_delay.  For optional writes (the timeline, evidence
     capture) only: a server crash may lose that last moment's rows, never a
     fact, which commits synchronously.  Local to the transaction, so a
-    pooler's server connection never carries it to another client."""
-    cursor.execute("SELECT set_config('synchronous_commit', 'off', true)")
+    pooler's server connection never carries it to another client; so are
+    the other settings `also` names, set in the same round trip."""
+    settings = {"synchronous_commit": "off", **also}
+    calls = ", ".join("set_config(%s, %s, true)" for _ in settings)
+    cursor.execute(f"SELECT {calls}", [part for item in settings.items() for part in item])
 
 
 def name_connection(role: str, run_id: int | None = None) -> None:
