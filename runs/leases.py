@@ -19,7 +19,7 @@ import functools
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,7 +29,7 @@ from django.db.models import F
 from django.db.models.functions import Coalesce, Now
 
 from runs.models import ActionState, Phase, Run, RunStatus, canonical_json, digest, text_digest
-from runs.sql import server_cursor, unanswered_as
+from runs.sql import commit_asynchronously, server_cursor, unanswered_as
 
 # The ownership a lease grants: this owner and epoch, the run still running.
 # A claim raises the epoch, so once another owner has the run this matches
@@ -129,6 +129,25 @@ class PendingReceipt:
 PendingReceipt.NONE = PendingReceipt(None, {})
 
 
+@contextlib.contextmanager
+def claiming() -> Iterator[None]:
+    """A claim's transaction.  Its COMMIT does not wait for the WAL flush:
+    nothing leaves the database on a claim's account before the new
+    owner's first durable write (a boundary, a re-dispatch, a publication,
+    a phase change, a renewal, the finish), and that COMMIT flushes the
+    claim with it, since WAL is flushed in order.  A server crash before
+    then loses the claim and nothing else: the run is claimable again (or
+    swept, as an expired lease), and the owner's next write is fenced out.
+    Saves one WAL sync per run.  Inside a caller's transaction, which may
+    hold facts, the commit stays synchronous."""
+    outermost = not transaction.get_connection().in_atomic_block
+    with transaction.atomic():
+        if outermost:
+            with server_cursor() as cursor:
+                commit_asynchronously(cursor)
+        yield
+
+
 def new_owner_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
@@ -148,12 +167,13 @@ class Lease:
     # Claims lock the run row FOR NO KEY UPDATE, not FOR UPDATE: a row that
     # another transaction's foreign-key check holds FOR KEY SHARE (an event or
     # an evidence row being written for the run) is not skipped by SKIP LOCKED.
+    # Each is its own transaction (`claiming`), which commits asynchronously.
 
     @classmethod
     def claim_next(cls, owner: str) -> Lease | None:
         """Claims the oldest claimable run, skipping runs other executors are
         claiming at this moment, and drills' runs (each drill drives its own)."""
-        with transaction.atomic():
+        with claiming():
             run = (
                 Run.objects.claimable()
                 .filter(is_drill=False)
@@ -168,7 +188,7 @@ class Lease:
     def claim(cls, run_id: int, owner: str) -> Lease | None:
         """Claims one run if it is claimable: queued, or its owner's lease
         expired.  A run another owner holds, or a finished run, gives None."""
-        with transaction.atomic():
+        with claiming():
             run = (
                 Run.objects.claimable()
                 .select_for_update(skip_locked=True, no_key=True)

@@ -6,11 +6,11 @@ import datetime as dt
 import threading
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 
 from runs.executor import drive
-from runs.leases import Lease, LeaseLost
+from runs.leases import Lease, LeaseLost, claiming
 from runs.models import Action, ActionState, AnswerRevision, Receipt, Run, RunStatus
 from tests.faultruns import wait_for
 
@@ -160,3 +160,25 @@ def test_cancel_request_stops_new_dispatches_and_keeps_completed_facts(journal):
         f"rundesk:run-{run.pk}:read:0",
         f"rundesk:run-{run.pk}:summarize:0",
     }
+
+
+def test_a_claim_commits_asynchronously_and_only_its_own_transaction():
+    """A claim's COMMIT need not wait for the WAL flush (the owner's first
+    durable write flushes it); a caller's transaction around it, which may
+    hold facts, stays synchronous, and nothing outlasts the claim."""
+
+    def synchronous_commit() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW synchronous_commit")
+            return cursor.fetchone()[0]
+
+    with claiming():
+        assert synchronous_commit() == "off"
+    assert synchronous_commit() == "on"
+    with transaction.atomic(), claiming():
+        assert synchronous_commit() == "on"
+
+    run = Run.objects.submit(question="q", documents=DOCS)
+    lease = Lease.claim(run.pk, "owner")
+    assert lease is not None and synchronous_commit() == "on"
+    assert Run.objects.get(pk=run.pk).lease_owner == "owner"
