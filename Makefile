@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # Browser tests drive Debian's Chromium (never a downloaded browser).
 CHROMIUM := /usr/bin/chromium
 
-# Tests and tools run with DEBUG; the demo runs as production does (below).
+# Tests and tools run with DEBUG; the demo and the benchmarks run as
+# production does (below).
 export DEBUG ?= 1
 
 # The demo's secret key: made once, readable by its owner only, kept.
@@ -54,9 +55,9 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
-bench: install
+bench: install static
 	$(PY) -m pip install --quiet -e '.[test,bench]'
-	$(PY) manage.py bench --all --json
+	$(PRODUCTION) $(PY) manage.py bench --all --json
 
 clean:
 	rm -rf var/outbox var/celery-broker var/celery-processed var/static
