@@ -7,12 +7,12 @@ model call with a bounded copy of it, a check of its sources on resume) to
 a bounded in-process queue and never waits: no statement of the main path
 reads, writes or locks an evidence table.  A background writer
 (runs/background.py) drains the queue on its own connection
-(application_name `rundesk:capture`), one short transaction per record
-(a model call's: its record, its links, its copy), each one round trip
-(runs.sql.write_optional), every lock bounded by `SET LOCAL lock_timeout`.
-A copy takes its locks in one fixed order: the copy's sources, then its
-model record, the second with NOWAIT under the `nowait` policy (the one
-production uses; NOWAIT alone would still wait behind a table lock).  A lock
+(application_name `rundesk:capture`), one short transaction per record,
+its statements prepared once per connection, every lock bounded by
+`SET LOCAL lock_timeout`.  A copy takes its locks in
+one fixed order: the copy's sources, then its model record, the second with
+NOWAIT under the `nowait` policy (the one production uses; NOWAIT alone
+would still wait behind a table lock).  A lock
 that is not available at once rolls the transaction back, which releases
 what it held, and leaves a CaptureGap; it is never retried, so the wait
 cannot come back.  A full queue, an oversized copy, a database error and
@@ -33,15 +33,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, OperationalError, connection
+from django.db import DatabaseError, OperationalError, connection, transaction
 
 from evidence.models import GapReason
-from evidence.records import bounded_lock_waits, record_model_call, record_source
+from evidence.records import bounded, bounded_lock_waits, record_model_call, record_source
 from evidence.sources import SourceRefresh
 from runs.background import GAP_INTERVAL as GAP_INTERVAL  # how soon a gap is written
 from runs.background import BackgroundWriter
 from runs.models import digest
-from runs.sql import application_name, commit_asynchronously, write_optional
+from runs.sql import application_name, commit_asynchronously, server_cursor
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
@@ -187,34 +187,8 @@ def _cap(text: str, limit: int) -> tuple[str, int, bool]:
 
 class CopyTransaction:
     """The statements that save one copy, in their fixed order.  `save()`
-    sends them as one transaction, in one round trip; `reproduce_contention`
-    runs the same statements one at a time, to arrange contention on
-    purpose."""
-
-    LOCK_SOURCES = """SELECT id FROM evidence_source WHERE id IN (
-                          SELECT source_id FROM evidence_modelcall_sources
-                          WHERE modelcall_id = %(call)s)
-                      ORDER BY id FOR SHARE"""
-    LOCK_MODEL_RECORD = "SELECT id FROM evidence_modelcall WHERE id = %(call)s FOR SHARE"
-    # A model call has one copy: handed over again (a resumed run re-submits
-    # what an owner that died may not have saved), it is saved only if it is
-    # not there yet, and counted only then.
-    INSERT = """WITH copy AS (
-                    INSERT INTO evidence_evidencecopy (run_id, model_call_id, input, output,
-                        input_bytes, output_bytes, truncated, created_at)
-                    SELECT %(run)s, %(call)s, %(input)s, %(output)s, %(input_bytes)s,
-                        %(output_bytes)s, %(truncated)s, now()
-                    WHERE NOT EXISTS (
-                        SELECT 1 FROM evidence_evidencecopy WHERE model_call_id = %(call)s)
-                    RETURNING id),
-                linked AS (
-                    INSERT INTO evidence_evidencecopy_sources (evidencecopy_id, source_id)
-                    SELECT copy.id, link.source_id FROM copy, evidence_modelcall_sources link
-                    WHERE link.modelcall_id = %(call)s)
-                INSERT INTO evidence_capturestats (run_id, captured, lost)
-                SELECT %(run)s, count(*), 0 FROM copy
-                ON CONFLICT (run_id) DO UPDATE
-                    SET captured = evidence_capturestats.captured + EXCLUDED.captured"""
+    runs them in one transaction; `reproduce_contention` runs the same
+    statements one at a time, to arrange contention on purpose."""
 
     def __init__(self, copy: Copy, policy: str = "nowait") -> None:
         if copy.model_call_id is None:
@@ -222,48 +196,73 @@ class CopyTransaction:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}")
         self.copy, self.policy = copy, policy
-        limit = settings.RUNDESK_CAPTURE_MAX_BYTES
-        input, input_bytes, cut_input = _cap(copy.input, limit)
-        output, output_bytes, cut_output = _cap(copy.output, limit)
-        self.params = {
-            "run": copy.run_id,
-            "call": copy.model_call_id,
-            "input": input,
-            "output": output,
-            "input_bytes": input_bytes,
-            "output_bytes": output_bytes,
-            "truncated": cut_input or cut_output,
-        }
-        # The model record's lock is the second: NOWAIT under `nowait`.
-        self.lock_model_record_sql = self.LOCK_MODEL_RECORD + (
-            " NOWAIT" if policy == "nowait" else ""
-        )
-
-    def settings(self) -> dict[str, str]:
-        """The transaction's settings besides its asynchronous commit."""
-        return {
-            "application_name": application_name(Capture.role, self.copy.run_id),
-            **(bounded_lock_waits() if self.policy == "nowait" else {}),
-        }
 
     def begin(self, cursor: Any) -> None:
-        commit_asynchronously(cursor, **self.settings())
+        commit_asynchronously(
+            cursor,
+            application_name=application_name(Capture.role, self.copy.run_id),
+            **(bounded_lock_waits() if self.policy == "nowait" else {}),
+        )
 
     def lock_sources(self, cursor: Any) -> None:
-        cursor.execute(self.LOCK_SOURCES, self.params)
+        cursor.execute(
+            """SELECT id FROM evidence_source WHERE id IN (
+                   SELECT source_id FROM evidence_modelcall_sources WHERE modelcall_id = %s)
+               ORDER BY id FOR SHARE""",
+            [self.copy.model_call_id],
+            prepare=True,
+        )
 
     def lock_model_record(self, cursor: Any) -> None:
-        cursor.execute(self.lock_model_record_sql, self.params)
+        nowait = " NOWAIT" if self.policy == "nowait" else ""
+        cursor.execute(
+            f"SELECT id FROM evidence_modelcall WHERE id = %s FOR SHARE{nowait}",
+            [self.copy.model_call_id],
+            prepare=True,
+        )
 
     def insert(self, cursor: Any) -> None:
-        cursor.execute(self.INSERT, self.params)
+        limit = settings.RUNDESK_CAPTURE_MAX_BYTES
+        input, input_bytes, cut_input = _cap(self.copy.input, limit)
+        output, output_bytes, cut_output = _cap(self.copy.output, limit)
+        # A model call has one copy: handed over again (a resumed run
+        # re-submits what an owner that died may not have saved), it is
+        # saved only if it is not there yet, and counted only then.
+        cursor.execute(
+            """WITH copy AS (
+                   INSERT INTO evidence_evidencecopy (run_id, model_call_id, input, output,
+                       input_bytes, output_bytes, truncated, created_at)
+                   SELECT %(run)s, %(call)s, %(input)s, %(output)s, %(input_bytes)s,
+                       %(output_bytes)s, %(truncated)s, now()
+                   WHERE NOT EXISTS (
+                       SELECT 1 FROM evidence_evidencecopy WHERE model_call_id = %(call)s)
+                   RETURNING id),
+               linked AS (
+                   INSERT INTO evidence_evidencecopy_sources (evidencecopy_id, source_id)
+                   SELECT copy.id, link.source_id FROM copy, evidence_modelcall_sources link
+                   WHERE link.modelcall_id = %(call)s)
+               INSERT INTO evidence_capturestats (run_id, captured, lost)
+               SELECT %(run)s, count(*), 0 FROM copy
+               ON CONFLICT (run_id) DO UPDATE
+                   SET captured = evidence_capturestats.captured + EXCLUDED.captured""",
+            {
+                "run": self.copy.run_id,
+                "call": self.copy.model_call_id,
+                "input": input,
+                "output": output,
+                "input_bytes": input_bytes,
+                "output_bytes": output_bytes,
+                "truncated": cut_input or cut_output,
+            },
+            prepare=True,
+        )
 
     def save(self) -> None:
-        write_optional(
-            ";\n".join([self.LOCK_SOURCES, self.lock_model_record_sql, self.INSERT]),
-            self.params,
-            **self.settings(),
-        )
+        with transaction.atomic(), server_cursor() as cursor:
+            self.begin(cursor)
+            self.lock_sources(cursor)
+            self.lock_model_record(cursor)
+            self.insert(cursor)
 
 
 def gap_reason(error: BaseException) -> GapReason:
@@ -278,36 +277,32 @@ def record_gaps(gaps: Counter[tuple[int, int | None, str, str]]) -> None:
     lost counters, in one statement, bounded by the capture lock timeout
     like every capture write.  A model call that does not exist is named in
     the detail only (each record's detail names what was lost)."""
-    runs, calls, reasons, details = (list(column) for column in zip(*gaps, strict=True))
-    write_optional(
-        """WITH gap AS (
-               INSERT INTO evidence_capturegap (run_id, model_call_id, reason, detail, count,
-                   created_at)
-               SELECT g.run, m.id, g.reason, g.detail, g.count, now()
-               FROM unnest(%(runs)s::bigint[], %(calls)s::bigint[], %(reasons)s::text[],
-                   %(details)s::text[], %(counts)s::int[])
-                   AS g(run, call, reason, detail, count)
-               LEFT JOIN evidence_modelcall m ON m.id = g.call
-               RETURNING run_id, reason, count, created_at),
-           hourly AS (
-               INSERT INTO evidence_capturegaphour (hour, reason, count)
-               SELECT date_trunc('hour', created_at), reason, sum(count) FROM gap
-               GROUP BY 1, 2
-               ON CONFLICT (hour, reason) DO UPDATE
-                   SET count = evidence_capturegaphour.count + EXCLUDED.count)
-           INSERT INTO evidence_capturestats (run_id, captured, lost)
-           SELECT run_id, 0, sum(count) FROM gap GROUP BY run_id
-           ON CONFLICT (run_id) DO UPDATE
-               SET lost = evidence_capturestats.lost + EXCLUDED.lost""",
-        {
-            "runs": runs,
-            "calls": calls,
-            "reasons": reasons,
-            "details": details,
-            "counts": list(gaps.values()),
-        },
-        **bounded_lock_waits(),
-    )
+    rows = [
+        (run, call, reason, detail, count) for (run, call, reason, detail), count in gaps.items()
+    ]
+    with bounded() as cursor:
+        cursor.execute(
+            """WITH gap AS (
+                   INSERT INTO evidence_capturegap (run_id, model_call_id, reason, detail, count,
+                       created_at)
+                   SELECT g.run, m.id, g.reason, g.detail, g.count, now()
+                   FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[], %s::int[])
+                       AS g(run, call, reason, detail, count)
+                   LEFT JOIN evidence_modelcall m ON m.id = g.call
+                   RETURNING run_id, reason, count, created_at),
+               hourly AS (
+                   INSERT INTO evidence_capturegaphour (hour, reason, count)
+                   SELECT date_trunc('hour', created_at), reason, sum(count) FROM gap
+                   GROUP BY 1, 2
+                   ON CONFLICT (hour, reason) DO UPDATE
+                       SET count = evidence_capturegaphour.count + EXCLUDED.count)
+               INSERT INTO evidence_capturestats (run_id, captured, lost)
+               SELECT run_id, 0, sum(count) FROM gap GROUP BY run_id
+               ON CONFLICT (run_id) DO UPDATE
+                   SET lost = evidence_capturestats.lost + EXCLUDED.lost""",
+            [list(column) for column in zip(*rows, strict=True)],
+            prepare=True,
+        )
 
 
 # -- the queue and its writer ------------------------------------------------------

@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from django.db import (
-    DEFAULT_DB_ALIAS,
-    DatabaseError,
-    OperationalError,
-    connection,
-    connections,
-    transaction,
-)
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connection, connections
 
 ANNOUNCE_PREFIX = "rundesk:xid "
 
@@ -85,40 +78,13 @@ def commit_asynchronously(cursor: Any, **also: str) -> None:
     crash may lose that last moment's rows, never a fact, which commits
     synchronously.  Local to the transaction, so a
     pooler's server connection never carries it to another client; so are
-    the other settings `also` names, set in the same round trip."""
-    cursor.execute(*_asynchronous_settings(also))
-
-
-def write_optional(sql: str, params: dict[str, Any], **also: str) -> tuple[Any, ...] | None:
-    """Runs `sql` -- one statement, or several separated by `;`, run in
-    order -- as one transaction that commits asynchronously
-    (`commit_asynchronously`, with the settings `also` names), in one round
-    trip: PostgreSQL runs the statements of one query string as one
-    transaction, so one that fails rolls back all of them.  Inside a
-    caller's transaction, in a savepoint of it.  The first row of the last
-    statement's result, if it has one.  For the optional writes made once
-    per record (evidence capture), which would otherwise cost a round trip
-    for BEGIN, one for the settings and one for COMMIT."""
-    settings_sql, settings_params = _asynchronous_settings(also)
-    nested = transaction.atomic() if connection.in_atomic_block else nullcontext()
-    with nested, connection.cursor() as cursor:
-        cursor.execute(f"{settings_sql}; {sql}", {**settings_params, **params})
-        while cursor.nextset():
-            pass
-        return cursor.fetchone() if cursor.description else None
-
-
-def _asynchronous_settings(also: dict[str, str]) -> tuple[str, dict[str, str]]:
-    """The statement that sets, for the rest of its transaction,
-    synchronous_commit off and the settings `also` names; its parameters."""
+    the other settings `also` names, set in the same round trip.  `cursor`
+    is a `server_cursor()`: the statement is prepared."""
     settings = {"synchronous_commit": "off", **also}
-    params: dict[str, str] = {}
-    for i, (name, value) in enumerate(settings.items()):
-        params[f"setting_{i}"], params[f"value_{i}"] = name, value
-    calls = ", ".join(
-        f"set_config(%(setting_{i})s, %(value_{i})s, true)" for i in range(len(settings))
+    calls = ", ".join("set_config(%s, %s, true)" for _ in settings)
+    cursor.execute(
+        f"SELECT {calls}", [part for item in settings.items() for part in item], prepare=True
     )
-    return f"SELECT {calls}", params
 
 
 def name_connection(role: str, run_id: int | None = None) -> None:

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import psycopg
 import pytest
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, connection
 
 from evidence import capture as capture_module
 from evidence.capture import Capture, Copy, CopyTransaction
@@ -21,7 +21,6 @@ from evidence.records import record_model_call, record_source
 from runs.executor import claim_and_drive
 from runs.leases import Lease
 from runs.models import AnswerRevision, Run, RunStatus, digest
-from runs.sql import write_optional
 from tests.conftest import database_url
 from tests.faultruns import DOCS, executions, wait_for
 
@@ -341,53 +340,27 @@ def test_gaps_waiting_to_be_written_are_bounded_and_what_is_dropped_is_counted(
     assert CaptureGap.objects.filter(run=run, detail=capture_module.DETAIL_DROPPED).count() == 2
 
 
-def test_each_evidence_record_is_one_statement_string_outside_any_transaction(evidence):
-    """A record's transaction costs one round trip: no BEGIN, no COMMIT, no
-    separate settings (the string runs as one transaction; see the next
-    test for what that means when a statement of it fails)."""
+def test_evidence_statements_are_planned_once_per_connection(evidence):
+    """A record's statements are prepared: a writer that saves many
+    records plans each statement once, not once a record."""
     run, lease, copy = evidence
-    read_id = lease.record_boundary(
-        step_key="read:1", kind="read_document", effect_class="read", input={"path": DOCS[1]}
-    )
-    sent: list[bool] = []
-
-    def count(execute, sql, params, many, context):
-        sent.append(connection.get_autocommit())
-        return execute(sql, params, many, context)
-
-    with connection.execute_wrapper(count):
-        source_id = record_source(run.pk, read_id, DOCS[1], "cd" * 32, 3)
-        assert sent == [True]
-        # Recorded again (a resumed run): the same row, found by the same string.
-        assert record_source(run.pk, read_id, DOCS[1], "cd" * 32, 3) == source_id
-        assert sent == [True, True]
-        CopyTransaction(copy).save()
-        assert sent == [True, True, True]
-    assert Source.objects.filter(run=run).count() == 2
+    for index in (1, 2):
+        read_id = lease.record_boundary(
+            step_key=f"read:{index}",
+            kind="read_document",
+            effect_class="read",
+            input={"path": DOCS[index]},
+        )
+        record_source(run.pk, read_id, DOCS[index], "cd" * 32, 3)
+        CopyTransaction(copy).save()  # the second time, the copy is there already
+    with connection.cursor() as cursor:
+        plans = """SELECT generic_plans + custom_plans FROM pg_prepared_statements
+                   WHERE statement LIKE %s"""
+        # One statement each, executed once per record (the evidence
+        # fixture recorded the first source).
+        cursor.execute(plans, ["%INSERT INTO evidence_source%"])
+        assert cursor.fetchall() == [(3,)]
+        cursor.execute(plans, ["%INSERT INTO evidence_evidencecopy %"])
+        assert cursor.fetchall() == [(2,)]
+    assert Source.objects.filter(run=run).count() == 3
     assert EvidenceCopy.objects.filter(run=run).count() == 1
-
-
-def test_an_optional_write_commits_whole_or_not_at_all_and_its_settings_end_with_it(evidence):
-    run, _, _ = evidence
-    with connection.cursor() as cursor:
-        cursor.execute("SHOW lock_timeout")
-        (default_timeout,) = cursor.fetchone()
-    insert = """INSERT INTO evidence_source (run_id, path, read_action_id, digest, bytes,
-                    created_at, changed)
-                SELECT run_id, 'partial.md', read_action_id, '', 0, now(), false
-                FROM evidence_source WHERE run_id = %(run)s"""
-    with pytest.raises(DatabaseError):
-        write_optional(f"{insert}; SELECT 1 / 0", {"run": run.pk}, lock_timeout="7ms")
-    assert not Source.objects.filter(run=run, path="partial.md").exists()
-    assert write_optional(
-        f"{insert}; SELECT current_setting('lock_timeout')", {"run": run.pk}, lock_timeout="7ms"
-    ) == ("7ms",)
-    assert Source.objects.filter(run=run, path="partial.md").exists()
-    with connection.cursor() as cursor:
-        cursor.execute("SHOW lock_timeout")
-        assert cursor.fetchone() == (default_timeout,)
-    # Inside a caller's transaction, a failure takes only its own savepoint.
-    with transaction.atomic():
-        with pytest.raises(DatabaseError):
-            write_optional("SELECT 1 / 0", {})
-        assert Source.objects.filter(run=run, path="partial.md").exists()

@@ -48,7 +48,7 @@ from evidence.sources import SourceRefresh
 from runs.benchmarks import percentile
 from runs.leases import Lease
 from runs.models import Run, RunStatus, digest
-from runs.sql import this_backend
+from runs.sql import server_cursor, this_backend
 from runs.tools import TOOLS
 
 DEADLOCK = "40P01"
@@ -215,7 +215,7 @@ class Command(BaseCommand):
     def _capture(self, ready: threading.Event, go: threading.Event, outcomes: Counter[str]) -> None:
         copy = CopyTransaction(self.copy, self.policy)
         try:
-            with transaction.atomic(), connection.cursor() as cursor:
+            with transaction.atomic(), server_cursor() as cursor:
                 copy.begin(cursor)
                 copy.lock_sources(cursor)
                 ready.set()
