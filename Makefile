@@ -57,6 +57,7 @@ lint: install
 
 bench: install static
 	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PRODUCTION) $(PY) manage.py migrate --verbosity 0
 	$(PRODUCTION) $(PY) manage.py bench --all --json
 
 clean:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from io import StringIO
 
+import psycopg
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection, connections
 
 from runs.benchmarks import pages
 from runs.models import Run, RunStatus
@@ -79,8 +81,29 @@ def test_bench_takes_one_benchmark_at_a_time_or_all():
         call_command("bench", "--peers", "--throughput")
 
 
-def test_bench_reports_step_and_commit_times():
+def test_bench_refuses_a_database_whose_schema_is_not_the_codes():
+    settings = connections["default"].settings_dict
+    params = connection.get_connection_params()
+    original, empty = settings["NAME"], f"{settings['NAME']}_unmigrated"
+    with psycopg.connect(**params, autocommit=True) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{empty}"')
+        admin.execute(f'CREATE DATABASE "{empty}"')
+        connection.close()
+        settings["NAME"] = empty
+        try:
+            with pytest.raises(CommandError, match=r"migrations not applied: run `python manage"):
+                call_command("bench", "--steps", "1")
+        finally:
+            connection.close()
+            settings["NAME"] = original
+            admin.execute(f'DROP DATABASE "{empty}"')
+
+
+def test_bench_reports_step_and_commit_times(settings, tmp_path):
+    settings.RUNDESK_OUTBOX_DIR = operators = tmp_path / "outbox"
     whole = json.loads(run_command("bench", "--steps", "20", "--json"))
+    # The bench's runs delivered their reports, to an outbox of their own.
+    assert operators == settings.RUNDESK_OUTBOX_DIR and not operators.exists()
     report = whole["noop_step"]
     assert report["steps"] == 20
     assert report["step_ms_p50"] > 0 and report["commit_ms_p50"] > 0

@@ -4,10 +4,15 @@ they ask for."""
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
 
 from runs.benchmarks import (
     bundle,
@@ -88,6 +93,18 @@ class Command(BaseCommand):
             raise CommandError("--steps must be at least 1")
         if options["rounds"] < 1:
             raise CommandError("--rounds must be at least 1")
+        _require_migrated()
+        # The bench's runs deliver their reports to an outbox of their own,
+        # never the operator's (whose files may come from another database,
+        # whose run ids, and so identities, this one's repeat).
+        with tempfile.TemporaryDirectory(prefix="rundesk-bench-outbox-") as outbox:
+            previous, settings.RUNDESK_OUTBOX_DIR = settings.RUNDESK_OUTBOX_DIR, Path(outbox)
+            try:
+                self._report(options)
+            finally:
+                settings.RUNDESK_OUTBOX_DIR = previous
+
+    def _report(self, options: dict[str, Any]) -> None:
         # The default (steps) has no option of its own; --steps sizes it.
         chosen = [name for name in BENCHMARKS if name != "steps" and options[name]]
         if options["all"]:
@@ -116,6 +133,17 @@ class Command(BaseCommand):
             return BENCHMARKS[name](options)
         except (RuntimeError, ValueError) as error:
             raise CommandError(f"bench --{name.replace('_', '-')}: {error}") from error
+
+
+def _require_migrated() -> None:
+    """The benchmarks make runs in this database: its schema must be the
+    code's."""
+    executor = MigrationExecutor(connection)
+    if unapplied := executor.migration_plan(executor.loader.graph.leaf_nodes()):
+        raise CommandError(
+            f"database {connection.settings_dict['NAME']!r} has {len(unapplied)} migrations "
+            "not applied: run `python manage.py migrate` first"
+        )
 
 
 # Each benchmark by its option (dest), in the order --all runs them.
