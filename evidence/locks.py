@@ -25,8 +25,9 @@ from django.db import DatabaseError, connection, transaction
 from django.utils import timezone
 
 from evidence.models import IncidentSource, LockIncident, LockWait
+from evidence.records import bounded
 from runs.models import Run
-from runs.sql import application_name
+from runs.sql import name_connection
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +238,8 @@ class LockSampler:
             while not stop.wait(self.interval):
                 if self.active() or self.incident is not None:
                     try:
-                        self._configure()
+                        if connection.connection is None:  # a new connection: name it
+                            name_connection("sampler")
                         self.tick()
                     except DatabaseError as error:
                         logger.warning("lock sampler: %s", error)
@@ -245,21 +247,22 @@ class LockSampler:
         finally:
             connection.close()
 
-    def _configure(self) -> None:
-        """Names a new connection, and bounds its lock waits: incidents are
-        evidence, and a lock on their tables held by anyone costs a sample,
-        never a stuck sampler (the executor joins it on shutdown)."""
-        if connection.connection is not None:
-            return
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT set_config('application_name', %s, false),"
-                " set_config('lock_timeout', %s, false)",
-                [application_name("sampler"), f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"],
-            )
-
     def tick(self) -> None:
-        graph = sample()
+        """One sample, stored as evidence is (evidence.records.bounded): in
+        one transaction whose lock waits are bounded, with SET LOCAL, so that
+        on a pooler's shared server connection no other client inherits the
+        bound.  A lock on the incident tables held by anyone costs a sample,
+        never a stuck sampler (the executor joins it on shutdown).  A sample
+        that fails leaves the incident as the last one left it."""
+        incident, seen = self.incident, dict(self.seen)
+        try:
+            with bounded():
+                self._record(sample())
+        except DatabaseError:
+            self.incident, self.seen = incident, seen
+            raise
+
+    def _record(self, graph: Graph) -> None:
         now = timezone.now()
         if not graph.edges:
             if self.incident is not None:

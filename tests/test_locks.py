@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from io import StringIO
 
 import psycopg
 import pytest
 from django.core.management import call_command
+from django.db import DatabaseError, connection
 
 from evidence.locks import Edge, Graph, LockSampler, describe_application, sample
 from evidence.models import CaptureGap, IncidentSource, LockIncident
@@ -77,6 +79,46 @@ def test_sampler_records_a_wait_with_roles_runs_and_the_lock_then_closes_it():
     assert (wait.waiter_pid, wait.blocker_pid) == pids
     assert wait.lock_type == "transactionid" and wait.mode == "ShareLock"
     assert "FOR SHARE" in wait.waiter_query
+    holder.close()
+    waiter.close()
+
+
+def test_a_sample_bounds_its_own_lock_waits_and_a_failed_one_leaves_the_incident_as_it_was(
+    settings,
+):
+    settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS = 100
+    run = Run.objects.submit(question="q", documents=["a.md"])
+    holder = session(f"rundesk:executor:run-{run.pk}")
+    waiter = session(f"rundesk:publication:run-{run.pk}")
+    holder.execute("UPDATE runs_run SET status_reason = 'held' WHERE id = %s", (run.pk,))
+    blocked = threading.Thread(
+        target=lambda: waiter.execute("SELECT 1 FROM runs_run WHERE id = %s FOR SHARE", (run.pk,))
+    )
+    blocked.start()
+    sampler = LockSampler(active=lambda: True)
+    try:
+        wait_for(lambda: waiting(1))
+        with session("psql") as other:
+            # The sample makes its incident, then waits on its first wait's table.
+            other.execute("LOCK TABLE evidence_lockwait IN ACCESS EXCLUSIVE MODE")
+            started = time.monotonic()
+            with pytest.raises(DatabaseError, match="lock timeout"):
+                sampler.tick()
+            assert time.monotonic() - started < 5
+            other.rollback()
+        assert sampler.incident is None and not LockIncident.objects.exists()
+        sampler.tick()  # the next sample is stored, with a new incident
+    finally:
+        holder.rollback()
+        blocked.join(10)
+        waiter.rollback()
+    assert LockIncident.objects.get().waits.count() == 1
+    # The bound was the sample's own: the session keeps the server's setting.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT setting FROM pg_settings WHERE name = 'lock_timeout'")
+        (server_default,) = cursor.fetchone()
+        cursor.execute("SELECT current_setting('lock_timeout')")
+        assert cursor.fetchone()[0] in (server_default, f"{server_default}ms")
     holder.close()
     waiter.close()
 
