@@ -3,7 +3,10 @@
 The agent sends chat messages; a provider returns text.  The offline
 provider is deterministic: it reads the <document> blocks of the prompt and
 writes what a careful analyst would extract from fact sheets (figures, fees,
-holdings, risks), and, for a comparison, puts them side by side.
+holdings, risks), and, for a comparison, puts them side by side.  Any other
+document (prose, notes, another corpus) gives its title and its opening
+sentences as key points, and a comparison of such documents lists each
+one's points and the terms they all use.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 import re
 import urllib.error
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,23 +48,104 @@ class Provider(Protocol):
 
 
 def document_block(name: str, text: str) -> str:
-    return f'<document name="{name}">\n{text}\n</document>'
+    """A document in a prompt.  A double quote in its name is written as
+    &quot; (the only character the block's syntax cannot hold)."""
+    quoted = name.replace('"', "&quot;")
+    return f'<document name="{quoted}">\n{text}\n</document>'
+
+
+_NUMBERED = re.compile(r"\d+\.\s")
+# The opening of a document that is not a fact sheet: its key points.
+KEY_POINTS = 5
+POINT_CHARS = 300
+# Ends of sentences: . ! ? before a blank; the ideographic full stop, ! and ?
+# (which no blank follows).
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[\u3002\uff01\uff1f])\s*")
+_LIST_ITEM = re.compile(r"^(?:[-*+]|\d+[.)])\s+")
+_MARKUP = re.compile(r"^(?:#+\s+|>\s*|[-*+]\s+|\d+[.)]\s+)")
+_WORD = re.compile(r"[^\W_]")
+_TERM = re.compile(r"[^\W\d_]{4,}")
+# Words too common to say what documents share (only words of 4+ letters count).
+COMMON_WORDS = frozenset(
+    {
+        "about",
+        "after",
+        "also",
+        "been",
+        "before",
+        "being",
+        "between",
+        "both",
+        "could",
+        "does",
+        "each",
+        "from",
+        "have",
+        "here",
+        "into",
+        "just",
+        "like",
+        "more",
+        "most",
+        "much",
+        "must",
+        "only",
+        "other",
+        "over",
+        "same",
+        "should",
+        "some",
+        "such",
+        "than",
+        "that",
+        "their",
+        "them",
+        "then",
+        "there",
+        "these",
+        "they",
+        "this",
+        "those",
+        "through",
+        "under",
+        "very",
+        "were",
+        "what",
+        "when",
+        "where",
+        "which",
+        "while",
+        "will",
+        "with",
+        "would",
+        "your",
+    }
+)
 
 
 @dataclass
 class FactSheet:
+    """What the offline provider reads in a document: a fact sheet's
+    sections, or, for any other document, its title and key points."""
+
     title: str
     figures: dict[str, str] = field(default_factory=dict)
     fees: dict[str, str] = field(default_factory=dict)
     holdings: list[str] = field(default_factory=list)
     risks: list[str] = field(default_factory=list)
+    points: list[str] = field(default_factory=list)
 
     @property
     def label(self) -> str:
         return self.figures.get("Ticker") or self.title
 
+    @property
+    def is_fact_sheet(self) -> bool:
+        return bool(self.figures or self.fees or self.holdings or self.risks)
+
     @classmethod
-    def parse(cls, text: str) -> FactSheet:
+    def parse(cls, text: str, name: str = "") -> FactSheet:
+        """The document `text` (named `name`, its title if it has none)."""
         sheet = cls(title="")
         section = ""
         for raw in text.splitlines():
@@ -73,13 +158,21 @@ class FactSheet:
                 key, _, value = line[2:].partition(":")
                 target = sheet.figures if section == "key figures" else sheet.fees
                 target[key.strip()] = value.strip()
-            elif section == "top holdings" and re.match(r"\d+\.\s", line):
+            elif section == "top holdings" and _NUMBERED.match(line):
                 sheet.holdings.append(line.split(".", 1)[1].strip())
             elif section == "risks" and line.startswith("- "):
                 sheet.risks.append(line[2:].strip())
+            elif section == "key points" and line.startswith("- "):
+                sheet.points.append(line[2:].strip())
+        if not sheet.is_fact_sheet and not sheet.points:
+            sheet.title, sheet.points = _opening(text, sheet.title)
+        sheet.title = sheet.title or name
         return sheet
 
     def to_markdown(self, *, holdings: int = 3, risks: int = 3) -> str:
+        if not self.is_fact_sheet:
+            points = self.points or ["The document holds no text."]
+            return "\n".join([f"# {self.title}", "", "## Key points", *(f"- {p}" for p in points)])
         lines = [f"# {self.title}", "", "## Key figures"]
         lines += [f"- {k}: {v}" for k, v in self.figures.items()]
         lines += ["", "## Fees"] + [f"- {k}: {v}" for k, v in self.fees.items()]
@@ -87,6 +180,52 @@ class FactSheet:
         lines += [f"{i}. {h}" for i, h in enumerate(self.holdings[:holdings], 1)]
         lines += ["", "## Risks"] + [f"- {r}" for r in self.risks[:risks]]
         return "\n".join(lines)
+
+
+def _opening(text: str, title: str) -> tuple[str, list[str]]:
+    """The title of a document that is not a fact sheet (its first heading,
+    else its first line of words) and its first KEY_POINTS points, each cut
+    at POINT_CHARS: a list item is a point, a paragraph gives its sentences;
+    headings, rules and other markup are left out."""
+    points: list[str] = []
+    paragraph: list[str] = []
+
+    def end_paragraph() -> None:
+        sentences = _SENTENCE_END.split(" ".join(" ".join(paragraph).split()))
+        points.extend(sentence for sentence in sentences if sentence)
+        paragraph.clear()
+
+    for raw in text.splitlines():
+        line = raw.strip()
+        words = _MARKUP.sub("", line).strip()
+        if not _WORD.search(words):  # a blank line, a rule, a fence
+            end_paragraph()
+        elif not title:
+            title = _cut(words)
+        elif line.startswith("#"):
+            end_paragraph()
+        elif _LIST_ITEM.match(line):
+            end_paragraph()
+            points.append(" ".join(words.split()))
+        else:
+            paragraph.append(words)
+    end_paragraph()
+    return title, [_cut(point) for point in points[:KEY_POINTS]]
+
+
+def _cut(text: str) -> str:
+    if len(text) <= POINT_CHARS:
+        return text
+    return text[:POINT_CHARS].rsplit(" ", 1)[0] + " …"
+
+
+def shared_terms(sheets: list[FactSheet], limit: int = 8) -> list[str]:
+    """Words of four or more letters that every document's title or points
+    use, but for the commonest: the most used first."""
+    counts = [Counter(_TERM.findall(" ".join([s.title, *s.points]).lower())) for s in sheets]
+    shared = set.intersection(*(set(c) for c in counts)) - COMMON_WORDS
+    total = sum(counts, Counter())
+    return sorted(shared, key=lambda term: (-total[term], term))[:limit]
 
 
 def figure(value: str) -> float | None:
@@ -104,9 +243,35 @@ def _cell(text: str) -> str:
 
 
 def compare_report(question: str, sheets: list[FactSheet]) -> str:
+    """The fact sheets side by side, with the extremes of their figures;
+    any other documents with their key points, and the terms they all use."""
+    funds = [s for s in sheets if s.is_fact_sheet]
+    others = [s for s in sheets if not s.is_fact_sheet]
+    compared = (
+        f"{'Documents' if others else 'Funds'} compared: {', '.join(s.label for s in sheets)}."
+    )
+    lines = [f"# {question}", "", compared, ""]
+    if funds:
+        lines += _side_by_side(funds)
+    if others:
+        lines += ["## Key points", ""]
+        for sheet in others:
+            points = sheet.points or ["The document holds no text."]
+            lines += [f"### {sheet.label}", "", *(f"- {p}" for p in points), ""]
+    lines += ["## Observations", "", *_extremes(funds)]
+    if len(others) >= 2:
+        terms = shared_terms(others)
+        lines.append(
+            f"- Terms every document uses: {', '.join(terms)}."
+            if terms
+            else "- The documents share no term beyond the commonest words."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _side_by_side(sheets: list[FactSheet]) -> list[str]:
     labels = [s.label for s in sheets]
-    lines = [f"# {question}", "", f"Funds compared: {', '.join(labels)}.", ""]
-    lines += ["## Side by side", ""]
+    lines = ["## Side by side", ""]
     lines += ["| | " + " | ".join(map(_cell, labels)) + " |"]
     lines += ["|---" * (len(sheets) + 1) + "|"]
     rows: list[str] = []
@@ -125,7 +290,12 @@ def compare_report(question: str, sheets: list[FactSheet]) -> str:
         + " | ".join(_cell("; ".join(r.rstrip(".") for r in s.risks[:3])) for s in sheets)
         + " |"
     )
-    lines += ["", "## Observations", ""]
+    return [*lines, ""]
+
+
+def _extremes(sheets: list[FactSheet]) -> list[str]:
+    """For each figure two or more sheets give: the lowest and the highest."""
+    lines = []
     for key, low_word, high_word in [
         ("Expense ratio", "Lowest", "highest"),
         ("Net assets", "Smallest", "largest"),
@@ -144,7 +314,7 @@ def compare_report(question: str, sheets: list[FactSheet]) -> str:
                 f"({low[1].figures.get(key) or low[1].fees.get(key)}), {high_word} "
                 f"{high[1].label} ({high[1].figures.get(key) or high[1].fees.get(key)})."
             )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 class OfflineProvider:
@@ -155,7 +325,10 @@ class OfflineProvider:
     def complete(self, messages: list[dict[str, str]]) -> str:
         system = next((m["content"] for m in messages if m["role"] == "system"), "")
         prompt = "\n".join(m["content"] for m in messages if m["role"] == "user")
-        sheets = [FactSheet.parse(text) for _, text in _DOCUMENT.findall(prompt)]
+        sheets = [
+            FactSheet.parse(text, name.replace("&quot;", '"'))
+            for name, text in _DOCUMENT.findall(prompt)
+        ]
         if not sheets:
             raise ProviderError("the prompt holds no <document> block")
         if system == COMPARE_INSTRUCTIONS:

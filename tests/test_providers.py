@@ -142,6 +142,108 @@ def test_prompt_without_a_document_block_is_a_provider_error():
         OfflineProvider().complete(messages(COMPARE_INSTRUCTIONS, "Question: q"))
 
 
+# -- the offline provider on documents that are not fact sheets ----------------
+
+ESSAY = """The Rise of Durable Execution
+
+Durable execution engines persist each step of a workflow, so a crash does
+not lose progress.  Temporal, DBOS and Restate take different approaches!
+
+Temporal records an event history; DBOS checkpoints step outputs in Postgres.
+Is one of them right?  Each keeps its own log.  Operators read that log.
+"""
+NOTES = """---
+# Postgres durability notes
+
+- Commits are durable once the WAL is flushed.
+- Durable execution needs a step log in Postgres.
+"""
+
+
+def summarize_text(name: str, text: str) -> str:
+    prompt = "Question: q\n\n" + document_block(name, text)
+    return OfflineProvider().complete(messages(SUMMARIZE_INSTRUCTIONS, prompt))
+
+
+def compare_texts(question: str, documents: dict[str, str]) -> str:
+    prompt = f"Question: {question}\n\n" + "\n\n".join(
+        document_block(name, summarize_text(name, text)) for name, text in documents.items()
+    )
+    return OfflineProvider().complete(messages(COMPARE_INSTRUCTIONS, prompt))
+
+
+def test_summary_of_prose_is_its_title_and_its_opening_sentences():
+    summary = summarize_text("essay.txt", ESSAY)
+
+    assert summary.splitlines() == [
+        "# The Rise of Durable Execution",
+        "",
+        "## Key points",
+        "- Durable execution engines persist each step of a workflow, so a crash does not lose "
+        "progress.",
+        "- Temporal, DBOS and Restate take different approaches!",
+        "- Temporal records an event history; DBOS checkpoints step outputs in Postgres.",
+        "- Is one of them right?",
+        "- Each keeps its own log.",
+    ]
+    # Only the opening: the sixth sentence is left out.
+    assert "Operators" not in summary
+
+
+def test_summary_of_notes_takes_their_heading_and_points_without_markup():
+    summary = summarize_text("notes.md", NOTES)
+
+    assert summary.splitlines()[0] == "# Postgres durability notes"
+    assert "- Commits are durable once the WAL is flushed." in summary.splitlines()
+    assert "- Durable execution needs a step log in Postgres." in summary.splitlines()
+    assert "- - " not in summary and "# Postgres" not in summary.split("## Key points")[1]
+
+
+def test_summary_of_an_empty_or_untitled_document_is_named_by_its_path():
+    assert summarize_text('say "hi".txt', "").splitlines() == [
+        '# say "hi".txt',
+        "",
+        "## Key points",
+        "- The document holds no text.",
+    ]
+
+
+def test_summary_cuts_a_long_sentence_and_splits_ideographic_ones():
+    long = "word " * 200
+    summary = summarize_text("long.txt", f"Title\n\n{long}")
+    point = summary.splitlines()[-1]
+    assert point.endswith(" …") and len(point) <= 2 + 300 + 2
+
+    japanese = summarize_text("ja.txt", "報告書\n\n最初の文です。二番目の文です。")
+    assert japanese.splitlines()[-2:] == ["- 最初の文です。", "- 二番目の文です。"]
+
+
+def test_comparison_of_prose_lists_each_documents_points_and_the_terms_all_use():
+    report = compare_texts("What do they say?", {"essay.txt": ESSAY, "notes.md": NOTES})
+    lines = report.splitlines()
+
+    assert lines[0] == "# What do they say?"
+    assert "Documents compared: The Rise of Durable Execution, Postgres durability notes." in lines
+    assert "## Side by side" not in lines  # no fund table for prose
+    assert lines.index("### The Rise of Durable Execution") < lines.index(
+        "### Postgres durability notes"
+    )
+    assert "- Commits are durable once the WAL is flushed." in lines
+    assert "- Terms every document uses: durable, execution, postgres, step." in lines
+
+
+def test_comparison_of_a_fund_and_an_essay_keeps_the_table_for_the_fund():
+    report = compare_texts(
+        "Compare",
+        {FUNDS[0]: (CORPUS / FUNDS[0]).read_text(), "essay.txt": ESSAY},
+    )
+    lines = report.splitlines()
+
+    assert "Documents compared: NWCE, The Rise of Durable Execution." in lines
+    assert "| | NWCE |" in lines and "| Expense ratio | 0.45% |" in lines
+    assert "### The Rise of Durable Execution" in lines
+
+
 # -- the OpenAI-compatible provider against a local model API ---------------------
 
 

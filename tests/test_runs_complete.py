@@ -64,6 +64,35 @@ def test_final_report_puts_the_funds_side_by_side():
     assert "Policy: returns depend on subsidies" in final
 
 
+def test_a_run_over_another_corpus_of_prose_reports_each_documents_points(settings, tmp_path):
+    corpus = tmp_path / "articles"
+    (corpus / "2026").mkdir(parents=True)
+    (corpus / "2026" / "leases.txt").write_text(
+        "Leases and fencing\n\nA lease names one owner of a run. A claim raises the epoch.\n"
+    )
+    (corpus / "receipts.md").write_text(
+        "# Receipts\n\n* A receipt records that an action completed under its lease.\n"
+    )
+    (corpus / "latin1.txt").write_bytes(
+        "Café notes\n\nThe lease holder reads é as bytes.".encode("latin-1")
+    )
+    settings.RUNDESK_CORPUS_DIR = corpus
+    run = Run.objects.submit(
+        question="How do runs stay safe?",
+        documents=["2026/leases.txt", "receipts.md", "latin1.txt"],
+    )
+
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+
+    final = AnswerRevision.objects.get(run=run, is_final=True).content
+    lines = final.splitlines()
+    assert "Documents compared: Leases and fencing, Receipts, Caf\ufffd notes." in lines
+    assert "- A lease names one owner of a run." in lines
+    assert "- A receipt records that an action completed under its lease." in lines
+    assert "- Terms every document uses: lease." in lines
+    assert "Not included" not in final
+
+
 def test_refused_document_is_reported_and_the_run_still_completes(journal):
     run = Run.objects.submit(question="Compare", documents=["../../etc/passwd", DOCS[0]])
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
