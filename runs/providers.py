@@ -66,61 +66,12 @@ _MARKUP = re.compile(r"^(?:#+\s+|>\s*|[-*+]\s+|\d+[.)]\s+)")
 _WORD = re.compile(r"[^\W_]")
 _TERM = re.compile(r"[^\W\d_]{4,}")
 # Words too common to say what documents share (only words of 4+ letters count).
-COMMON_WORDS = frozenset(
-    {
-        "about",
-        "after",
-        "also",
-        "been",
-        "before",
-        "being",
-        "between",
-        "both",
-        "could",
-        "does",
-        "each",
-        "from",
-        "have",
-        "here",
-        "into",
-        "just",
-        "like",
-        "more",
-        "most",
-        "much",
-        "must",
-        "only",
-        "other",
-        "over",
-        "same",
-        "should",
-        "some",
-        "such",
-        "than",
-        "that",
-        "their",
-        "them",
-        "then",
-        "there",
-        "these",
-        "they",
-        "this",
-        "those",
-        "through",
-        "under",
-        "very",
-        "were",
-        "what",
-        "when",
-        "where",
-        "which",
-        "while",
-        "will",
-        "with",
-        "would",
-        "your",
-    }
-)
+_COMMON = """
+about after also been before being between both could does each from have here into just like
+more most much must only other over same should some such than that their them then there these
+they this those through under very were what when where which while will with would your
+"""
+COMMON_WORDS = frozenset(_COMMON.split())
 
 
 @dataclass
