@@ -6,7 +6,8 @@ tests/fixtures/pglog/lang/<lang>.log is one scenario (three processes,
 their log_lock_waits messages, another session's lines between) as a
 server logs it in that language: its words are PostgreSQL's translations
 (the installed 15.20 catalogs; pt_BR's from postgres/postgres), its lock
-modes untranslated, as the server leaves them."""
+modes untranslated, as the server leaves them, and what a catalog does not
+translate (ka's lock waits) in English, as the server writes it."""
 
 from __future__ import annotations
 
@@ -24,9 +25,12 @@ from django.core.management import CommandError, call_command
 from evidence import pglog, pglog_catalog, pglog_po
 
 FIXTURES = Path(__file__).parent / "fixtures" / "pglog"
-LANGUAGES = ["de", "fr", "es", "it", "pt_BR", "ru", "ja", "zh_CN"]
+LANGUAGES = ["de", "fr", "es", "it", "pt_BR", "ru", "ja", "zh_CN", "ko", "sv", "uk", "ka", "zh_TW"]
 # The zone each scenario's log_timezone prints (%m), as an offset.
-OFFSETS = {"de": 1, "fr": 1, "es": -3, "it": 1, "pt_BR": -3, "ru": 3, "ja": 9, "zh_CN": 8}
+OFFSETS = {
+    **{"de": 1, "fr": 1, "es": -3, "it": 1, "pt_BR": -3, "ru": 3, "ja": 9, "zh_CN": 8},
+    **{"ko": 9, "sv": 1, "uk": 2, "ka": 4, "zh_TW": 8},
+}
 # The CONTEXT each server wrote, in its own words.
 CONTEXTS = {
     "de": "beim Sperren von Tupel (0,7) in Relation »evidence_modelcall«",
@@ -37,6 +41,11 @@ CONTEXTS = {
     "ru": 'при блокировке кортежа (0,7) в отношении "evidence_modelcall"',
     "ja": 'リレーション"evidence_modelcall"のタプル(0,7)のロック中',
     "zh_CN": '锁定关系 "evidence_modelcall" 中的元组 (0,7) 时',
+    "ko": '0,7 튜플을 "evidence_modelcall" 릴레이션에서 잠그는 중에 발생',
+    "sv": 'vid låsning av tupel (0,7) i relation "evidence_modelcall"',
+    "uk": 'при блокуванні кортежу (0,7) в зв\'язку "evidence_modelcall"',
+    "ka": 'კორტეჟის (0,7) დაბლოკვისას ურთიერთობაში "evidence_modelcall"',
+    "zh_TW": '鎖定關聯 "evidence_modelcall" 中的元組 (0,7) 時',
 }
 
 

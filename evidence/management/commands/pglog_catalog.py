@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from evidence import pglog_po
 
-LANGUAGES = ["de", "fr", "es", "it", "pt_BR", "ru", "ja", "zh_CN"]
+LANGUAGES = ["de", "fr", "es", "it", "pt_BR", "ru", "ja", "zh_CN", "ko", "sv", "uk", "ka", "zh_TW"]
 PO_DIR = "src/backend/po"
 OUTPUT = Path(__file__).resolve().parents[2] / "pglog_catalog.py"
 
