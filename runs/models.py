@@ -93,6 +93,10 @@ def _count_per_run(rows: models.QuerySet) -> Coalesce:
     return Coalesce(Subquery(per_run), 0)
 
 
+# The largest action budget its column holds (a PositiveIntegerField).
+MAX_BUDGET = 2**31 - 1
+
+
 class RunQuerySet(models.QuerySet["Run"]):
     def local(self) -> RunQuerySet:
         """Runs of this installation: not imported from a bundle.  Every
@@ -258,11 +262,23 @@ class RunQuerySet(models.QuerySet["Run"]):
         Bad input raises ValueError with what is wrong."""
         if not question.strip():
             raise ValueError("the question is empty")
+        if "\x00" in question:
+            raise ValueError("the question holds a NUL character")
         if not documents:
             raise ValueError("name at least one document")
+        longest = self.model._meta.get_field("documents").base_field.max_length
+        for number, path in enumerate(documents, start=1):
+            # The database would cut a longer path short, and the run would
+            # read another file: refused, as every path that is not one.
+            if not isinstance(path, str) or not path.strip() or "\x00" in path:
+                raise ValueError(f"document {number} is not a path: {path!r}")
+            if len(path) > longest:
+                raise ValueError(
+                    f"document {number} is a path of {len(path)} characters; at most {longest}"
+                )
         FaultPlan.parse(faults)
-        if action_budget is not None and action_budget < 1:
-            raise ValueError("the action budget must be at least 1")
+        if action_budget is not None and not 1 <= action_budget <= MAX_BUDGET:
+            raise ValueError(f"the action budget must be from 1 to {MAX_BUDGET}")
         fields: dict[str, Any] = {"faults": faults or [], "deadline": deadline, "is_drill": drill}
         if action_budget is not None:
             fields["action_budget"] = action_budget

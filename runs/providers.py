@@ -58,6 +58,7 @@ _NUMBERED = re.compile(r"\d+\.\s")
 # The opening of a document that is not a fact sheet: its key points.
 KEY_POINTS = 5
 POINT_CHARS = 300
+TITLE_CHARS = 120
 # Ends of sentences: . ! ? before a blank; the ideographic full stop, ! and ?
 # (which no blank follows).
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[\u3002\uff01\uff1f])\s*")
@@ -134,34 +135,52 @@ class FactSheet:
 
 
 def _opening(text: str, title: str) -> tuple[str, list[str]]:
-    """The title of a document that is not a fact sheet (its first heading,
-    else its first line of words) and its first KEY_POINTS points, each cut
-    at POINT_CHARS: a list item is a point, a paragraph gives its sentences;
-    headings, rules and other markup are left out."""
+    """The title of a document that is not a fact sheet -- its first
+    heading, its front matter's title, or a short first line that is no
+    sentence ("" when it has none) -- and its first KEY_POINTS points, each
+    cut at POINT_CHARS: a list item is a point, a paragraph gives its
+    sentences; headings, rules and other markup are left out."""
     points: list[str] = []
     paragraph: list[str] = []
+    lines = text.splitlines()
+    if lines and lines[0].strip() == "---":  # front matter: its title only
+        end = next((i for i, line in enumerate(lines[1:], 1) if line.strip() in ("---", "...")), 0)
+        matter, lines = lines[1:end], lines[end + 1 :]
+        field = next((line for line in matter if line.lower().startswith("title:")), "")
+        title = title or field.partition(":")[2].strip().strip("\"'")
 
     def end_paragraph() -> None:
         sentences = _SENTENCE_END.split(" ".join(" ".join(paragraph).split()))
         points.extend(sentence for sentence in sentences if sentence)
         paragraph.clear()
 
-    for raw in text.splitlines():
+    for number, raw in enumerate(lines):
         line = raw.strip()
         words = _MARKUP.sub("", line).strip()
         if not _WORD.search(words):  # a blank line, a rule, a fence
             end_paragraph()
-        elif not title:
-            title = _cut(words)
         elif line.startswith("#"):
+            title = title or words
             end_paragraph()
         elif _LIST_ITEM.match(line):
             end_paragraph()
             points.append(" ".join(words.split()))
+        elif not title and not points and not paragraph and _titled(words, lines[number + 1 :]):
+            title = words
         else:
             paragraph.append(words)
     end_paragraph()
-    return title, [_cut(point) for point in points[:KEY_POINTS]]
+    return _cut(title), [_cut(point) for point in points[:KEY_POINTS]]
+
+
+def _titled(line: str, rest: list[str]) -> bool:
+    """Whether a document's first line is its title: short, no sentence,
+    and more follows."""
+    return (
+        len(line) <= TITLE_CHARS
+        and not _SENTENCE_END.search(line + " ")
+        and any(_WORD.search(other) for other in rest)
+    )
 
 
 def _cut(text: str) -> str:
@@ -321,9 +340,13 @@ class OpenAICompatibleProvider:
         except ValueError as error:  # not JSON, or not UTF-8
             raise ProviderError("model API answered with something other than JSON") from error
         try:
-            return str(payload["choices"][0]["message"]["content"])
+            content = payload["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise ProviderError("model API answer has no choices[0].message.content") from None
+        if not isinstance(content, str):
+            # null (a refusal, a tool call) or not text: nothing to report.
+            raise ProviderError(f"model API answered with no text (content: {content!r:.80})")
+        return content
 
 
 def get_provider() -> Provider:

@@ -9,11 +9,13 @@ to the tool journal when RUNDESK_TOOL_JOURNAL is set.
 
 from __future__ import annotations
 
+import codecs
 import functools
 import hashlib
 import http.client
 import json
 import os
+import re
 import stat
 import tempfile
 import urllib.error
@@ -110,8 +112,11 @@ def _real_folder(corpus: str) -> Path:
 
 def read_document(input: dict[str, Any], identity: str) -> dict[str, Any]:
     path = resolve_in_corpus(str(input.get("path", "")), settings.RUNDESK_CORPUS_DIR)
-    with path.open("rb") as handle:
-        data = handle.read(MAX_DOCUMENT_BYTES + 1)
+    try:
+        with path.open("rb") as handle:
+            data = handle.read(MAX_DOCUMENT_BYTES + 1)
+    except OSError as error:  # no permission, an I/O error: a definite answer
+        raise ToolRefused(f"{input['path']!r}: {error.strerror or error}") from None
     if len(data) > MAX_DOCUMENT_BYTES:
         raise ToolRefused(f"{input['path']!r}: larger than {MAX_DOCUMENT_BYTES} bytes")
     journal("read_document", identity, path=input["path"])
@@ -119,8 +124,25 @@ def read_document(input: dict[str, Any], identity: str) -> dict[str, Any]:
         "path": input["path"],
         "bytes": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
-        "text": data.decode("utf-8", errors="replace"),
+        "text": decoded(data),
     }
+
+
+def decoded(data: bytes) -> str:
+    """A document's bytes as text: UTF-8, or UTF-16 where a byte-order mark
+    says so; what cannot be decoded becomes U+FFFD (`storable`)."""
+    utf16 = data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
+    return storable(data.decode("utf-16" if utf16 else "utf-8-sig", errors="replace"))
+
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable(text: str) -> str:
+    """`text` as a receipt can hold it: NUL (no PostgreSQL text or jsonb
+    value can) and lone surrogates (UTF-8 cannot encode them) as U+FFFD.
+    Left in, they would fail every attempt to write the receipt."""
+    return _UNSTORABLE.sub("\ufffd", text)
 
 
 def deliver_report(input: dict[str, Any], identity: str) -> dict[str, Any]:
@@ -133,21 +155,29 @@ def deliver_report(input: dict[str, Any], identity: str) -> dict[str, Any]:
         journal("deliver_report", identity, to="url", status=status)
         return {"delivered_to": settings.RUNDESK_DELIVERY_URL, "status": status, "sha256": sha}
     outbox = Path(settings.RUNDESK_OUTBOX_DIR)
-    outbox.mkdir(parents=True, exist_ok=True)
     # One file per identity, named so that no two identities share it.
     target = outbox / (urllib.parse.quote(identity, safe="") + ".md")
     # Written whole to a temporary file, then linked into place: link() fails
     # if the target exists, so a report appears once, complete, or not at all.
-    with tempfile.NamedTemporaryFile(dir=outbox, prefix=".incoming-") as handle:
-        handle.write(body)
-        handle.flush()
-        os.fsync(handle.fileno())
+    # Until the link, a failure leaves nothing delivered: known not to have
+    # happened.
+    try:
+        outbox.mkdir(parents=True, exist_ok=True)
+        incoming = tempfile.NamedTemporaryFile(dir=outbox, prefix=".incoming-")  # noqa: SIM115 (the with below)
+    except OSError as error:
+        raise ToolFailed(f"outbox {outbox}: {error.strerror or error}") from None
+    with incoming as handle:
         try:
+            handle.write(body)
+            handle.flush()
+            os.fsync(handle.fileno())
             os.link(handle.name, target)
         except FileExistsError:
             if hashlib.sha256(target.read_bytes()).hexdigest() != sha:
                 raise ToolFailed(f"{target} holds another report under this identity") from None
             return {"delivered_to": str(target), "sha256": sha, "already_delivered": True}
+        except OSError as error:
+            raise ToolFailed(f"outbox {outbox}: {error.strerror or error}") from None
     journal("deliver_report", identity, to="outbox")
     return {"delivered_to": str(target), "sha256": sha}
 
@@ -184,7 +214,7 @@ def model_call(input: dict[str, Any], identity: str) -> dict[str, Any]:
     except ProviderError as error:
         raise ToolFailed(str(error)) from error
     journal("model_call", identity, provider=provider.name)
-    return {"provider": provider.name, "text": text}
+    return {"provider": provider.name, "text": storable(text)}
 
 
 def noop(input: dict[str, Any], identity: str) -> dict[str, Any]:

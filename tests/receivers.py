@@ -47,7 +47,7 @@ def status(code: int, delay: float = 0.0) -> Callable[[BaseHTTPRequestHandler, b
     return respond
 
 
-def chat_completion(text: str) -> Callable[[BaseHTTPRequestHandler, bytes], None]:
+def chat_completion(text: str | None) -> Callable[[BaseHTTPRequestHandler, bytes], None]:
     def respond(handler: BaseHTTPRequestHandler, body: bytes) -> None:
         payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]})
         handler.send_response(200)

@@ -56,6 +56,20 @@ def test_submit_run_refuses_a_bad_fault_plan_and_queues_nothing(faults, message)
     assert not Run.objects.exists()
 
 
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (("--deadline-seconds", "1e12"), "no date is that far"),
+        (("--deadline-seconds", "nan"), "no date is that far"),
+        (("--budget", "3000000000"), "from 1 to 2147483647"),
+    ],
+)
+def test_submit_run_refuses_what_no_run_can_hold_and_queues_nothing(option, message):
+    with pytest.raises(CommandError, match=message):
+        run_command("submit_run", "--question", "q", "--doc", "a.md", *option)
+    assert not Run.objects.exists()
+
+
 def test_executor_run_executes_one_run_and_reports_it():
     run = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"])
     other = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"])

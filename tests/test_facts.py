@@ -371,7 +371,14 @@ def test_a_running_run_without_an_owner_is_refused(facts):
             {"question": "q", "documents": DOCS, "faults": [{"point": "tool_delay", "x": 1}]},
             "unknown keys",
         ),
-        ({"question": "q", "documents": DOCS, "action_budget": 0}, "budget must be at least 1"),
+        ({"question": "q", "documents": DOCS, "action_budget": 0}, "budget must be from 1 to"),
+        ({"question": "q", "documents": DOCS, "action_budget": 2**31}, "from 1 to 2147483647"),
+        ({"question": "q\x00", "documents": DOCS}, "NUL"),
+        # The column would cut a longer path short: the run would read another file.
+        ({"question": "q", "documents": ["a/" * 250 + "b"]}, "501 characters; at most 500"),
+        ({"question": "q", "documents": [DOCS[0], " "]}, "document 2 is not a path"),
+        ({"question": "q", "documents": ["a\x00b"]}, "document 1 is not a path"),
+        ({"question": "q", "documents": [7]}, "document 1 is not a path"),
     ],
     ids=[
         "blank-question",
@@ -382,6 +389,12 @@ def test_a_running_run_without_an_owner_is_refused(facts):
         "negative-delay",
         "unknown-fault-key",
         "zero-budget",
+        "budget-beyond-its-column",
+        "nul-in-question",
+        "path-longer-than-its-column",
+        "blank-path",
+        "nul-in-path",
+        "path-not-text",
     ],
 )
 def test_submit_rejects_bad_input_and_creates_no_run(fields, message):

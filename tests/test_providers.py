@@ -208,6 +208,28 @@ def test_summary_of_an_empty_or_untitled_document_is_named_by_its_path():
     ]
 
 
+def test_a_document_of_one_line_is_its_points_under_its_name():
+    assert summarize_text("one.txt", "Deep down. Very deep.").splitlines() == [
+        "# one.txt",
+        "",
+        "## Key points",
+        "- Deep down.",
+        "- Very deep.",
+    ]
+
+
+def test_front_matter_gives_the_title_and_is_no_point():
+    text = '---\ntitle: "Lease notes"\ntags: [a, b]\n---\nA lease has an owner. It expires.\n'
+
+    assert summarize_text("notes.md", text).splitlines() == [
+        "# Lease notes",
+        "",
+        "## Key points",
+        "- A lease has an owner.",
+        "- It expires.",
+    ]
+
+
 def test_summary_cuts_a_long_sentence_and_splits_ideographic_ones():
     long = "word " * 200
     summary = summarize_text("long.txt", f"Title\n\n{long}")
@@ -337,8 +359,9 @@ def test_openai_provider_sends_the_api_key_as_a_bearer_token(model_api):
         (answer(b'{"choices": []}'), "no choices"),
         (answer(b'{"choices": [{"text": "legacy"}]}'), "no choices"),
         (answer(b'["not", "an", "object"]'), "no choices"),
+        (chat_completion(None), "no text"),
     ],
-    ids=["500", "429", "not-json", "no-choices", "empty-choices", "no-message", "a-list"],
+    ids=["500", "429", "not-json", "no-choices", "empty-choices", "no-message", "a-list", "null"],
 )
 def test_openai_provider_turns_a_bad_answer_into_a_provider_error(model_api, respond, message):
     model_api.respond = respond
@@ -382,6 +405,15 @@ def test_model_call_returns_the_openai_providers_text_and_journals_it(
     assert json.loads(body)["model"] == "test-model"
     assert headers["Authorization"] == "Bearer sk-local-test"
     assert journal.counts("model_call") == {"rundesk:run-3:compose": 1}
+
+
+def test_model_call_text_holds_no_nul_nor_lone_surrogate(openai_settings, model_api, journal):
+    # JSON can carry both; no receipt could hold them.
+    model_api.respond = answer(b'{"choices": [{"message": {"content": "a\\u0000b\\ud800c"}}]}')
+
+    result = model_call({"messages": MESSAGES}, "rundesk:run-3:compose")
+
+    assert result["text"] == "a\ufffdb\ufffdc"
 
 
 @pytest.mark.parametrize(

@@ -76,17 +76,26 @@ def test_a_run_over_another_corpus_of_prose_reports_each_documents_points(settin
     (corpus / "latin1.txt").write_bytes(
         "Café notes\n\nThe lease holder reads é as bytes.".encode("latin-1")
     )
+    # No receipt could hold a NUL: left in, it failed the read's receipt
+    # at every attempt, and the run was retried for ever.
+    (corpus / "nul.txt").write_bytes(b"Binary lease dump\n\nA lease \x00 record.\n")
+    (corpus / "utf16.txt").write_text("Lease of UTF-16\n\nThe lease is read.\n", "utf-16")
     settings.RUNDESK_CORPUS_DIR = corpus
     run = Run.objects.submit(
         question="How do runs stay safe?",
-        documents=["2026/leases.txt", "receipts.md", "latin1.txt"],
+        documents=["2026/leases.txt", "receipts.md", "latin1.txt", "nul.txt", "utf16.txt"],
+        action_budget=12,
     )
 
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
 
     final = AnswerRevision.objects.get(run=run, is_final=True).content
     lines = final.splitlines()
-    assert "Documents compared: Leases and fencing, Receipts, Caf\ufffd notes." in lines
+    assert (
+        "Documents compared: Leases and fencing, Receipts, Caf\ufffd notes, Binary lease dump, "
+        "Lease of UTF-16." in lines
+    )
+    assert "- A lease \ufffd record." in lines and "- The lease is read." in lines
     assert "- A lease names one owner of a run." in lines
     assert "- A receipt records that an action completed under its lease." in lines
     assert "- Terms every document uses: lease." in lines

@@ -107,6 +107,18 @@ def test_read_document_allows_a_symlink_that_stays_inside_the_corpus(corpus, jou
     assert journal.counts("read_document") == {IDENTITY: 1}
 
 
+def test_read_document_text_holds_no_nul_and_follows_a_utf16_byte_order_mark(corpus, journal):
+    (corpus / "nul.md").write_bytes(b"a\x00b")
+    (corpus / "wide.md").write_text("wide sheet\n", "utf-16")
+    (corpus / "marked.md").write_bytes(b"\xef\xbb\xbfmarked\n")
+
+    nul = read_document({"path": "nul.md"}, IDENTITY)
+    assert nul["text"] == "a\ufffdb" and nul["bytes"] == 3
+    assert nul["sha256"] == hashlib.sha256(b"a\x00b").hexdigest()  # of the bytes as read
+    assert read_document({"path": "wide.md"}, "wide")["text"] == "wide sheet\n"
+    assert read_document({"path": "marked.md"}, "marked")["text"] == "marked\n"
+
+
 @pytest.mark.parametrize(
     ("path", "message"),
     [
@@ -298,6 +310,16 @@ def test_outbox_refuses_other_content_under_a_used_identity_and_keeps_the_first(
 
     assert (_outbox / "rundesk%3Arun-7%3Adeliver.md").read_text() == REPORT
     assert journal.counts("deliver_report") == {"rundesk:run-7:deliver": 1}
+
+
+def test_an_outbox_that_cannot_be_written_is_a_known_failure(settings, tmp_path, journal):
+    settings.RUNDESK_DELIVERY_URL = ""
+    settings.RUNDESK_OUTBOX_DIR = tmp_path / "a-file"
+    settings.RUNDESK_OUTBOX_DIR.write_text("not a folder")
+
+    with pytest.raises(ToolFailed, match=r"outbox .*a-file"):
+        deliver_report({"content": REPORT}, "rundesk:run-7:deliver")
+    assert journal.entries() == []
 
 
 def test_outbox_keeps_reports_of_different_identities_apart(settings, _outbox):

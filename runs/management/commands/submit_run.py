@@ -41,7 +41,13 @@ class Command(BaseCommand):
             raise CommandError(f"--faults is not valid JSON: {error}") from None
         deadline = None
         if options["deadline_seconds"] is not None:
-            deadline = timezone.now() + dt.timedelta(seconds=options["deadline_seconds"])
+            try:
+                deadline = timezone.now() + dt.timedelta(seconds=options["deadline_seconds"])
+            except (OverflowError, ValueError):
+                raise CommandError(
+                    f"--deadline-seconds {options['deadline_seconds']}: no date is that far "
+                    "from now"
+                ) from None
         with transaction.atomic():
             try:
                 run = Run.objects.submit(
