@@ -318,10 +318,13 @@ def locks_import(request: HttpRequest) -> HttpResponse:
         )
         return redirect("locks")
     try:
-        imported = pglog.import_log(pglog.decode(upload.read()), upload.name, log_format)
+        text, warning = pglog.decode(upload.read())
+        imported = pglog.import_log(text, upload.name, log_format)
     except pglog.LogFormatError as error:
         messages.error(request, f"{upload.name}: {error}. Nothing was imported.")
         return redirect("locks")
+    if warning:
+        messages.warning(request, f"{upload.name}: {warning}.")
     if not imported:
         messages.error(request, f"No 'deadlock detected' report found in {upload.name}.")
         return redirect("locks")

@@ -133,8 +133,9 @@ class Report:
         }
 
 
-def parse(text: str, format: str = "auto") -> list[Report]:
-    """Every deadlock report in `text`, in the order the log has them.
+def parse(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> list[Report]:
+    """Every deadlock report in `text`, in the order the log has them (its
+    times read in `zone`, the server's log_timezone, where they need one).
     LogFormatError when `text` is not in `format`."""
     reports: list[Report] = []
     # Per process (None where the log names none): the message its next
@@ -143,7 +144,7 @@ def parse(text: str, format: str = "auto") -> list[Report]:
     waiting: dict[int, LoggedWait] = {}
     # Per process, the application name the log gives it (csvlog, jsonlog).
     applications: dict[int, str] = {}
-    for item in read(text, format):
+    for item in read(text, format, zone):
         key = item.pid
         if key is not None and item.application:
             applications[key] = item.application
@@ -154,14 +155,7 @@ def parse(text: str, format: str = "auto") -> list[Report]:
             elif isinstance(owner, LoggedWait) and item.label == "DETAIL":
                 owner.holders = _holders(item.text)
             continue
-        if messages.starts("deadlock", item.text.lstrip()):
-            report = Report(reporter=item.pid, time=item.time, line=item.line, records=[item])
-            report.earlier = list(waiting.values())
-            if item.time_problem:
-                report.unread.append(item.time_problem)
-            reports.append(report)
-            latest[key] = report
-        elif logged := _logged_wait(item):
+        if logged := _logged_wait(item):
             name, wait = logged
             if name in WAITING:
                 waiting[wait.waiter] = wait
@@ -169,8 +163,21 @@ def parse(text: str, format: str = "auto") -> list[Report]:
             else:  # acquired, or failed: that wait is over
                 waiting.pop(wait.waiter, None)
                 latest[key] = None
+            continue
+        if messages.starts("deadlock", item.text.lstrip()):
+            report = Report(reporter=item.pid, time=item.time, line=item.line, records=[item])
+            report.earlier = list(waiting.values())
+            if item.time_problem:
+                report.unread.append(item.time_problem)
+            reports.append(report)
+            latest[key] = report
         else:
             latest[key] = None
+        # A process that logs anything else waits no more: its statement went
+        # on, or ended (a lock or statement timeout, a cancel, this deadlock),
+        # which the server logs no wait message for.
+        if key is not None:
+            waiting.pop(key, None)
     for report in reports:
         _interpret(report, applications)
     reports = _distinct(reports)
@@ -301,7 +308,7 @@ def _lines(item: Record) -> Iterable[tuple[str, str]]:
     """The lines of a record that can hold report lines (of a message, not
     the message itself, nor a client's words before it), as written and
     without the quoting a client wraps around them."""
-    lines = item.text.splitlines()
+    lines = item.text.split("\n")
     if item.label == MESSAGE:
         first = lines[0] if lines else ""
         found = messages.find("deadlock", first)
@@ -365,10 +372,12 @@ def _missing(report: Report, details: int) -> Iterable[str]:
 # -- storing -----------------------------------------------------------------------------
 
 
-def import_log(text: str, origin: str, format: str = "auto") -> list[tuple[Report, LockIncident]]:
+def import_log(
+    text: str, origin: str, format: str = "auto", zone: dt.tzinfo | None = None
+) -> list[tuple[Report, LockIncident]]:
     """Every report of `text` stored as an incident, all or none: input
     that is not in `format` (LogFormatError) or a failed write stores none."""
-    reports = parse(text, format)
+    reports = parse(text, format, zone)
     with transaction.atomic():
         return [(report, record(report, origin)) for report in reports]
 

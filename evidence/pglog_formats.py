@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import gzip
 import io
 import json
 import re
+import zlib
 import zoneinfo
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,6 +37,9 @@ MESSAGE = "MESSAGE"
 # Lines longer than this are not searched for report lines (a crafted line
 # must not cost more than reading it).
 MAX_LINE = 10_000
+# A compressed log is read up to this size once decompressed.
+MAX_DECOMPRESSED = 256 * 1024 * 1024
+GZIP_MAGIC = b"\x1f\x8b"
 # Nested quoting is unwrapped this many times at most.
 MAX_DEPTH = 3
 # A csvlog field holds a whole query (track_activity_query_size is at most 1 MB).
@@ -58,29 +63,57 @@ class Record:
     line: int = 0  # where the record starts in the input
 
 
-def decode(raw: bytes) -> str:
-    """A log's bytes as text: an undecodable byte, and NUL (PostgreSQL text
-    cannot hold one), as U+FFFD."""
-    return raw.decode(errors="replace").replace("\x00", "\ufffd")
+def decode(raw: bytes, encoding: str = "utf-8") -> tuple[str, str]:
+    """A log's bytes as text (gzip-compressed bytes, as logrotate leaves
+    them, decompressed first), and a warning when some are not `encoding`:
+    each such byte, and NUL (PostgreSQL text cannot hold one), is U+FFFD."""
+    if raw[:2] == GZIP_MAGIC:
+        try:
+            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as compressed:
+                raw = compressed.read(MAX_DECOMPRESSED + 1)
+        except (OSError, EOFError, zlib.error) as error:
+            raise LogFormatError(f"gzip-compressed, but not readable: {error}") from None
+        if len(raw) > MAX_DECOMPRESSED:
+            raise LogFormatError(f"more than {MAX_DECOMPRESSED} bytes once decompressed")
+    try:
+        text, warning = raw.decode(encoding), ""
+    except LookupError:
+        raise LogFormatError(f"{encoding!r} is not an encoding Python knows") from None
+    except UnicodeDecodeError as error:
+        text = raw.decode(encoding, errors="replace")
+        warning = (
+            f"some bytes are not {encoding} (the first at byte {error.start}) and were read as "
+            "U+FFFD: a server writes its log in its database's encoding; import_pg_log "
+            "--encoding names it"
+        )
+    return text.replace("\x00", "\ufffd"), warning
 
 
-def read(text: str, format: str = "auto") -> Iterator[Record]:
-    """The records of `text`, read as `format` (auto: as its content says)."""
+def lines(text: str) -> list[str]:
+    """The lines of a log: ended by a newline (CR LF too) only.  Python's
+    own line ends (U+2028, form feed...) may be inside a query."""
+    return [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")] if text else []
+
+
+def read(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> Iterator[Record]:
+    """The records of `text`, read as `format` (auto: as its content says).
+    `zone`: the server's log_timezone, for the times a log writes with an
+    abbreviation that names several zones (CST, IST, PST), or with none."""
     if format == "auto":
         format = detect(text)
     if format == "csvlog":
-        return _csv_records(text)
+        return _csv_records(text, zone)
     if format == "jsonlog":
-        return _json_records(text)
+        return _json_records(text, zone)
     if format == "stderr":
-        return _TextReader().read(text)
+        return _TextReader(zone).read(text)
     raise LogFormatError(f"unknown format {format!r}: one of {', '.join(FORMATS)}")
 
 
 def detect(text: str) -> str:
     """csvlog or jsonlog when the first line is one of their records, else
     stderr (which also reads what applications print)."""
-    first = next((line for line in text.splitlines() if line.strip()), "")
+    first = next((line for line in lines(text) if line.strip()), "")
     if first.lstrip().startswith("{"):
         try:
             entry = json.loads(first)
@@ -142,8 +175,8 @@ FIELDS = {
 TIME_KEYS = ("timestamp", "time", "ts", "@timestamp", "log_time")
 
 
-def _csv_records(text: str) -> Iterator[Record]:
-    reader = csv.reader(text.splitlines(keepends=True))
+def _csv_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
+    reader = csv.reader(io.StringIO(text, newline=""))
     try:
         for row in reader:
             if not row:
@@ -154,13 +187,13 @@ def _csv_records(text: str) -> Iterator[Record]:
                     f"csvlog record ending on line {start} has {len(row)} fields; "
                     f"csvlog records have {CSV_MIN_FIELDS} to {len(CSV_COLUMNS)}"
                 )
-            yield from _entry_records(dict(zip(CSV_COLUMNS, row, strict=False)), start)
+            yield from _entry_records(dict(zip(CSV_COLUMNS, row, strict=False)), start, zone)
     except csv.Error as error:
         raise LogFormatError(f"csvlog line {reader.line_num}: {error}") from None
 
 
-def _json_records(text: str) -> Iterator[Record]:
-    for number, line in enumerate(text.splitlines(), start=1):
+def _json_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
+    for number, line in enumerate(lines(text), start=1):
         if not line.strip():
             continue
         try:
@@ -171,7 +204,7 @@ def _json_records(text: str) -> Iterator[Record]:
             raise LogFormatError(
                 f"jsonlog line {number} is not a server log entry (no error_severity or message)"
             )
-        yield from _entry_records(entry, number)
+        yield from _entry_records(entry, number, zone)
 
 
 def _is_server_entry(entry: object) -> bool:
@@ -179,12 +212,15 @@ def _is_server_entry(entry: object) -> bool:
 
 
 def _entry_records(
-    entry: dict[str, Any], line: int, time: tuple[dt.datetime | None, str] = (None, "")
+    entry: dict[str, Any],
+    line: int,
+    zone: dt.tzinfo | None,
+    time: tuple[dt.datetime | None, str] = (None, ""),
 ) -> Iterator[Record]:
     """The records of one message given as named fields: a csvlog or
     jsonlog entry, or an error object in an application's log."""
     stamp = next((entry[key] for key in TIME_KEYS if entry.get(key) not in (None, "")), None)
-    when, problem = read_time(stamp) if stamp is not None else time
+    when, problem = read_time(stamp, zone) if stamp is not None else time
     pid = entry.get("pid")
     common = {
         "time": when,
@@ -252,6 +288,7 @@ LEFTOVER = re.compile(r"^[\s'\"`+,;:()\[\]{}]*$")
 ESCAPED_NEWLINE = re.compile(r"\\n")
 SHIPPER_TAB = re.compile(r"\t|#011")
 DIGITS = re.compile(r"\d+")
+SQLSTATE = re.compile(r"^[0-9A-Z]{5}:\s+")
 QUOTED_VALUE = re.compile(
     r"""(?<![\w"'])["':]?(?P<key>[A-Za-z_]+)["']?\s*(?::|=>?)\s*"""
     r"""(?P<quote>["'])(?P<value>(?:\\.|(?!(?P=quote))[^\\])*)(?P=quote)"""
@@ -279,11 +316,12 @@ class _Pending:
 
 
 class _TextReader:
-    def __init__(self) -> None:
+    def __init__(self, zone: dt.tzinfo | None) -> None:
+        self.zone = zone
         self.pending: _Pending | None = None
 
     def read(self, text: str) -> Iterator[Record]:
-        for number, line in enumerate(text.splitlines(), start=1):
+        for number, line in enumerate(lines(text), start=1):
             yield from self._line(line, number, depth=0, time=(None, ""))
         yield from self._flush()
 
@@ -304,11 +342,11 @@ class _TextReader:
             if "detail" in pairs and any(key in pairs for key in FIELDS[MESSAGE]):
                 yield from self._flush()
                 yield from _entry_records(
-                    pairs, number, read_time(line) if _has_time(line) else time
+                    pairs, number, self.zone, self._time(line) if _has_time(line) else time
                 )
                 return
             if ESCAPED_NEWLINE.search(line):
-                for piece in _unquote(line).splitlines():
+                for piece in lines(_unquote(line)):
                     yield from self._line(piece, number, depth + 1, time)
                 return
         yield from self._text_line(line, number, time)
@@ -320,27 +358,32 @@ class _TextReader:
         line, whose error object (node-postgres, Postgrex: message, detail,
         hint, where) or, failing that, whose strings hold a report."""
         if _is_server_entry(entry):
-            yield from _entry_records(entry, number)
+            yield from _entry_records(entry, number, self.zone)
             return
         stamp = next((entry[key] for key in TIME_KEYS if entry.get(key) not in (None, "")), None)
-        time = read_time(stamp) if stamp is not None else time
+        time = self._time(stamp) if stamp is not None else time
         if error := _error_object(entry):
-            yield from _entry_records(error, number, time)
+            yield from _entry_records(error, number, self.zone, time)
             return
         for value in _strings(entry):
             if _quotes_a_report(value):
-                for piece in value.splitlines():
+                for piece in lines(value):
                     yield from self._line(piece, number, depth + 1, time)
                 yield from self._flush()
 
     def _text_line(
         self, line: str, number: int, time: tuple[dt.datetime | None, str]
     ) -> Iterator[Record]:
+        if self.pending is not None and line[:1] == "\t" and not STACK_FRAME.match(line):
+            # The server indents a message's further lines by a tab: what
+            # they say (a query's "ERROR:  " or "deadlock detected") is text.
+            self.pending.lines.append(line[1:])
+            return
         start = _start(line)
         if start is not None:
             yield from self._flush()
             prefix, label, severity, text = start
-            when, problem = read_time(prefix) if _has_time(prefix) else time
+            when, problem = self._time(prefix) if _has_time(prefix) else time
             self.pending = _Pending(
                 label, severity, prefix, number, [text], when, problem, _pid(prefix)
             )
@@ -354,6 +397,9 @@ class _TextReader:
             pending.lines.append("")
         else:
             yield from self._flush()
+
+    def _time(self, value: object) -> tuple[dt.datetime | None, str]:
+        return read_time(value, self.zone)
 
     def _flush(self) -> Iterator[Record]:
         if self.pending is not None:
@@ -369,8 +415,10 @@ def _start(line: str) -> tuple[str, str, str, str] | None:
     quoted = _quoted_report(line)
     if found and (quoted is None or found.start() <= quoted):
         kind, word = found.lastgroup[0], found.lastgroup[2:]
-        label, severity = (MESSAGE, word) if kind == "s" else (word, "")
-        return line[: found.start()], label, severity, line[found.end() :]
+        text = line[found.end() :]
+        if kind == "s":  # log_error_verbosity=verbose puts the SQLSTATE first
+            return line[: found.start()], MESSAGE, word, SQLSTATE.sub("", text, count=1)
+        return line[: found.start()], word, "", text
     if quoted is not None:
         return line[:quoted], MESSAGE, "", line[quoted:]
     if (client := CLIENT_LABEL.match(line)) and not STACK_FRAME.match(line):
@@ -476,19 +524,22 @@ def _unescape(text: str) -> str:
 
 ISO_TIME = re.compile(
     r"(?<!\d)(?P<date>\d{4}-\d{2}-\d{2})[ T](?P<clock>\d{2}:\d{2}:\d{2})(?P<fraction>[.,]\d+)?"
-    r"(?:\s?(?P<offset>Z|[+-]\d{2}(?::?\d{2})?)(?![\w:])|\s(?P<zone>[A-Za-z][\w/+-]*))?"
+    r"(?:\s?(?P<offset>Z|[+-]\d{2}(?::?\d{2})?)(?![\w:])|\s(?P<zone>[A-Za-z]+(?:/[\w+-]+)*))?"
 )
-EPOCH_TIME = re.compile(r"(?<![\d.])(?P<seconds>\d{10})(?:\.(?P<fraction>\d{1,6}))?(?![\d.])")
+# %n: seconds and milliseconds (a bare 10-digit number may be a %x xid).
+EPOCH_TIME = re.compile(r"(?<![\d.])(?P<seconds>\d{10})\.(?P<fraction>\d{1,6})(?![\d.])")
 PID_IN_PREFIX = re.compile(
     r"\[(?P<bracket>\d+)(?:-\d+)?\]|\bpid[=:]\s*(?P<named>\d+)"
     r"|(?<![\w.])[0-9a-f]{8}\.(?P<session>[0-9a-f]{1,8})(?![\w.])"
 )
-# Zone abbreviations that name one offset (minutes east of UTC).  CST and
-# IST name several: a time in them is unknown.
+# Zone abbreviations that name one offset (minutes east of UTC).  CST, CDT,
+# IST and PST name several (PST: Los Angeles and Manila; CDT: Chicago and
+# Havana): a time in them is unknown unless the server's log_timezone is
+# given.
 ZONES = {
     "UTC": 0, "UT": 0, "GMT": 0, "Z": 0, "WET": 0, "WEST": 60, "BST": 60, "CET": 60,
     "CEST": 120, "MET": 60, "MEST": 120, "EET": 120, "EEST": 180, "MSK": 180, "SAST": 120,
-    "EST": -300, "EDT": -240, "CDT": -300, "MST": -420, "MDT": -360, "PST": -480,
+    "EST": -300, "EDT": -240, "MST": -420, "MDT": -360,
     "PDT": -420, "AKST": -540, "AKDT": -480, "HST": -600, "JST": 540, "KST": 540,
     "HKT": 480, "AWST": 480, "ACST": 570, "ACDT": 630, "AEST": 600, "AEDT": 660,
     "NZST": 720, "NZDT": 780, "WIB": 420, "PKT": 300,
@@ -501,22 +552,24 @@ def _has_time(prefix: str) -> bool:
     return bool(ISO_TIME.search(prefix) or EPOCH_TIME.search(prefix))
 
 
-def read_time(value: object) -> tuple[dt.datetime | None, str]:
+def read_time(value: object, zone: dt.tzinfo | None = None) -> tuple[dt.datetime | None, str]:
     """(the time, "") or (None, why it cannot be read) from what a log gives:
     a prefix with %t/%m ("2026-11-29 10:00:01.456 UTC", zone names or
-    offsets), %n (epoch seconds), or a JSON number (seconds or milliseconds)."""
+    offsets), %n (epoch seconds), or a JSON number (seconds or milliseconds).
+    `zone` (the server's log_timezone) reads a time written with its own
+    abbreviation, or with none."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         seconds = value / 1000 if value > 10**11 else value
         return dt.datetime.fromtimestamp(seconds, dt.UTC), ""
     text = str(value)
     if match := ISO_TIME.search(text):
-        return _iso_time(match)
+        return _iso_time(match, zone)
     if match := EPOCH_TIME.search(text):
         return dt.datetime.fromtimestamp(float(match[0]), dt.UTC), ""
     return None, ""
 
 
-def _iso_time(match: re.Match[str]) -> tuple[dt.datetime | None, str]:
+def _iso_time(match: re.Match[str], zone: dt.tzinfo | None) -> tuple[dt.datetime | None, str]:
     fraction = (match["fraction"] or ".0")[1:7].ljust(6, "0")
     try:
         local = dt.datetime.fromisoformat(f"{match['date']}T{match['clock']}.{fraction}")
@@ -528,9 +581,11 @@ def _iso_time(match: re.Match[str]) -> tuple[dt.datetime | None, str]:
         if offset == "Z":
             return local.replace(tzinfo=dt.UTC), ""
         minutes = int(offset[1:3]) * 60 + int(offset[3:5] or 0)
-        zone = dt.timezone(dt.timedelta(minutes=-minutes if offset[0] == "-" else minutes))
+        fixed = dt.timezone(dt.timedelta(minutes=-minutes if offset[0] == "-" else minutes))
+        return local.replace(tzinfo=fixed), ""
+    name = "" if (match["zone"] or "").upper() in LEVELS else match["zone"] or ""
+    if zone is not None and (not name or name in (local.replace(tzinfo=zone).tzname(), str(zone))):
         return local.replace(tzinfo=zone), ""
-    name = match["zone"] or ""
     if name.upper() in ZONES:
         return local.replace(tzinfo=dt.timezone(dt.timedelta(minutes=ZONES[name.upper()]))), ""
     if "/" in name:
@@ -538,7 +593,8 @@ def _iso_time(match: re.Match[str]) -> tuple[dt.datetime | None, str]:
             return local.replace(tzinfo=zoneinfo.ZoneInfo(name)), ""
         except (zoneinfo.ZoneInfoNotFoundError, ValueError):
             return None, f"the time {written!r} names a zone this server does not know"
-    if name.isalpha() and name.isupper() and name not in LEVELS and len(name) <= 5:
+    # Either can be read with the server's log_timezone (import_pg_log --log-timezone).
+    if name.isalpha() and name.isupper() and len(name) <= 5:
         return None, f"the time {written!r} is in zone {name}, whose offset is not known here"
     end = match.end("fraction") if match["fraction"] else match.end("clock")
     return None, f"the time {match.string[match.start() : end]!r} gives no time zone"

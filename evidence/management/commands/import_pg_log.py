@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import sys
+import zoneinfo
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,8 @@ from evidence import pglog
 class Command(BaseCommand):
     help = (
         "Finds every 'deadlock detected' report in a PostgreSQL server log (stderr with any "
-        "log_line_prefix, csvlog or jsonlog; in any language PostgreSQL translates it to) or in "
+        "log_line_prefix, csvlog or jsonlog, gzip-compressed or not; in any language of the "
+        "catalogs PostgreSQL 15 installs) or in "
         "application output quoting one, and stores each as a lock incident with its processes, "
         "wait-for edges, cycle and the lock waits logged before it, and what it could not read."
     )
@@ -26,6 +28,17 @@ class Command(BaseCommand):
             default="auto",
             help="the log's format (default: as its content says)",
         )
+        parser.add_argument(
+            "--encoding",
+            default="utf-8",
+            help="the log's encoding (default utf-8; a server writes its log in its database's "
+            "encoding, e.g. latin-1, cp1251, euc-jp)",
+        )
+        parser.add_argument(
+            "--log-timezone",
+            help="the server's log_timezone (e.g. Asia/Manila), for times written with an "
+            "abbreviation that names several zones (CST, IST, PST) or with none",
+        )
         parser.add_argument("--json", action="store_true")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -34,10 +47,22 @@ class Command(BaseCommand):
             raw = sys.stdin.buffer.read() if name == "-" else Path(name).read_bytes()
         except OSError as error:
             raise CommandError(f"cannot read {name}: {error.strerror}") from None
+        zone = None
+        if options["log_timezone"]:
+            try:
+                zone = zoneinfo.ZoneInfo(options["log_timezone"])
+            except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+                raise CommandError(
+                    f"--log-timezone {options['log_timezone']!r}: not a time zone this server "
+                    "knows (a name such as Europe/Berlin)"
+                ) from None
         try:
-            imported = pglog.import_log(pglog.decode(raw), name, options["format"])
+            text, warning = pglog.decode(raw, options["encoding"])
+            imported = pglog.import_log(text, name, options["format"], zone)
         except pglog.LogFormatError as error:
             raise CommandError(f"{name}: {error}; nothing was imported") from None
+        if warning:
+            self.stderr.write(f"{name}: {warning}")
         incidents = [{"id": incident.pk, **report.as_json()} for report, incident in imported]
         if options["json"]:
             self.stdout.write(json.dumps({"incidents": incidents}))

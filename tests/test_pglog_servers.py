@@ -1,0 +1,152 @@
+"""Logs of real servers set up otherwise than the default, read like any
+other: tests/fixtures/pglog/servers/ holds what a PostgreSQL 15.20 cluster
+wrote with log_error_verbosity=verbose, lc_messages ko_KR and sv_SE, a
+LATIN1 database with French messages, log_timezone Asia/Manila, Azure's
+log_line_prefix (%t-%c-), a prefix with %x and no time, queries holding
+U+2028, a logrotate .gz, and multi-line queries whose lines say "ERROR:  "
+or "deadlock detected" -- each cut to the lines around its report."""
+
+from __future__ import annotations
+
+import datetime as dt
+import zoneinfo
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from django.core.management import CommandError, call_command
+
+from evidence import pglog
+from evidence.models import LockIncident
+
+SERVERS = Path(__file__).parent / "fixtures" / "pglog" / "servers"
+# The second query of every scenario, over three lines, its last one quoting a severity.
+QUERY = "UPDATE t\n   SET v = v + 1\n WHERE id = 2 AND note <> 'ERROR:  x'"
+
+
+def parse(name: str, **options: object) -> list[pglog.Report]:
+    text, warning = pglog.decode((SERVERS / name).read_bytes())
+    assert warning == ""
+    return pglog.parse(text, **options)
+
+
+def test_verbose_messages_are_read_after_their_sqlstate():
+    (report,) = parse("verbose.log")
+
+    assert report.graph.cycle() == [19294, 19295]
+    assert report.graph.processes[19295].query == QUERY
+    assert [(w.waiter, w.holders) for w in report.lead_up] == [(19294, [19295])]
+    assert report.statement == "UPDATE t SET v = v + 1 WHERE id = 1"
+    # Its log_timezone was Asia/Manila, which writes PST, as Los Angeles does.
+    assert report.time is None
+    assert report.unread == [
+        "the time '2026-12-01 21:49:53 PST' is in zone PST, whose offset is not known here"
+    ]
+
+
+def test_the_servers_log_timezone_reads_an_abbreviation_that_names_several():
+    (report,) = parse("verbose.log", zone=zoneinfo.ZoneInfo("Asia/Manila"))
+
+    assert report.time == dt.datetime(2026, 12, 1, 13, 49, 53, tzinfo=dt.UTC)
+    assert report.unread == []
+    # An abbreviation the zone does not use is read as written.
+    (utc,) = parse("azure.log", zone=zoneinfo.ZoneInfo("Asia/Manila"))
+    assert utc.time == dt.datetime(2026, 12, 1, 13, 50, 46, tzinfo=dt.UTC)
+
+
+@pytest.mark.parametrize(
+    ("name", "cycle", "lead_up"),
+    [
+        ("ko_KR.log", [20422, 20423], [(20422, [20423])]),
+        ("sv_SE.log", [20475, 20476], [(20475, [20476])]),
+    ],
+)
+def test_korean_and_swedish_servers_are_read(name, cycle, lead_up):
+    (report,) = parse(name)
+
+    assert report.graph.cycle() == cycle
+    assert report.graph.processes[cycle[1]].query == QUERY
+    assert [(w.waiter, w.holders) for w in report.lead_up] == lead_up
+    assert report.time is not None and report.unread == []
+
+
+def test_a_logged_query_that_says_deadlock_detected_is_no_report():
+    assert parse("phantom.log") == []
+
+
+def test_a_wait_ended_by_a_timeout_is_not_the_lead_up_of_a_later_deadlock():
+    (report,) = parse("stale_wait_and_label.log")
+
+    # 19052 waited on transaction 737 until its lock timeout cancelled the
+    # statement (the server logs no end of the wait then); its later wait,
+    # in the deadlock, was never logged.
+    assert [(w.waiter, w.locked) for w in report.lead_up] == [(19051, "transaction 739")]
+    assert report.graph.processes[19052].query == QUERY
+
+
+def test_azures_prefix_gives_the_time_and_the_pid_of_its_session_id():
+    (report,) = parse("azure.log")
+
+    assert report.time == dt.datetime(2026, 12, 1, 13, 50, 46, tzinfo=dt.UTC)
+    assert report.reporter == 0x50DE == 20702
+    assert report.graph.processes[20703].query == QUERY
+
+
+def test_an_xid_in_a_prefix_is_no_time():
+    (report,) = parse("xid.log")
+
+    assert report.time is None and report.unread == []
+    assert report.graph.cycle() == [21915, 21916]
+
+
+@pytest.mark.parametrize("name", ["u2028.json", "u2028_stderr.log"])
+def test_a_line_separator_inside_a_query_stays_in_it(name):
+    (report,) = parse(name)
+
+    queries = [process.query for process in report.graph.processes.values()]
+    assert "UPDATE t SET v = v + 1, note = 'a\u2028b' WHERE id = 2" in queries
+    assert report.graph.cycle() and report.unread == []
+
+
+def test_a_gzipped_log_is_imported(db):
+    out = StringIO()
+    call_command("import_pg_log", str(SERVERS / "en.log.gz"), stdout=out)
+
+    assert out.getvalue().startswith("1 deadlock reports imported")
+    assert LockIncident.objects.get().cycle == [18680, 18681]
+
+
+def test_a_log_in_another_encoding_is_said_and_read_with_its_encoding(db):
+    log = str(SERVERS / "fr_latin1.log")
+    out, err = StringIO(), StringIO()
+    call_command("import_pg_log", log, stdout=out, stderr=err)
+
+    assert out.getvalue().startswith("0 deadlock reports imported")
+    assert "some bytes are not utf-8 (the first at byte 70)" in err.getvalue()
+    assert "--encoding" in err.getvalue()
+
+    out, err = StringIO(), StringIO()
+    call_command("import_pg_log", log, "--encoding", "latin-1", stdout=out, stderr=err)
+    assert out.getvalue().startswith("1 deadlock reports imported") and err.getvalue() == ""
+    assert LockIncident.objects.get().cycle == [20628, 20629]
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (("--log-timezone", "Mars/Olympus"), "not a time zone this server knows"),
+        (("--encoding", "klingon"), "not an encoding Python knows"),
+    ],
+)
+def test_an_unknown_zone_or_encoding_is_refused(db, option, message):
+    with pytest.raises(CommandError, match=message):
+        call_command("import_pg_log", str(SERVERS / "azure.log"), *option)
+    assert not LockIncident.objects.exists()
+
+
+def test_a_gzip_that_is_not_whole_is_refused(tmp_path, db):
+    broken = tmp_path / "broken.log.gz"
+    broken.write_bytes((SERVERS / "en.log.gz").read_bytes()[:200])
+
+    with pytest.raises(CommandError, match="gzip-compressed, but not readable"):
+        call_command("import_pg_log", str(broken))
