@@ -176,12 +176,17 @@ TIME_KEYS = ("timestamp", "time", "ts", "@timestamp", "log_time")
 
 
 def _csv_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
+    """The records of a csvlog.  A last record with no newline after it is
+    one the server is still writing (a log read while in use): left out."""
     reader = csv.reader(io.StringIO(text, newline=""))
+    unfinished = not text.endswith("\n")
     try:
         for row in reader:
             if not row:
                 continue
             start = reader.line_num
+            if len(row) < CSV_MIN_FIELDS and unfinished and start == _line_count(text):
+                return
             if len(row) < CSV_MIN_FIELDS:
                 raise LogFormatError(
                     f"csvlog record ending on line {start} has {len(row)} fields; "
@@ -189,22 +194,33 @@ def _csv_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
                 )
             yield from _entry_records(dict(zip(CSV_COLUMNS, row, strict=False)), start, zone)
     except csv.Error as error:
+        if unfinished and reader.line_num == _line_count(text):
+            return
         raise LogFormatError(f"csvlog line {reader.line_num}: {error}") from None
 
 
 def _json_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
-    for number, line in enumerate(lines(text), start=1):
+    """The records of a jsonlog; an unfinished last line is left out, as
+    in a csvlog."""
+    entries = lines(text)
+    for number, line in enumerate(entries, start=1):
         if not line.strip():
             continue
         try:
             entry = json.loads(line)
         except ValueError as error:
+            if number == len(entries) and not text.endswith("\n"):
+                return
             raise LogFormatError(f"jsonlog line {number} is not JSON: {error}") from None
         if not _is_server_entry(entry):
             raise LogFormatError(
                 f"jsonlog line {number} is not a server log entry (no error_severity or message)"
             )
         yield from _entry_records(entry, number, zone)
+
+
+def _line_count(text: str) -> int:
+    return text.count("\n") + (not text.endswith("\n"))
 
 
 def _is_server_entry(entry: object) -> bool:

@@ -270,7 +270,8 @@ class RunQuerySet(models.QuerySet["Run"]):
         for number, path in enumerate(documents, start=1):
             # The database would cut a longer path short, and the run would
             # read another file: refused, as every path that is not one.
-            if not isinstance(path, str) or not path.strip() or "\x00" in path:
+            if not isinstance(path, str) or not path.strip() or min(path) < " ":
+                # NUL, a newline, a tab: no file a corpus means to be named so.
                 raise ValueError(f"document {number} is not a path: {path!r}")
             if len(path) > longest:
                 raise ValueError(

@@ -378,6 +378,7 @@ def test_a_running_run_without_an_owner_is_refused(facts):
         ({"question": "q", "documents": ["a/" * 250 + "b"]}, "501 characters; at most 500"),
         ({"question": "q", "documents": [DOCS[0], " "]}, "document 2 is not a path"),
         ({"question": "q", "documents": ["a\x00b"]}, "document 1 is not a path"),
+        ({"question": "q", "documents": ["a.md\n# Injected"]}, "document 1 is not a path"),
         ({"question": "q", "documents": [7]}, "document 1 is not a path"),
     ],
     ids=[
@@ -394,6 +395,7 @@ def test_a_running_run_without_an_owner_is_refused(facts):
         "path-longer-than-its-column",
         "blank-path",
         "nul-in-path",
+        "newline-in-path",
         "path-not-text",
     ],
 )

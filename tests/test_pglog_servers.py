@@ -3,8 +3,9 @@ other: tests/fixtures/pglog/servers/ holds what a PostgreSQL 15.20 cluster
 wrote with log_error_verbosity=verbose, lc_messages ko_KR and sv_SE, a
 LATIN1 database with French messages, log_timezone Asia/Manila, Azure's
 log_line_prefix (%t-%c-), a prefix with %x and no time, queries holding
-U+2028, a logrotate .gz, and multi-line queries whose lines say "ERROR:  "
-or "deadlock detected" -- each cut to the lines around its report."""
+U+2028, a logrotate .gz, logs read while being written (jsonlog, csvlog),
+and multi-line queries whose lines say "ERROR:  " or "deadlock detected"
+-- each cut to the lines around its report."""
 
 from __future__ import annotations
 
@@ -150,3 +151,21 @@ def test_a_gzip_that_is_not_whole_is_refused(tmp_path, db):
 
     with pytest.raises(CommandError, match="gzip-compressed, but not readable"):
         call_command("import_pg_log", str(broken))
+
+
+@pytest.mark.parametrize(
+    ("name", "cycle", "refusal"),
+    [
+        ("truncated.json", [21169, 21170], "jsonlog line 21 is not JSON"),
+        ("truncated.csv", [19614, 19615], "csvlog record ending on line 26 has 13 fields"),
+    ],
+)
+def test_a_log_read_while_the_server_writes_it_leaves_out_its_unfinished_record(
+    name, cycle, refusal
+):
+    (report,) = parse(name)
+    assert report.graph.cycle() == cycle and report.unread == []
+
+    # The same record, ended by a newline, is not unfinished but broken.
+    with pytest.raises(pglog.LogFormatError, match=refusal):
+        pglog.parse((SERVERS / name).read_text() + "\n")
