@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 from typing import Any
 
 from django.contrib.postgres.fields import ArrayField
@@ -93,6 +94,9 @@ def _count_per_run(rows: models.QuerySet) -> Coalesce:
     return Coalesce(Subquery(per_run), 0)
 
 
+# What no PostgreSQL text can hold: NUL, and lone surrogates (UTF-8 cannot
+# encode them).
+UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 # The largest action budget its column holds (a PositiveIntegerField).
 MAX_BUDGET = 2**31 - 1
 
@@ -262,15 +266,20 @@ class RunQuerySet(models.QuerySet["Run"]):
         Bad input raises ValueError with what is wrong."""
         if not question.strip():
             raise ValueError("the question is empty")
-        if "\x00" in question:
-            raise ValueError("the question holds a NUL character")
+        if UNSTORABLE.search(question):
+            raise ValueError("the question holds a character no text can: NUL or a lone surrogate")
         if not documents:
             raise ValueError("name at least one document")
         longest = self.model._meta.get_field("documents").base_field.max_length
         for number, path in enumerate(documents, start=1):
             # The database would cut a longer path short, and the run would
             # read another file: refused, as every path that is not one.
-            if not isinstance(path, str) or not path.strip() or min(path) < " ":
+            if (
+                not isinstance(path, str)
+                or not path.strip()
+                or min(path) < " "
+                or UNSTORABLE.search(path)
+            ):
                 # NUL, a newline, a tab: no file a corpus means to be named so.
                 raise ValueError(f"document {number} is not a path: {path!r}")
             if len(path) > longest:

@@ -15,7 +15,6 @@ import hashlib
 import http.client
 import json
 import os
-import re
 import stat
 import tempfile
 import urllib.error
@@ -28,7 +27,7 @@ from typing import Any
 
 from django.conf import settings
 
-from runs.models import EffectClass
+from runs.models import UNSTORABLE, EffectClass
 from runs.providers import ProviderError, get_provider
 
 MAX_DOCUMENT_BYTES = 1_000_000
@@ -135,14 +134,11 @@ def decoded(data: bytes) -> str:
     return storable(data.decode("utf-16" if utf16 else "utf-8-sig", errors="replace"))
 
 
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-
-
 def storable(text: str) -> str:
     """`text` as a receipt can hold it: NUL (no PostgreSQL text or jsonb
     value can) and lone surrogates (UTF-8 cannot encode them) as U+FFFD.
     Left in, they would fail every attempt to write the receipt."""
-    return _UNSTORABLE.sub("\ufffd", text)
+    return UNSTORABLE.sub("\ufffd", text)
 
 
 def deliver_report(input: dict[str, Any], identity: str) -> dict[str, Any]:

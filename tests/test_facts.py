@@ -373,7 +373,8 @@ def test_a_running_run_without_an_owner_is_refused(facts):
         ),
         ({"question": "q", "documents": DOCS, "action_budget": 0}, "budget must be from 1 to"),
         ({"question": "q", "documents": DOCS, "action_budget": 2**31}, "from 1 to 2147483647"),
-        ({"question": "q\x00", "documents": DOCS}, "NUL"),
+        ({"question": "q\x00", "documents": DOCS}, "NUL or a lone surrogate"),
+        ({"question": "q\udc80", "documents": DOCS}, "NUL or a lone surrogate"),
         # The column would cut a longer path short: the run would read another file.
         ({"question": "q", "documents": ["a/" * 250 + "b"]}, "501 characters; at most 500"),
         ({"question": "q", "documents": [DOCS[0], " "]}, "document 2 is not a path"),
@@ -392,6 +393,7 @@ def test_a_running_run_without_an_owner_is_refused(facts):
         "zero-budget",
         "budget-beyond-its-column",
         "nul-in-question",
+        "surrogate-in-question",
         "path-longer-than-its-column",
         "blank-path",
         "nul-in-path",
