@@ -6,7 +6,8 @@ action of every agent:
 
 - an action with a receipt is never dispatched again: its receipt is the result;
 - an action with a boundary but no receipt is dispatched again only if it is
-  a `read`, under its original identity;
+  a `read`, under its original identity (MAX_READ_DISPATCHES times in all:
+  then it fails, and the agent goes on without it);
 - an `effect` action in that state may have happened: it is marked `unknown`
   and the run waits for an operator; it is dispatched again (under its
   original identity) only as often as operators' decisions authorise
@@ -74,6 +75,10 @@ from runs.tools import TOOLS, OutcomeUnknown, Tool, ToolFailed, ToolRefused
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# How often a read is dispatched without its receipt being written before it
+# fails (Dispatcher._give_up).
+MAX_READ_DISPATCHES = 10
 
 
 @dataclass(frozen=True)
@@ -426,7 +431,21 @@ class Dispatcher:
                 "receipt: the effect may have happened; only its receiver knows"
             )
             self._effect_unknown(action.pk, action.step_key, reason)
+        if action.attempts >= MAX_READ_DISPATCHES:
+            self._give_up(action)
         return None
+
+    def _give_up(self, action: Action) -> NoReturn:
+        """A read dispatched MAX_READ_DISPATCHES times whose receipt was
+        never written (each owner died, or its result is one the database
+        refuses every time): it fails, and the agent goes on without it,
+        instead of the run passing from owner to owner for ever."""
+        reason = (
+            f"dispatched {action.attempts} times and never recorded as completed: not sent again"
+        )
+        if action.state == ActionState.DISPATCHED:
+            self._mark(action.pk, ActionState.FAILED, reason, EventKind.ACTION_FAILED)
+        raise ActionFailed(action.step_key, reason)
 
     def _redispatch(self, action: Action) -> None:
         self._check_can_dispatch()

@@ -8,10 +8,11 @@ import threading
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from runs.decisions import DecisionRefused, Request, Who, decide
+from runs.dispatch import MAX_READ_DISPATCHES
 from runs.executor import Executor, claim_and_drive, drive
 from runs.leases import Lease, LeaseLost
 from runs.models import (
@@ -357,3 +358,40 @@ def _waits_on_a_lock() -> bool:
             " AND datname = current_database())"
         )
         return cursor.fetchone()[0]
+
+
+# -- a read whose receipt the database refuses every time ----------------------------
+
+
+def test_a_read_never_recorded_fails_after_its_dispatches_and_the_run_goes_on(journal):
+    """The database refuses the first read's receipt every time (a stranger's
+    trigger): each owner dies with the error, and the next sends the read
+    again, until it has been sent MAX_READ_DISPATCHES times: then it fails,
+    and the run completes without that document."""
+    run = Run.objects.submit(question="q", documents=DOCS[:2])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """CREATE FUNCTION test_refuse_receipt() RETURNS trigger LANGUAGE plpgsql AS $$
+               BEGIN RAISE EXCEPTION 'a stranger refuses this receipt'; END $$;
+               CREATE TRIGGER test_refuse_receipt BEFORE INSERT ON runs_receipt FOR EACH ROW
+               WHEN (NEW.step_key = 'read:0') EXECUTE FUNCTION test_refuse_receipt();"""
+        )
+    try:
+        for _ in range(MAX_READ_DISPATCHES):
+            with pytest.raises(DatabaseError, match="a stranger refuses this receipt"):
+                claim_and_drive(run.pk)
+            expire(run)
+        assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "DROP TRIGGER test_refuse_receipt ON runs_receipt;"
+                "DROP FUNCTION test_refuse_receipt();"
+            )
+
+    read = Action.objects.get(run=run, step_key="read:0")
+    assert (read.state, read.attempts) == (ActionState.FAILED, MAX_READ_DISPATCHES)
+    assert journal.counts("read_document")[f"rundesk:run-{run.pk}:read:0"] == MAX_READ_DISPATCHES
+    final = AnswerRevision.objects.get(run=run, is_final=True).content
+    assert f"{DOCS[0]}: not included (read:0 failed: dispatched 10 times" in final
+    assert "Funds compared: CSTB." in final  # the other document is in the report
