@@ -427,7 +427,8 @@ def _start(line: str) -> tuple[str, str, str, str] | None:
     """(prefix, label, severity, text) when `line` starts a message or a
     field: after a log_line_prefix, a severity or a label; or a client's
     field name at its start; or a deadlock report a client quotes."""
-    found = messages.label_pattern().search(line) if len(line) <= MAX_LINE else None
+    # Where a prefix ends is in its first MAX_LINE characters; the rest is text.
+    found = messages.label_pattern().search(line, 0, MAX_LINE)
     quoted = _quoted_report(line)
     if found and (quoted is None or found.start() <= quoted):
         kind, word = found.lastgroup[0], found.lastgroup[2:]

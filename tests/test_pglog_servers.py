@@ -4,6 +4,7 @@ wrote with log_error_verbosity=verbose, lc_messages ko_KR and sv_SE, a
 LATIN1 database with French messages, log_timezone Asia/Manila, Azure's
 log_line_prefix (%t-%c-), a prefix with %x and no time, queries holding
 U+2028, a logrotate .gz, logs read while being written (jsonlog, csvlog),
+a 12,000-character statement,
 and multi-line queries whose lines say "ERROR:  " or "deadlock detected"
 -- each cut to the lines around its report."""
 
@@ -169,3 +170,11 @@ def test_a_log_read_while_the_server_writes_it_leaves_out_its_unfinished_record(
     # The same record, ended by a newline, is not unfinished but broken.
     with pytest.raises(pglog.LogFormatError, match=refusal):
         pglog.parse((SERVERS / name).read_text() + "\n")
+
+
+def test_a_statement_longer_than_a_searched_line_is_kept_whole():
+    (report,) = parse("longstmt.log")
+
+    assert report.statement.startswith("UPDATE t SET v = v + 1")
+    assert len(report.statement) == 12046
+    assert report.graph.cycle() == [21641, 21642] and report.unread == []
