@@ -3,10 +3,10 @@ other: tests/fixtures/pglog/servers/ holds what a PostgreSQL 15.20 cluster
 wrote with log_error_verbosity=verbose, lc_messages ko_KR and sv_SE, a
 LATIN1 database with French messages, log_timezone Asia/Manila, Azure's
 log_line_prefix (%t-%c-), a prefix with %x and no time, queries holding
-U+2028, a logrotate .gz, logs read while being written (jsonlog, csvlog),
-a 12,000-character statement,
-and multi-line queries whose lines say "ERROR:  " or "deadlock detected"
--- each cut to the lines around its report."""
+U+2028, a logrotate .gz, logs read while being written (jsonlog, csvlog), a
+12,000-character statement, and multi-line queries whose lines say
+"ERROR:  " or "deadlock detected" -- each cut to the lines around its
+report."""
 
 from __future__ import annotations
 
