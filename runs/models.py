@@ -287,8 +287,10 @@ class RunQuerySet(models.QuerySet["Run"]):
                     f"document {number} is a path of {len(path)} characters; at most {longest}"
                 )
         FaultPlan.parse(faults)
-        if action_budget is not None and not 1 <= action_budget <= MAX_BUDGET:
-            raise ValueError(f"the action budget must be from 1 to {MAX_BUDGET}")
+        if action_budget is not None and action_budget < 1:
+            raise ValueError("the action budget must be at least 1")
+        if action_budget is not None and action_budget > MAX_BUDGET:
+            raise ValueError(f"the action budget must be at most {MAX_BUDGET}")
         fields: dict[str, Any] = {"faults": faults or [], "deadline": deadline, "is_drill": drill}
         if action_budget is not None:
             fields["action_budget"] = action_budget

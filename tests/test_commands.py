@@ -61,7 +61,7 @@ def test_submit_run_refuses_a_bad_fault_plan_and_queues_nothing(faults, message)
     [
         (("--deadline-seconds", "1e12"), "no date is that far"),
         (("--deadline-seconds", "nan"), "no date is that far"),
-        (("--budget", "3000000000"), "from 1 to 2147483647"),
+        (("--budget", "3000000000"), "at most 2147483647"),
     ],
 )
 def test_submit_run_refuses_what_no_run_can_hold_and_queues_nothing(option, message):

@@ -371,8 +371,8 @@ def test_a_running_run_without_an_owner_is_refused(facts):
             {"question": "q", "documents": DOCS, "faults": [{"point": "tool_delay", "x": 1}]},
             "unknown keys",
         ),
-        ({"question": "q", "documents": DOCS, "action_budget": 0}, "budget must be from 1 to"),
-        ({"question": "q", "documents": DOCS, "action_budget": 2**31}, "from 1 to 2147483647"),
+        ({"question": "q", "documents": DOCS, "action_budget": 0}, "budget must be at least 1"),
+        ({"question": "q", "documents": DOCS, "action_budget": 2**31}, "at most 2147483647"),
         ({"question": "q\x00", "documents": DOCS}, "NUL or a lone surrogate"),
         ({"question": "q\udc80", "documents": DOCS}, "NUL or a lone surrogate"),
         # The column would cut a longer path short: the run would read another file.
