@@ -5,8 +5,14 @@ Two sources of secrets: values this installation knows to be secret (the
 settings' keys and passwords, environment variables named like *KEY*,
 *TOKEN*, *SECRET*, *PASSWORD*), replaced wherever they occur; and strings in
 common key formats (provider API keys, bearer tokens, Authorization
-headers, JWTs, private-key blocks), replaced wherever they occur, whoever
-they belong to.  Each becomes `[REDACTED:<kind>]`.
+headers, JWTs, private-key blocks, the password in a URL, the value of a
+field named like a password, secret, token or key), replaced wherever they
+occur, whoever they belong to.  Each becomes `[REDACTED:<kind>]`.
+
+No format matches a quote, `<` or `>`: the same patterns redact report.html
+after it is rendered, and a match that ran across markup could take an
+attribute's closing quote with it and turn the text after it into
+attributes.
 """
 
 from __future__ import annotations
@@ -24,20 +30,23 @@ SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNO
 # would redact half a bundle and protect nothing.
 MIN_SECRET_LENGTH = 8
 
+# A quote, as written, as JSON inside a string escapes it, or as HTML does.
+QUOTE = "(?:\\\\?[\"']|&quot;|&#x27;|&#39;)"
 # Most specific first: a key is named by the first format it matches.
 FORMATS: list[tuple[str, re.Pattern[str]]] = [
     (
         "private_key",
         re.compile(
-            r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?-----END [A-Z0-9 ]*PRIVATE KEY-----",
-            re.DOTALL,
+            # The block's own characters only (base64, its headers, JSON's \n).
+            r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[A-Za-z0-9+/=\s:,.\\-]*?"
+            r"-----END [A-Z0-9 ]*PRIVATE KEY-----"
         ),
     ),
     (
         "authorization_header",
         re.compile(
             r"(?i)(?<![A-Za-z])((?:proxy-)?authorization\"?\s*[:=]\s*\"?)"
-            r"(?:(?:bearer|basic|token|digest|negotiate)\s+)?[^\s\"',}]+"
+            r"(?:(?:bearer|basic|token|digest|negotiate)\s+)?[^\s\"',}<>&]+"
         ),
     ),
     ("bearer_token", re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{12,}")),
@@ -49,6 +58,17 @@ FORMATS: list[tuple[str, re.Pattern[str]]] = [
     ("github_token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})")),
     ("google_api_key", re.compile(r"\bAIza[0-9A-Za-z_-]{35}\b")),
     ("slack_token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}")),
+    # postgres://user:PASSWORD@host, https://user:PASSWORD@host...
+    ("url_password", re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^\s:/@\"'<>]+:)[^\s@/\"'<>]+(?=@)")),
+    # password=..., "client_secret": "...", aws_secret_access_key: ...
+    (
+        "credential",
+        re.compile(
+            r"(?i)(?<![A-Za-z0-9])((?:[a-z0-9]+[_-])*"
+            r"(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?key|private[_-]?key|token)"
+            rf"{QUOTE}?\s*[:=]\s*{QUOTE}?)(?!\[REDACTED)(?:(?!{QUOTE})&(?:#?\w+;)?|[^\s\"',;<>}}&\\]){{4,}}"
+        ),
+    ),
 ]
 
 
@@ -56,7 +76,7 @@ FORMATS: list[tuple[str, re.Pattern[str]]] = [
 # scanned once, not once per format (an export reads millions of strings).
 MAYBE = re.compile(
     r"(?i:authorization|bearer)|BEGIN|eyJ|sk-|_live_|_test_|AKIA|ASIA|gh[pousr]_|github_pat_"
-    r"|AIza|xox[abposr]-"
+    r"|AIza|xox[abposr]-|://|(?i:passw|pwd|secret|key|token)"
 )
 
 
@@ -133,6 +153,7 @@ class Redactor:
 
 
 def _replacement(kind: str) -> Any:
-    if kind == "authorization_header":
+    if kind in ("authorization_header", "url_password", "credential"):
+        # The name or the address stays; only the secret goes.
         return lambda match: f"{match.group(1)}[REDACTED:{kind}]"
     return f"[REDACTED:{kind}]"

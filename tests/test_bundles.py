@@ -4,9 +4,11 @@ real process where memory is measured."""
 
 from __future__ import annotations
 
+import html
 import json
 import uuid
 import zipfile
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -162,6 +164,73 @@ def test_secrets_never_leave_in_any_byte(journal, tmp_path, settings, monkeypatc
     assert redacted["evidence_copies.jsonl"]  # the model's input quoted the question
     assert "[REDACTED:openai_key]" in entries(path)["report.html"].decode()
     assert OPENAI_KEY not in json.dumps(exported.manifest)
+
+
+def test_passwords_in_urls_and_named_fields_never_leave(journal, tmp_path):
+    secrets = {
+        "url_password": "BobsPassw0rd!",
+        "credential": [
+            "Tr0ub4dor&3xyz",
+            "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY",
+            "s3cr3t-value",
+        ],
+    }
+    question = (
+        "Compare. The database is postgres://bob:BobsPassw0rd!@10.0.0.5/app, password: "
+        "Tr0ub4dor&3xyz, aws_secret_access_key=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY and "
+        '{"client_secret": "s3cr3t-value"}.'
+    )
+    run = Run.objects.submit(question=question, documents=DOCS[:1])
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    timeline.flush()
+    capture.flush()
+    path = tmp_path / "run.zip"
+    exported = bundles.export(run.pk, path)
+
+    files = entries(path)
+    for name, data in files.items():
+        for secret in [secrets["url_password"], *secrets["credential"]]:
+            for form in {secret, html.escape(secret)}:
+                assert form.encode() not in data, f"{secret[:6]}... left in {name}"
+    redacted = exported.manifest["redacted"]["run.json"]
+    assert (redacted["url_password"], redacted["credential"]) == (1, 3)
+    # What the secrets belonged to stays readable.
+    run_json = json.loads(files["run.json"])
+    assert "postgres://bob:[REDACTED:url_password]@10.0.0.5/app" in run_json["question"]
+    assert '"client_secret": "[REDACTED:credential]"' in run_json["question"]
+
+
+class Attributes(HTMLParser):
+    """Every attribute of every element of a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[str, str, str | None]] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.found += [(tag, name, value) for name, value in attrs]
+
+
+def test_redacting_the_report_never_turns_text_into_markup(journal, tmp_path):
+    """A private key's BEGIN in a link's title and its END in the text after
+    it: a redaction spanning them took the title's closing quote, and the
+    text after it became attributes (an off-page link over the whole page)."""
+    question = (
+        'Compare [t](x "-----BEGIN A PRIVATE KEY-----") then -----END A PRIVATE KEY-----" '
+        'style="position:fixed;top:0" href="https://evil.example/login" data-x="'
+    )
+    run = Run.objects.submit(question=question, documents=DOCS[:1])
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    timeline.flush()
+    path = tmp_path / "run.zip"
+    bundles.export(run.pk, path)
+
+    page = Attributes()
+    page.feed(entries(path)["report.html"].decode())
+    assert page.found  # the page's own elements
+    for tag, name, value in page.found:
+        assert "evil.example" not in (value or ""), (tag, name)
+        assert "position:fixed" not in (value or ""), (tag, name)
 
 
 def test_the_same_run_exports_to_the_same_bytes_but_the_export_time(decided_run, tmp_path):
