@@ -54,6 +54,7 @@ from runs.models import (
     OutcomeState,
     Run,
     RunStatus,
+    read_cursor,
 )
 from runs.timeline import EventKind
 
@@ -351,9 +352,8 @@ def _cursor(item: OutcomeItem) -> str:
 
 def _after(rows: QuerySet[OutcomeItem], cursor: str) -> QuerySet[OutcomeItem]:
     """The rows after `cursor` in (created_at, id) order, oldest first."""
-    created, _, pk = cursor.rpartition("|")
     try:
-        created_at, row_id = dt.datetime.fromisoformat(created), int(pk)
+        created_at, row_id = read_cursor(cursor)
     except ValueError:
         raise BadRequest(f"after={cursor!r} is not a page cursor") from None
     return rows.filter(created_at__gte=created_at).filter(

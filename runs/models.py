@@ -73,15 +73,25 @@ def page_cursor(row: models.Model) -> str:
     return f"{row.created_at.isoformat()}|{row.pk}"  # type: ignore[attr-defined]
 
 
+def read_cursor(cursor: str) -> tuple[dt.datetime, int]:
+    """The instant and id a page_cursor names, the instant in UTC (Python
+    reads offsets PostgreSQL refuses, up to 23:59); ValueError when it is
+    not a page cursor."""
+    created, _, pk = cursor.rpartition("|")
+    try:
+        moment = dt.datetime.fromisoformat(created)
+        if moment.tzinfo is None:
+            moment = moment.replace(tzinfo=dt.UTC)
+        return moment.astimezone(dt.UTC), int(pk)
+    except (ValueError, OverflowError):
+        raise ValueError(f"not a page cursor: {cursor!r}") from None
+
+
 def older_than(queryset: models.QuerySet, cursor: str) -> models.QuerySet:
     """The rows after `cursor` (page_cursor) in (-created_at, -id) order;
     ValueError when it is not one.  The first filter is the index condition;
     the second only sorts out the rows of the cursor's own instant."""
-    created, _, pk = cursor.rpartition("|")
-    try:
-        created_at, row_id = dt.datetime.fromisoformat(created), int(pk)
-    except ValueError:
-        raise ValueError(f"not a page cursor: {cursor!r}") from None
+    created_at, row_id = read_cursor(cursor)
     return queryset.filter(created_at__lte=created_at).filter(
         Q(created_at__lt=created_at) | Q(id__lt=row_id)
     )

@@ -101,6 +101,15 @@ def test_valid_parameters_still_answer(viewer, run, incident):
         assert viewer.get(url, params).status_code == 200, (url, params)
 
 
+@pytest.mark.parametrize("offset", ["%2B16:00", "-23:59", "%2B23:59:59"])
+def test_a_cursor_at_an_offset_postgresql_does_not_know_is_read_in_utc(viewer, run, offset):
+    """Python reads offsets up to 23:59; PostgreSQL refused them (a 500)."""
+    far = f"2030-01-01T00:00:00{offset}|{run.pk + 1}"
+    for url in [f"/?before={far}", f"/runs/{run.pk}/?events_before={far}", f"/inbox/?after={far}"]:
+        assert viewer.get(url).status_code == 200, url
+    assert refused(viewer.get("/?before=0001-01-01T00:00:00%2B23:00|1"), "not a page cursor")
+
+
 def test_nul_in_a_posted_form_value_is_400(operator, run):
     response = operator.post(f"/runs/{run.pk}/cancel/", {"note": "a\x00b"})
     assert refused(response, "parameter 'note' holds a NUL character")
