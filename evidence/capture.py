@@ -36,17 +36,22 @@ from django.conf import settings
 from django.db import DatabaseError, OperationalError, connection, transaction
 
 from evidence.models import GapReason
-from evidence.records import bounded, bounded_lock_waits, record_model_call, record_source
+from evidence.records import bounded, record_model_call, record_source
 from evidence.sources import SourceRefresh
 from runs.background import GAP_INTERVAL as GAP_INTERVAL  # how soon a gap is written
 from runs.background import BackgroundWriter
 from runs.models import digest
-from runs.sql import application_name, commit_asynchronously, server_cursor
+from runs.sql import (
+    LOCK_NOT_AVAILABLE,
+    application_name,
+    bounded_lock_waits,
+    commit_asynchronously,
+    server_cursor,
+)
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
 
-LOCK_NOT_AVAILABLE = "55P03"  # NOWAIT refusal and lock_timeout alike
 POLICIES = ("nowait", "wait")
 # Gaps waiting to be written (the database is down, or their tables are
 # locked) are counted per (run, model call, reason, detail) up to this many

@@ -10,18 +10,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from django.conf import settings
 from django.db import DatabaseError, transaction
 
-from runs.sql import commit_asynchronously, server_cursor
+from runs.sql import bounded_lock_waits, commit_asynchronously, server_cursor
 
 logger = logging.getLogger(__name__)
-
-
-def bounded_lock_waits() -> dict[str, str]:
-    """The setting by which a lock not granted within
-    RUNDESK_CAPTURE_LOCK_TIMEOUT_MS fails the statement (55P03)."""
-    return {"lock_timeout": f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"}
 
 
 @contextmanager

@@ -217,6 +217,16 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
         if self._writer is None:
             self._lose_what_is_queued()
         self._write_lost_now()
+        with self._lock:
+            unrecorded = sum(self._lost.values()) if self._writer is None else 0
+        if unrecorded:
+            # The database refused even the count (its table locked, or the
+            # database gone): this log line is all that is left of it.
+            self._logger.warning(
+                "%s: %s lost items could not be recorded and end with this process",
+                self.role,
+                unrecorded,
+            )
 
     def _take(self) -> list[Item | threading.Event | None]:
         """The next batch, or [] after GAP_INTERVAL seconds idle."""

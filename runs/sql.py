@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connection, connections
 
 ANNOUNCE_PREFIX = "rundesk:xid "
+LOCK_NOT_AVAILABLE = "55P03"  # NOWAIT refusal and lock_timeout alike
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,14 @@ def commit_asynchronously(cursor: Any, **also: str) -> None:
     cursor.execute(
         f"SELECT {calls}", [part for item in settings.items() for part in item], prepare=True
     )
+
+
+def bounded_lock_waits() -> dict[str, str]:
+    """For an optional write's transaction (`commit_asynchronously(cursor,
+    **bounded_lock_waits())`): a lock not granted within
+    RUNDESK_CAPTURE_LOCK_TIMEOUT_MS fails the statement (55P03) instead of
+    holding the writer, and the runs waiting on it, behind a stranger."""
+    return {"lock_timeout": f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"}
 
 
 def name_connection(role: str, run_id: int | None = None) -> None:

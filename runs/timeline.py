@@ -20,7 +20,7 @@ from django.db import DatabaseError, IntegrityError, connection, models, transac
 from psycopg.types.json import Jsonb
 
 from runs.background import BackgroundWriter
-from runs.sql import commit_asynchronously, server_cursor
+from runs.sql import LOCK_NOT_AVAILABLE, bounded_lock_waits, commit_asynchronously, server_cursor
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +126,18 @@ class Timeline(BackgroundWriter[Event, tuple[int, str]]):
     def _write(self, batch: list[Event]) -> None:
         try:
             self._copy(batch)
-        except (DatabaseError, TypeError, ValueError):
+        except DatabaseError as error:
+            connection.close_if_unusable_or_obsolete()
+            if getattr(error.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+                # A stranger holds the table (or a row its keys check):
+                # every row would wait the same, so the batch is a gap now.
+                logger.warning("timeline: %s events not recorded: %s", len(batch), error)
+                self._count_lost(Counter((row.run_id, "lock_not_available") for row in batch))
+                return
             # One bad row (e.g. a run that no longer exists) must not take
             # the whole batch, or every later batch, down with it.
-            connection.close_if_unusable_or_obsolete()
+            self._write_each(batch)
+        except (TypeError, ValueError):
             self._write_each(batch)
 
     def _write_each(self, rows: list[Event]) -> None:
@@ -157,7 +165,7 @@ class Timeline(BackgroundWriter[Event, tuple[int, str]]):
     @staticmethod
     def _copy(rows: list[Event]) -> None:
         with transaction.atomic(), server_cursor() as cursor:
-            commit_asynchronously(cursor)
+            commit_asynchronously(cursor, **bounded_lock_waits())
             with cursor.copy(COPY_EVENTS) as copy:
                 for row in rows:
                     copy.write_row(row._replace(data=Jsonb(row.data)))

@@ -19,9 +19,9 @@ from evidence.records import record_model_call
 from runs.executor import claim_and_drive
 from runs.leases import Lease
 from runs.models import AnswerRevision, Run, RunStatus
-from runs.timeline import EventKind
+from runs.timeline import EventKind, timeline
 from tests.conftest import database_url
-from tests.faultruns import DOCS, KEYS, events, executions
+from tests.faultruns import DOCS, KEYS, events, executions, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -88,6 +88,20 @@ def test_every_evidence_table_locked_for_the_whole_run_never_holds_it(journal, m
     assert sum(CaptureGap.objects.filter(run=run).values_list("count", flat=True)) == 7
     # The revision still says which model calls it used.
     assert len(final.model_call_actions) == 4
+
+
+def test_a_stranger_holding_the_timeline_leaves_a_gap_and_holds_up_nothing(journal):
+    run = Run.objects.submit(question="Compare these funds", documents=DOCS)
+    with another_session("LOCK TABLE runs_runevent IN ACCESS EXCLUSIVE MODE"):
+        assert execute_within(run, 30) == RunStatus.COMPLETED
+        # The writer is not stuck behind the lock: what it could not write
+        # is counted, and it is free for the next run's events.
+        assert timeline.flush(timeout=5)
+    assert all(executions(journal, run, key) == 1 for key in KEYS)
+    # Once the table is free, the run's timeline says what is missing, and why.
+    wait_for(lambda: events(run, EventKind.EVENTS_LOST))
+    (lost,) = run.events.filter(kind=EventKind.EVENTS_LOST)
+    assert lost.data["reason"] == "lock_not_available" and lost.data["count"] > 0
 
 
 def test_publication_never_waits_on_a_model_record_someone_holds(journal):

@@ -10,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError
 from evidence.capture import capture
 from runs.executor import Ending, Executor, claim_and_drive
 from runs.models import Run
+from runs.timeline import timeline
 
 
 class Command(BaseCommand):
@@ -58,5 +59,7 @@ class Command(BaseCommand):
             else:
                 executor.serve(once=options["once"])
         finally:
-            # What capture could not save in time becomes `shutdown` gaps.
+            # What the timeline and capture could not write in time becomes
+            # `events_lost` and `shutdown` gaps.
+            timeline.stop()
             capture.stop()
