@@ -21,7 +21,7 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.auth.decorators import permission_required
 from django.core.exceptions import BadRequest
-from django.db.models import Q, QuerySet
+from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -395,6 +395,7 @@ def inbox(request: HtmxHttpRequest) -> HttpResponse:
     context = {
         "items": page,
         "total": total,
+        "waiting": [] if filters["kind"] else waiting_without_item(filters["run"]),
         "filters": filters,
         "kinds": [(value, plain(OutcomeKind, value)) for value in OutcomeKind.values],
         "next_cursor": _cursor(page[-1]) if more else "",
@@ -405,6 +406,20 @@ def inbox(request: HtmxHttpRequest) -> HttpResponse:
         response = render(request, "inbox.html#rows", context)
         return response if context["live"] else HttpResponseStopPolling(response.content)
     return render(request, "inbox.html", context)
+
+
+def waiting_without_item(run_id: int | None) -> list[Run]:
+    """Runs that wait for an operator with no open item (a fact write known
+    not written time after time, a receipt that does not verify...): only a
+    decision on the run itself lets them go on.  Oldest first, a page's worth."""
+    runs = (
+        Run.objects.local()
+        .filter(status=RunStatus.NEEDS_OPERATOR)
+        .exclude(Exists(OutcomeItem.objects.filter(run=OuterRef("pk"), state=OutcomeState.OPEN)))
+    )
+    if run_id is not None:
+        runs = runs.filter(pk=run_id)
+    return list(runs.only("status_reason", "updated_at").order_by("updated_at", "id")[:PAGE_SIZE])
 
 
 def _token() -> str:

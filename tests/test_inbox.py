@@ -469,3 +469,25 @@ def test_the_admin_shows_decisions_and_changes_none(lost_delivery, operator_user
     assert staff.get(f"/admin/runs/operatordecision/{decision.pk}/change/").status_code == 200
     assert staff.get("/admin/runs/operatordecision/add/").status_code == 403
     assert staff.get(f"/admin/runs/operatordecision/{decision.pk}/delete/").status_code == 403
+
+
+def test_a_run_waiting_with_no_item_is_in_the_inbox_with_its_reason(viewer, journal):
+    """The delivery's receipt is cut twice on its way and known not written:
+    the run waits for an operator with no item to settle.  It was on no
+    list an operator reads at 3 a.m.; the inbox names it, with why."""
+    cut = {"point": "drop_connection_at_commit", "write": "receipt", "action": 4}
+    run, outcome = run_with(
+        [{**cut, "outcome": "aborted"}] * 2, documents=["crestline-short-treasury.md"]
+    )
+    assert outcome == RunStatus.NEEDS_OPERATOR
+    assert not OutcomeItem.objects.filter(run=run).exists()
+
+    page = viewer.get("/inbox/").content.decode()
+    assert "Runs waiting with no item" in page
+    assert f'<a href="/runs/{run.pk}/">run {run.pk}</a>' in page
+    assert "got no answer 2 times, and was not written" in page
+    # Filtered to another run, or to a kind of item, it is not listed.
+    assert (
+        "Runs waiting with no item" not in viewer.get(f"/inbox/?run={run.pk + 1}").content.decode()
+    )
+    assert "Runs waiting with no item" not in viewer.get("/inbox/?kind=effect").content.decode()
