@@ -132,7 +132,10 @@ class Timeline(BackgroundWriter[Event, tuple[int, str]]):
                 # A stranger holds the table (or a row its keys check):
                 # every row would wait the same, so the batch is a gap now.
                 logger.warning("timeline: %s events not recorded: %s", len(batch), error)
-                self._count_lost(Counter((row.run_id, "lock_not_available") for row in batch))
+                lost = Counter[tuple[int, str]]()
+                for row in batch:
+                    _add_lost(lost, row, "lock_not_available")
+                self._count_lost(lost)
                 return
             # One bad row (e.g. a run that no longer exists) must not take
             # the whole batch, or every later batch, down with it.
@@ -156,10 +159,7 @@ class Timeline(BackgroundWriter[Event, tuple[int, str]]):
                     "timeline: %s event of run %s not recorded: %s", row.kind, row.run_id, error
                 )
                 connection.close_if_unusable_or_obsolete()
-                if row.kind == EventKind.EVENTS_LOST:
-                    lost[(row.run_id, row.data["reason"])] += row.data["count"]
-                else:
-                    lost[(row.run_id, "db_error")] += 1
+                _add_lost(lost, row, "db_error")
         self._count_lost(lost)
 
     @staticmethod
@@ -169,6 +169,15 @@ class Timeline(BackgroundWriter[Event, tuple[int, str]]):
             with cursor.copy(COPY_EVENTS) as copy:
                 for row in rows:
                     copy.write_row(row._replace(data=Jsonb(row.data)))
+
+
+def _add_lost(lost: Counter[tuple[int, str]], row: Event, reason: str) -> None:
+    """Counts an event not written: an `events_lost` one as the events it
+    counted, for their own reason."""
+    if row.kind == EventKind.EVENTS_LOST:
+        lost[(row.run_id, row.data["reason"])] += row.data["count"]
+    else:
+        lost[(row.run_id, reason)] += 1
 
 
 timeline = Timeline()
