@@ -22,6 +22,7 @@ import csv
 import datetime as dt
 import gzip
 import io
+import itertools
 import json
 import re
 import zlib
@@ -176,27 +177,39 @@ TIME_KEYS = ("timestamp", "time", "ts", "@timestamp", "log_time")
 
 
 def _csv_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
-    """The records of a csvlog.  A last record with no newline after it is
-    one the server is still writing (a log read while in use): left out."""
+    """The records of a csvlog.  A short or broken last record is one the
+    server is still writing (a log read while in use) when the input ends
+    inside it -- within a quoted field's lines, or with no newline after it:
+    left out.  Any other short record is refused."""
+    lines_read = sum(1 for _ in io.StringIO(text, newline=""))  # as csv counts them
     reader = csv.reader(io.StringIO(text, newline=""))
-    unfinished = not text.endswith("\n")
+    ended = 0  # the line the record before ended on
     try:
         for row in reader:
-            if not row:
-                continue
             start = reader.line_num
-            if len(row) < CSV_MIN_FIELDS and unfinished and start == _line_count(text):
-                return
-            if len(row) < CSV_MIN_FIELDS:
+            if row and len(row) < CSV_MIN_FIELDS:
+                if start == lines_read and _cut_short(text, ended):
+                    return
                 raise LogFormatError(
                     f"csvlog record ending on line {start} has {len(row)} fields; "
                     f"csvlog records have {CSV_MIN_FIELDS} to {len(CSV_COLUMNS)}"
                 )
-            yield from _entry_records(dict(zip(CSV_COLUMNS, row, strict=False)), start, zone)
+            if row:
+                yield from _entry_records(dict(zip(CSV_COLUMNS, row, strict=False)), start, zone)
+            ended = start
     except csv.Error as error:
-        if unfinished and reader.line_num == _line_count(text):
+        if reader.line_num == lines_read:
             return
         raise LogFormatError(f"csvlog line {reader.line_num}: {error}") from None
+
+
+def _cut_short(text: str, ended: int) -> bool:
+    """Whether the input ends inside the csvlog record that starts after
+    line `ended`: with no newline, or within a quoted field."""
+    if not text.endswith("\n"):
+        return True
+    tail = itertools.islice(io.StringIO(text, newline=""), ended, None)
+    return sum(line.count('"') for line in tail) % 2 == 1
 
 
 def _json_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
@@ -217,10 +230,6 @@ def _json_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
                 f"jsonlog line {number} is not a server log entry (no error_severity or message)"
             )
         yield from _entry_records(entry, number, zone)
-
-
-def _line_count(text: str) -> int:
-    return text.count("\n") + (not text.endswith("\n"))
 
 
 def _is_server_entry(entry: object) -> bool:
@@ -601,8 +610,12 @@ def _iso_time(match: re.Match[str], zone: dt.tzinfo | None) -> tuple[dt.datetime
         fixed = dt.timezone(dt.timedelta(minutes=-minutes if offset[0] == "-" else minutes))
         return local.replace(tzinfo=fixed), ""
     name = "" if (match["zone"] or "").upper() in LEVELS else match["zone"] or ""
-    if zone is not None and (not name or name in (local.replace(tzinfo=zone).tzname(), str(zone))):
-        return local.replace(tzinfo=zone), ""
+    if zone is not None:
+        # The hour a clock goes back comes twice: its name says which.
+        readings = [local.replace(tzinfo=zone, fold=fold) for fold in (0, 1)]
+        named = [moment for moment in readings if name in (moment.tzname(), str(zone))]
+        if not name or named:
+            return (named or readings)[0], ""
     if name.upper() in ZONES:
         return local.replace(tzinfo=dt.timezone(dt.timedelta(minutes=ZONES[name.upper()]))), ""
     if "/" in name:

@@ -32,14 +32,18 @@ MIN_SECRET_LENGTH = 8
 
 # A quote, as written, as JSON inside a string escapes it, or as HTML does.
 QUOTE = "(?:\\\\?[\"']|&quot;|&#x27;|&#39;)"
+# Values a field named like a secret holds that are none: a flag, a number
+# of up to six digits (max_tokens: 4096), a path (PWD=/srv/app), a variable
+# (token=${TOKEN}).
+PLAIN_VALUE = r"(?:true|false|none|null|yes|no|undefined)\b|\d{1,6}\b|[/~$]"
 # Most specific first: a key is named by the first format it matches.
 FORMATS: list[tuple[str, re.Pattern[str]]] = [
     (
         "private_key",
         re.compile(
             # The block's own characters only (base64, its headers, JSON's \n).
-            r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[A-Za-z0-9+/=\s:,.\\-]*?"
-            r"-----END [A-Z0-9 ]*PRIVATE KEY-----"
+            r"-----BEGIN [A-Z0-9 ]{0,40}PRIVATE KEY-----[A-Za-z0-9+/=\s:,.\\-]{0,20000}?"
+            r"-----END [A-Z0-9 ]{0,40}PRIVATE KEY-----"
         ),
     ),
     (
@@ -59,14 +63,20 @@ FORMATS: list[tuple[str, re.Pattern[str]]] = [
     ("google_api_key", re.compile(r"\bAIza[0-9A-Za-z_-]{35}\b")),
     ("slack_token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}")),
     # postgres://user:PASSWORD@host, https://user:PASSWORD@host...
-    ("url_password", re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^\s:/@\"'<>]+:)[^\s@/\"'<>]+(?=@)")),
+    (
+        "url_password",
+        re.compile(r"(?i)(\b[a-z][a-z0-9+.-]{0,30}://[^\s:/@\"'<>]+:)[^\s@/\"'<>]+(?=@)"),
+    ),
     # password=..., "client_secret": "...", aws_secret_access_key: ...
     (
         "credential",
         re.compile(
-            r"(?i)(?<![A-Za-z0-9])((?:[a-z0-9]+[_-])*"
+            # Up to four words before the name, each bounded: a long run of
+            # `a_a_a_...` must cost a pass, not a pass from every `_`.
+            r"(?i)(?<![A-Za-z0-9])((?:[a-z0-9]{1,30}[_-]){0,4}"
             r"(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?key|private[_-]?key|token)"
-            rf"{QUOTE}?\s*[:=]\s*{QUOTE}?)(?!\[REDACTED)(?:(?!{QUOTE})&(?:#?\w+;)?|[^\s\"',;<>}}&\\]){{4,}}"
+            rf"{QUOTE}?\s*[:=]\s*{QUOTE}?)(?!\[REDACTED|{PLAIN_VALUE})"
+            rf"(?:(?!{QUOTE})&(?:#?\w+;)?|[^\s\"',;<>}}&\\]){{4,}}"
         ),
     ),
 ]

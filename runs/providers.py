@@ -143,8 +143,8 @@ def _opening(text: str, title: str) -> tuple[str, list[str]]:
     points: list[str] = []
     paragraph: list[str] = []
     lines = text.splitlines()
-    if lines and lines[0].strip() == "---":  # front matter: its title only
-        end = next((i for i, line in enumerate(lines[1:], 1) if line.strip() in ("---", "...")), 0)
+    end = next((i for i, line in enumerate(lines[1:], 1) if line.strip() in ("---", "...")), 0)
+    if lines and lines[0].strip() == "---" and end:  # front matter: its title only
         matter, lines = lines[1:end], lines[end + 1 :]
         field = next((line for line in matter if line.lower().startswith("title:")), "")
         title = title or field.partition(":")[2].strip().strip("\"'")

@@ -128,7 +128,7 @@ class Timeline(BackgroundWriter[Event, tuple[int, str]]):
             self._copy(batch)
         except DatabaseError as error:
             connection.close_if_unusable_or_obsolete()
-            if getattr(error.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+            if _reason(error) == "lock_not_available":
                 # A stranger holds the table (or a row its keys check):
                 # every row would wait the same, so the batch is a gap now.
                 logger.warning("timeline: %s events not recorded: %s", len(batch), error)
@@ -159,7 +159,7 @@ class Timeline(BackgroundWriter[Event, tuple[int, str]]):
                     "timeline: %s event of run %s not recorded: %s", row.kind, row.run_id, error
                 )
                 connection.close_if_unusable_or_obsolete()
-                _add_lost(lost, row, "db_error")
+                _add_lost(lost, row, _reason(error))
         self._count_lost(lost)
 
     @staticmethod
@@ -169,6 +169,13 @@ class Timeline(BackgroundWriter[Event, tuple[int, str]]):
             with cursor.copy(COPY_EVENTS) as copy:
                 for row in rows:
                     copy.write_row(row._replace(data=Jsonb(row.data)))
+
+
+def _reason(error: DatabaseError) -> str:
+    """Why a write failed, as an `events_lost` event says it."""
+    if getattr(error.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+        return "lock_not_available"
+    return "db_error"
 
 
 def _add_lost(lost: Counter[tuple[int, str]], row: Event, reason: str) -> None:

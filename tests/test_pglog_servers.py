@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from django.core.management import CommandError, call_command
 
-from evidence import pglog
+from evidence import pglog, pglog_formats
 from evidence.models import LockIncident
 
 SERVERS = Path(__file__).parent / "fixtures" / "pglog" / "servers"
@@ -54,6 +54,15 @@ def test_the_servers_log_timezone_reads_an_abbreviation_that_names_several():
     # An abbreviation the zone does not use is read as written.
     (utc,) = parse("azure.log", zone=zoneinfo.ZoneInfo("Asia/Manila"))
     assert utc.time == dt.datetime(2026, 12, 1, 13, 50, 46, tzinfo=dt.UTC)
+
+
+def test_the_hour_a_clock_goes_back_is_read_by_its_zone_name():
+    los_angeles = zoneinfo.ZoneInfo("America/Los_Angeles")
+    for written, utc in [("PDT", 8), ("PST", 9)]:
+        time, problem = pglog_formats.read_time(f"2026-11-01 01:30:00.000 {written}", los_angeles)
+        # (A time in the repeated hour equals no time of another zone: PEP 495.)
+        assert time.astimezone(dt.UTC) == dt.datetime(2026, 11, 1, utc, 30, tzinfo=dt.UTC)
+        assert problem == ""
 
 
 @pytest.mark.parametrize(
@@ -167,9 +176,20 @@ def test_a_log_read_while_the_server_writes_it_leaves_out_its_unfinished_record(
     (report,) = parse(name)
     assert report.graph.cycle() == cycle and report.unread == []
 
-    # The same record, ended by a newline, is not unfinished but broken.
+    # The same record with another after it is not unfinished but broken.
+    text = (SERVERS / name).read_text()
     with pytest.raises(pglog.LogFormatError, match=refusal):
-        pglog.parse((SERVERS / name).read_text() + "\n")
+        pglog.parse(text + "\n" + text.split("\n", 1)[0] + "\n")
+
+
+def test_a_csvlog_cut_inside_a_quoted_fields_lines_leaves_out_that_record():
+    text = (SERVERS / "truncated.csv").read_text()
+    # Cut just after a line of the deadlock's DETAIL, inside its quotes.
+    cut = text[: text.index("blocked by process 19615.\n") + len("blocked by process 19615.\n")]
+
+    assert pglog.parse(cut) == []  # the report was being written: not read yet
+    # A lone CR inside an earlier quoted field is a line end to csv: counted alike.
+    assert pglog.parse(cut.replace("ending log", "ending\rlog", 1), "csvlog") == []
 
 
 def test_a_statement_longer_than_a_searched_line_is_kept_whole():
