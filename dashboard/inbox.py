@@ -395,7 +395,6 @@ def inbox(request: HtmxHttpRequest) -> HttpResponse:
     context = {
         "items": page,
         "total": total,
-        "waiting": [] if filters["kind"] else waiting_without_item(filters["run"]),
         "filters": filters,
         "kinds": [(value, plain(OutcomeKind, value)) for value in OutcomeKind.values],
         "next_cursor": _cursor(page[-1]) if more else "",
@@ -405,6 +404,8 @@ def inbox(request: HtmxHttpRequest) -> HttpResponse:
     if asks_for(request, "inbox-rows"):
         response = render(request, "inbox.html#rows", context)
         return response if context["live"] else HttpResponseStopPolling(response.content)
+    # The whole page only: the rows refresh every 3 s and do not show them.
+    context["waiting"] = [] if filters["kind"] else waiting_without_item(filters["run"])
     return render(request, "inbox.html", context)
 
 

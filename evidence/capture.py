@@ -42,10 +42,10 @@ from runs.background import GAP_INTERVAL as GAP_INTERVAL  # how soon a gap is wr
 from runs.background import BackgroundWriter
 from runs.models import digest
 from runs.sql import (
-    LOCK_NOT_AVAILABLE,
     application_name,
     bounded_lock_waits,
     commit_asynchronously,
+    lock_refused,
     server_cursor,
 )
 from runs.timeline import EventKind, timeline
@@ -272,7 +272,7 @@ class CopyTransaction:
 
 def gap_reason(error: BaseException) -> GapReason:
     """Why a copy that raised `error` was not saved."""
-    if getattr(error.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+    if lock_refused(error):
         return GapReason.LOCK_NOT_AVAILABLE
     return GapReason.DB_ERROR
 

@@ -59,6 +59,7 @@ _NUMBERED = re.compile(r"\d+\.\s")
 KEY_POINTS = 5
 POINT_CHARS = 300
 TITLE_CHARS = 120
+NO_TEXT = "The document holds no text."
 # Ends of sentences: . ! ? before a blank; the ideographic full stop, ! and ?
 # (which no blank follows).
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[\u3002\uff01\uff1f])\s*")
@@ -123,8 +124,8 @@ class FactSheet:
 
     def to_markdown(self, *, holdings: int = 3, risks: int = 3) -> str:
         if not self.is_fact_sheet:
-            points = self.points or ["The document holds no text."]
-            return "\n".join([f"# {self.title}", "", "## Key points", *(f"- {p}" for p in points)])
+            points = [f"- {point}" for point in self.points or [NO_TEXT]]
+            return "\n".join([f"# {self.title}", "", "## Key points", *points])
         lines = [f"# {self.title}", "", "## Key figures"]
         lines += [f"- {k}: {v}" for k, v in self.figures.items()]
         lines += ["", "## Fees"] + [f"- {k}: {v}" for k, v in self.fees.items()]
@@ -143,8 +144,8 @@ def _opening(text: str, title: str) -> tuple[str, list[str]]:
     points: list[str] = []
     paragraph: list[str] = []
     lines = text.splitlines()
-    end = next((i for i, line in enumerate(lines[1:], 1) if line.strip() in ("---", "...")), 0)
-    if lines and lines[0].strip() == "---" and end:  # front matter: its title only
+    end = _front_matter_end(lines) if lines and lines[0].strip() == "---" else 0
+    if end:  # front matter: its title only
         matter, lines = lines[1:end], lines[end + 1 :]
         field = next((line for line in matter if line.lower().startswith("title:")), "")
         title = title or field.partition(":")[2].strip().strip("\"'")
@@ -171,6 +172,11 @@ def _opening(text: str, title: str) -> tuple[str, list[str]]:
             paragraph.append(words)
     end_paragraph()
     return _cut(title), [_cut(point) for point in points[:KEY_POINTS]]
+
+
+def _front_matter_end(lines: list[str]) -> int:
+    """The line that closes front matter opened by the first one (0: none)."""
+    return next((i for i, line in enumerate(lines[1:], 1) if line.strip() in ("---", "...")), 0)
 
 
 def _titled(line: str, rest: list[str]) -> bool:
@@ -226,8 +232,8 @@ def compare_report(question: str, sheets: list[FactSheet]) -> str:
     if others:
         lines += ["## Key points", ""]
         for sheet in others:
-            points = sheet.points or ["The document holds no text."]
-            lines += [f"### {sheet.label}", "", *(f"- {p}" for p in points), ""]
+            points = [f"- {point}" for point in sheet.points or [NO_TEXT]]
+            lines += [f"### {sheet.label}", "", *points, ""]
     lines += ["## Observations", "", *_extremes(funds)]
     if len(others) >= 2:
         terms = shared_terms(others)

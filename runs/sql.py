@@ -89,6 +89,12 @@ def commit_asynchronously(cursor: Any, **also: str) -> None:
     )
 
 
+def lock_refused(error: BaseException) -> bool:
+    """Whether a database error is a lock not granted (NOWAIT, or a lock
+    timeout such as `bounded_lock_waits` sets)."""
+    return getattr(error.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE
+
+
 def bounded_lock_waits() -> dict[str, str]:
     """For an optional write's transaction (`commit_asynchronously(cursor,
     **bounded_lock_waits())`): a lock not granted within

@@ -20,7 +20,7 @@ from django.db import DatabaseError, IntegrityError, connection, models, transac
 from psycopg.types.json import Jsonb
 
 from runs.background import BackgroundWriter
-from runs.sql import LOCK_NOT_AVAILABLE, bounded_lock_waits, commit_asynchronously, server_cursor
+from runs.sql import bounded_lock_waits, commit_asynchronously, lock_refused, server_cursor
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Timeline(BackgroundWriter[Event, tuple[int, str]]):
             self._copy(batch)
         except DatabaseError as error:
             connection.close_if_unusable_or_obsolete()
-            if _reason(error) == "lock_not_available":
+            if lock_refused(error):
                 # A stranger holds the table (or a row its keys check):
                 # every row would wait the same, so the batch is a gap now.
                 logger.warning("timeline: %s events not recorded: %s", len(batch), error)
@@ -173,9 +173,7 @@ class Timeline(BackgroundWriter[Event, tuple[int, str]]):
 
 def _reason(error: DatabaseError) -> str:
     """Why a write failed, as an `events_lost` event says it."""
-    if getattr(error.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE:
-        return "lock_not_available"
-    return "db_error"
+    return "lock_not_available" if lock_refused(error) else "db_error"
 
 
 def _add_lost(lost: Counter[tuple[int, str]], row: Event, reason: str) -> None:
