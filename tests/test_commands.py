@@ -136,6 +136,11 @@ def test_bench_reports_step_and_commit_times(settings, tmp_path):
     assert agent["step_over_commit"] == pytest.approx(
         agent["step_ms_p50"] / agent["commit_ms_p50"], rel=0.02
     )
+    # A step's fenced writes are part of it.
+    assert 0 < agent["writes_ms_p50"] < agent["step_ms_p50"]
+    assert agent["writes_over_commit"] == pytest.approx(
+        agent["writes_ms_p50"] / agent["commit_ms_p50"], rel=0.02
+    )
     agent_runs = Run.objects.filter(question="bench: compare")
     assert [r.status for r in agent_runs] == [RunStatus.COMPLETED] * 2
     assert all(r.receipts.count() == 20 for r in agent_runs)

@@ -79,7 +79,7 @@ def agent_path(steps: int) -> dict[str, Any]:
     taken = _research(count_run, Dispatcher)
     seconds = time.monotonic() - started
     used = counts_now() - before
-    samples: dict[str, list[float]] = {"step": [], "commit": []}
+    samples: dict[str, list[float]] = {"step": [], "writes": [], "commit": []}
     with commit_table():
         _research(timed_run, _timed_dispatcher(samples))
     commit = statistics.median(samples["commit"])
@@ -94,6 +94,11 @@ def agent_path(steps: int) -> dict[str, Any]:
         "step_ms_p50": p50(samples["step"]),
         "commit_ms_p50": p50(samples["commit"]),
         "step_over_commit": round(statistics.median(samples["step"]) / commit, 2),
+        # The part of a step no tool work or bookkeeping can shorten: its
+        # fenced writes (the boundary, with the previous read's receipt),
+        # with the agent's payloads.
+        "writes_ms_p50": p50(samples["writes"]),
+        "writes_over_commit": round(statistics.median(samples["writes"]) / commit, 2),
     }
 
 
@@ -126,11 +131,36 @@ def _research(run: Run, dispatcher_class: type[Dispatcher]) -> int:
 
 
 def _timed_dispatcher(samples: dict[str, list[float]]) -> type[Dispatcher]:
+    """A Dispatcher that times each step, the statements it made through
+    its lease (the boundary, with the previous read's receipt; an effect's
+    receipt), and a bare commit after it."""
+    writes = [0.0]
+
+    class TimedLease(Lease):
+        def _changes_rows(self, sql: str, **extra: Any) -> bool:
+            start = time.perf_counter()
+            try:
+                return super()._changes_rows(sql, **extra)
+            finally:
+                writes[0] += time.perf_counter() - start
+
+        def _fetch_one(self, sql: str, **extra: Any) -> tuple[Any, ...] | None:
+            start = time.perf_counter()
+            try:
+                return super()._fetch_one(sql, **extra)
+            finally:
+                writes[0] += time.perf_counter() - start
+
     class Timed(Dispatcher):
+        def __init__(self, lease: Lease, **kwargs: Any) -> None:
+            super().__init__(TimedLease(lease.run_id, lease.owner, lease.epoch), **kwargs)
+
         def step(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            writes[0] = 0.0
             start = time.perf_counter()
             result = super().step(*args, **kwargs)
             samples["step"].append((time.perf_counter() - start) * 1000)
+            samples["writes"].append(writes[0] * 1000)
             with server_cursor() as cursor:
                 start = time.perf_counter()
                 cursor.execute("INSERT INTO rundesk_bench_commit DEFAULT VALUES")
