@@ -9,6 +9,7 @@ the site's own files.
 from __future__ import annotations
 
 import datetime as dt
+import html
 import math
 import re
 import textwrap
@@ -80,6 +81,13 @@ LAYOUT = {
 }
 
 
+def inert(text: str) -> str:
+    """Text from runs, logs and other sessions as Plotly is to show it:
+    Plotly reads tags in its labels and hovers (<a href>, <b>, <br>), and
+    shows the entities &lt; &gt; &amp; as their characters."""
+    return html.escape(text, quote=False)
+
+
 @dataclass
 class Attempt:
     """One dispatch of an action, from its boundary to how it ended."""
@@ -128,7 +136,7 @@ def timeline(
     attempts, outcomes = _attempts(actions, events, until)
     gaps = list(CaptureGap.objects.filter(run=run).order_by("id"))
     marks = [
-        Mark(e["created_at"], _lease_label(e), LEASE_CHANGES[e["kind"]][1], e["message"])
+        Mark(e["created_at"], _lease_label(e), LEASE_CHANGES[e["kind"]][1], inert(e["message"]))
         for e in events
         if e["kind"] in LEASE_CHANGES
     ]
@@ -137,12 +145,12 @@ def timeline(
         for r in run.revisions.order_by("number")
     ]
     marks += [
-        Mark(e["created_at"], "finalizing", "#e0a21b", e["message"])
+        Mark(e["created_at"], "finalizing", "#e0a21b", inert(e["message"]))
         for e in events
         if e["kind"] == EventKind.PHASE_CHANGED
     ]
     marks += [
-        Mark(e["created_at"], "decision", "#8a5cd1", e["message"])
+        Mark(e["created_at"], "decision", "#8a5cd1", inert(e["message"]))
         for e in events
         if e["kind"] == EventKind.DECISION
     ]
@@ -160,7 +168,7 @@ def timeline(
             go.Bar(
                 name=name,
                 orientation="h",
-                y=[a.action.step_key for a in bars],
+                y=[inert(a.action.step_key) for a in bars],
                 base=[a.start.isoformat() for a in bars],
                 x=[max(_ms(a.end - a.start), shortest) for a in bars],
                 marker={"color": colour, "pattern": {"shape": "/" if how == "interrupted" else ""}},
@@ -168,7 +176,7 @@ def timeline(
                     [
                         a.action.epoch,
                         a.action.input_digest[:12],
-                        (a.action.error or "")[:200],
+                        inert((a.action.error or "")[:200]),
                         a.number,
                         _duration(a.end - a.start),
                     ]
@@ -187,9 +195,9 @@ def timeline(
                 name=f"{name} (said after a pause)",
                 mode="markers",
                 x=[at.isoformat() for _, at, _ in points],
-                y=[action.step_key for action, _, _ in points],
+                y=[inert(action.step_key) for action, _, _ in points],
                 marker={"color": colour, "size": 11, "symbol": "x"},
-                customdata=[[message[:200]] for _, _, message in points],
+                customdata=[[inert(message[:200])] for _, _, message in points],
                 hovertemplate="%{y}<br>%{customdata[0]}<extra>" + name + "</extra>",
             )
         )
@@ -205,7 +213,7 @@ def timeline(
                 x=[c.at.isoformat() for c in points],
                 y=["checkpoints"] * len(points),
                 marker={"color": colour, "size": 11, "symbol": "diamond"},
-                customdata=[[c.number, c.xid or "—", c.summary[:300]] for c in points],
+                customdata=[[c.number, c.xid or "—", inert(c.summary[:300])] for c in points],
                 hovertemplate=(
                     "checkpoint %{customdata[0]}<br>xid %{customdata[1]}<br>%{customdata[2]}"
                     "<extra>" + name + "</extra>"
@@ -220,13 +228,13 @@ def timeline(
                 x=[g.created_at.isoformat() for g in gaps],
                 y=["capture gaps"] * len(gaps),
                 marker={"color": "#8a5cd1", "size": 10, "symbol": "x"},
-                customdata=[[plain(GapReason, g.reason), g.detail[:200]] for g in gaps],
+                customdata=[[plain(GapReason, g.reason), inert(g.detail[:200])] for g in gaps],
                 hovertemplate="%{customdata[0]}<br>%{customdata[1]}<extra>capture gap</extra>",
             )
         )
     for mark, level in _levels(marks, span):
         _vertical(figure, mark, level)
-    lanes = [a.step_key for a in actions] + ["checkpoints", "capture gaps"]
+    lanes = [inert(a.step_key) for a in actions] + ["checkpoints", "capture gaps"]
     figure.update_layout(
         **{**LAYOUT, "margin": {**LAYOUT["margin"], "t": 16 * LABEL_LEVELS + 14}},
         height=max(240, 26 * len(lanes) + 120),
@@ -387,7 +395,7 @@ class Box:
 def text_size(text: str, font: float = GRAPH_FONT) -> tuple[float, float]:
     """A label's width and height in data units, with its padding."""
     lines = text.split("<br>")
-    width = max(len(line) for line in lines) * CHAR_EM * font + 2 * GRAPH_PAD
+    width = max(len(html.unescape(line)) for line in lines) * CHAR_EM * font + 2 * GRAPH_PAD
     height = len(lines) * LINE_EM * font + 2 * GRAPH_PAD
     return width / GRAPH_SCALE, height / GRAPH_SCALE
 
@@ -433,8 +441,8 @@ def lock_graph(incident: LockIncident) -> dict[str, Any]:
             x=centre[0], y=centre[1], xref="x", yref="y", showarrow=False, text=text,
             xanchor="center", yanchor="middle", align="center", borderpad=GRAPH_PAD - 1,
             bgcolor="rgba(255,255,255,0.85)", font={"size": GRAPH_FONT, "color": colour},
-            hovertext=f"{wait.waiter_pid} waits for {wait.mode} on "
-            f"{wait.locked or wait.lock_type}, held by {wait.blocker_pid}",
+            hovertext=f"{wait.waiter_pid} waits for {inert(wait.mode)} on "
+            f"{inert(wait.locked or wait.lock_type)}, held by {wait.blocker_pid}",
         )  # fmt: skip
     figure.add_trace(
         go.Scatter(
@@ -559,7 +567,7 @@ def _edge_label(wait: Any) -> str:
     lines = textwrap.wrap(f"{wait.mode} on {locked}", GRAPH_LABEL_CHARS)
     if wait.waited_ms:
         lines.append(f"seen {wait.waited_ms} ms")
-    return "<br>".join(line for line in lines if line)
+    return "<br>".join(inert(line) for line in lines if line)
 
 
 def gaps_over_time(gaps: Iterable[tuple[str, str, int]]) -> dict[str, Any]:
@@ -611,13 +619,13 @@ def _vertical(figure: go.Figure, mark: Mark, level: int) -> None:
 
 
 def _node_label(role: str, pid: int, run_id: int | None) -> str:
-    return f"{role or 'process'} {pid}" + (f" · run {run_id}" if run_id else "")
+    return inert(f"{role or 'process'} {pid}" + (f" · run {run_id}" if run_id else ""))
 
 
 def _queries(waits: list, pid: int) -> str:
     for wait in waits:
         if wait.waiter_pid == pid and wait.waiter_query:
-            return wait.waiter_query[:300]
+            return inert(wait.waiter_query[:300])
         if wait.blocker_pid == pid and wait.blocker_query:
-            return wait.blocker_query[:300]
+            return inert(wait.blocker_query[:300])
     return f"process {pid}"

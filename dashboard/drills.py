@@ -18,7 +18,7 @@ from dashboard.htmx import HtmxHttpRequest
 from dashboard.security import rejects_bad_input
 from runs import tasks
 from runs.decisions import OPERATE
-from runs.drills import CHECKS, SCENARIOS, describe
+from runs.drills import CHECKS, SCENARIOS, DrillRunning, describe, start_drill
 from runs.models import Drill, DrillResult, DrillState
 
 HISTORY = 10  # results shown per scenario
@@ -65,15 +65,16 @@ def drill_progress(request: HtmxHttpRequest, drill_id: int) -> HttpResponse:
 @permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
 def drill_start(request: HtmxHttpRequest) -> HttpResponse:
-    if Drill.objects.filter(state=DrillState.RUNNING).exists():
-        messages.info(request, "A drill is running already: its results appear below.")
-        return redirect("drills")
     chosen = request.POST.getlist("scenario") or list(SCENARIOS)
     unknown = sorted(set(chosen) - set(SCENARIOS))
     if unknown:
         messages.error(request, f"No such scenario: {', '.join(unknown)}.")
         return redirect("drills")
-    drill = Drill.objects.create(scenarios=chosen, started_by=request.user.get_username())
+    try:
+        drill = start_drill(chosen, request.user.get_username())
+    except DrillRunning as running:
+        messages.info(request, f"Not started: {running}. Its results appear below.")
+        return redirect("drills")
     transaction.on_commit(lambda: tasks.drill.delay(drill.pk))
     messages.success(request, f"Drill {drill.pk} started: {len(chosen)} scenarios.")
     return redirect("drills")

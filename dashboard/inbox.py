@@ -22,7 +22,7 @@ from django.contrib import messages
 from django.contrib.auth.decorators import permission_required
 from django.core.exceptions import BadRequest
 from django.db.models import Exists, OuterRef, Q, QuerySet
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
@@ -551,12 +551,14 @@ def run_decide(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
         context = {**run_choices(request, run), "notice": said, "refused": refused}
         return render(request, "run_decisions.html", context, status=409 if refused else 200)
     (messages.error if refused else messages.success)(request, said)
+    # Back to the page the decision was taken on: a path of this site, never
+    # a view name (redirect() would look a bare word up as one) nor another site.
     back = request.POST.get("next", "")
-    if not url_has_allowed_host_and_scheme(
+    if not back.startswith("/") or not url_has_allowed_host_and_scheme(
         back, allowed_hosts={request.get_host()}, require_https=request.is_secure()
     ):
         back = reverse("run-detail", args=[run.pk])
-    return redirect(back)
+    return HttpResponseRedirect(back)
 
 
 def _taken(

@@ -63,8 +63,14 @@ def run_facts(run: Run) -> dict[str, Any]:
     }
 
 
+# What an answer may contain: nh3's safe tags but images (and image maps),
+# whose addresses the browser would fetch as it shows the answer.
+ANSWER_TAGS = nh3.ALLOWED_TAGS - {"img", "map", "area"}
+
+
 def answer_html(content: str) -> SafeString:
     """Model output, rendered from markdown and sanitised: no script, no
-    event handler attribute survives.  Drafts and the final answer alike."""
+    event handler attribute survives, nothing is fetched as it is shown.
+    Drafts and the final answer alike."""
     html = markdown.markdown(content, extensions=["tables"])
-    return mark_safe(nh3.clean(html))  # noqa: S308 (sanitised by nh3 just above)
+    return mark_safe(nh3.clean(html, tags=ANSWER_TAGS))  # noqa: S308 (sanitised by nh3 just above)

@@ -1,6 +1,7 @@
 """What the site accepts and how it is served: the Content-Security-Policy
-every page is served with, the request size limit, and the refusal of
-parameters no view can use.
+every page is served with, signed-in pages kept out of caches, the request
+size limit, and the refusal of parameters no query can hold (a NUL
+character).
 
 Scripts come only from the site itself (htmx and plotly.js are served from
 static/): no inline script, no eval, no other origin.  plotly.js sets
@@ -16,6 +17,7 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import BadRequest
 from django.http import HttpRequest, HttpResponse
+from django.utils.cache import patch_cache_control
 
 POLICY = "; ".join(
     [
@@ -61,6 +63,20 @@ class ContentSecurityPolicyMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         response = self.get_response(request)
         response.setdefault("Content-Security-Policy", POLICY)
+        return response
+
+
+class PrivatePagesMiddleware:
+    """A signed-in user's pages are theirs alone: kept by no shared cache,
+    nor by the browser once left (a run page shows model output as it came)."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        response = self.get_response(request)
+        if request.user.is_authenticated and not response.has_header("Cache-Control"):
+            patch_cache_control(response, private=True, no_store=True)
         return response
 
 

@@ -157,6 +157,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "dashboard.security.ContentSecurityPolicyMiddleware",
+    "dashboard.security.PrivatePagesMiddleware",
 ]
 
 ROOT_URLCONF = "dashboard.urls"

@@ -185,14 +185,20 @@ def _events(run: Run, before: str) -> dict[str, Any]:
 def run_cancel(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
     if run.is_imported:
-        messages.error(request, f"Run {run.pk} is imported and read-only: cancel it where it runs.")
+        say, said = (
+            messages.error,
+            f"Run {run.pk} is imported and read-only: cancel it where it runs.",
+        )
     elif run.request_cancel(by=request.user.get_username()):
-        messages.success(request, f"Cancel requested for run {run.pk}.")
+        say, said = messages.success, f"Cancel requested for run {run.pk}."
     else:
-        messages.info(request, f"Run {run.pk} had already ended or was being cancelled.")
+        say, said = messages.info, f"Run {run.pk} had already ended or was being cancelled."
     run.refresh_from_db()
     if request.htmx:
-        return render(request, "run_detail.html#live", {"run": run, **run_facts(run)})
+        # Said in the region it replaces, not left for whatever page comes next.
+        context = {"run": run, **run_facts(run), "notice": said}
+        return render(request, "run_detail.html#live", context)
+    say(request, said)
     return redirect("run-detail", run_id=run.pk)
 
 

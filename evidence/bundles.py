@@ -372,7 +372,7 @@ def verify(path: str | Path) -> Verification:
         try:
             manifest = json.loads(bundle.read(MANIFEST))
             files = manifest["files"]
-        except (ValueError, KeyError, TypeError) as error:
+        except (ValueError, KeyError, TypeError, RecursionError) as error:
             checked.failures.append(f"{MANIFEST}: not a bundle manifest ({error})")
             return checked
         checked.manifest = manifest

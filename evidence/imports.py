@@ -118,7 +118,7 @@ def open_bundle(path: str | Path) -> Opened:
         raise ImportRefused(f"its rows are not consistent: {_first_line(error)}") from error
     except (OSError, zipfile.BadZipFile) as error:
         raise ImportRefused(f"cannot read it: {error}") from error
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, RecursionError) as error:
         # Sealed is not the same as well-formed: anyone can seal a bundle.
         raise ImportRefused(f"not a bundle this Rundesk can open: {error!r}") from error
     return Opened(run, imported=True)

@@ -118,7 +118,7 @@ def detect(text: str) -> str:
     if first.lstrip().startswith("{"):
         try:
             entry = json.loads(first)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested deeper than the parser goes
             return "stderr"
         return "jsonlog" if _is_server_entry(entry) else "stderr"
     if CSV_START.match(first):
@@ -221,7 +221,7 @@ def _json_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
             continue
         try:
             entry = json.loads(line)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:
             if number == len(entries) and not text.endswith("\n"):
                 return
             raise LogFormatError(f"jsonlog line {number} is not JSON: {error}") from None
@@ -357,7 +357,7 @@ class _TextReader:
             if line.lstrip().startswith("{"):
                 try:
                     entry = json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):
                     entry = None
                 if isinstance(entry, dict):
                     yield from self._flush()

@@ -74,8 +74,10 @@ def write(export: BundleExport) -> str:
     "abandoned"."""
     part = export.part_path
     try:
-        part.parent.mkdir(parents=True, exist_ok=True)
-        with part.open("wb") as out:
+        # Readable by the service's own user only: a bundle is redacted,
+        # but it is still a run's whole story.
+        part.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with open(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
             exported = bundles.export(
                 export.run_id,
                 out,

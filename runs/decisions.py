@@ -62,6 +62,8 @@ from runs.timeline import EventKind, timeline
 logger = logging.getLogger(__name__)
 
 OPERATE = "runs.operate_run"
+# The request tokens of the system's own decisions (`system:item-N`).
+SYSTEM_TOKEN = "system:"  # noqa: S105 (a prefix, no secret)
 
 
 class DecisionRefused(Exception):
@@ -268,7 +270,7 @@ def decide(item_id: int, request: Request) -> OperatorDecision:
     """Takes a decision on an open item; returns it (or the first one taken
     with the same token: `repeated`), with `run_resumed` saying whether it
     put the run back in the queue.  DecisionRefused says why not."""
-    if (earlier := _by_token(request.token, item_id=item_id)) is not None:
+    if (earlier := _by_token(request, item_id=item_id)) is not None:
         return earlier
     _check_person(request)
     item = (
@@ -291,7 +293,7 @@ def decide(item_id: int, request: Request) -> OperatorDecision:
         with transaction.atomic():
             Run.objects.lock_waiting(item.run_id)
             item = OutcomeItem.objects.select_for_update().get(pk=item_id)
-            if (earlier := _by_token(request.token, item_id=item_id)) is not None:
+            if (earlier := _by_token(request, item_id=item_id)) is not None:
                 return earlier
             if item.state != OutcomeState.OPEN:
                 first = item.decisions.filter(state_after=OutcomeState.RESOLVED).first()
@@ -307,7 +309,7 @@ def decide(item_id: int, request: Request) -> OperatorDecision:
             )
     except IntegrityError:
         # The same token, committed by a concurrent submit: that one stands.
-        if (earlier := _by_token(request.token, item_id=item_id)) is not None:
+        if (earlier := _by_token(request, item_id=item_id)) is not None:
             return earlier
         raise
     _tell(item.run_id, decision, item.subject)
@@ -322,7 +324,7 @@ def decide(item_id: int, request: Request) -> OperatorDecision:
 
 def decide_run(run_id: int, request: Request) -> OperatorDecision:
     """`resume` or `abandon` a run that waits for an operator."""
-    if (earlier := _by_token(request.token, run_id=run_id)) is not None:
+    if (earlier := _by_token(request, run_id=run_id)) is not None:
         return earlier
     _check_person(request)
     run = Run.objects.filter(pk=run_id).first()
@@ -339,7 +341,7 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
     shown = request.shown or {"run": {"id": run.pk, "status": run.status}}
     with transaction.atomic():
         Run.objects.lock_waiting(run_id)
-        if (earlier := _by_token(request.token, run_id=run_id)) is not None:
+        if (earlier := _by_token(request, run_id=run_id)) is not None:
             return earlier
         waiting = Run.objects.local().filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR)
         if request.choice == DecisionChoice.RESUME:
@@ -395,7 +397,7 @@ def settle_by_evidence(item: OutcomeItem, settlement: Settlement) -> OperatorDec
     request = Request(
         choice=choice,
         who=Who(system="evidence (pg_xact_status, probe by identity)"),
-        token=f"system:item-{item.pk}",
+        token=f"{SYSTEM_TOKEN}item-{item.pk}",
         reason=settlement.describe(),
         shown={"item": {"id": item.pk, "subject": item.subject}, "evidence": settlement.evidence},
     )
@@ -424,8 +426,13 @@ def _check_person(request: Request) -> None:
         raise DecisionRefused("say why: a reason is required")
 
 
-def _by_token(token: str, **about: int) -> OperatorDecision | None:
-    earlier = OperatorDecision.objects.filter(request_token=token).first()
+def _by_token(request: Request, **about: int) -> OperatorDecision | None:
+    """The decision taken earlier with this request's token, if any.  A
+    person's token may not be one of the system's (`system:item-N`): taken
+    first, it would stop the sweep from ever settling that item."""
+    if request.who.user is not None and request.token.startswith(SYSTEM_TOKEN):
+        raise DecisionRefused(f"request tokens that start with {SYSTEM_TOKEN!r} are the system's")
+    earlier = OperatorDecision.objects.filter(request_token=request.token).first()
     if earlier is None:
         return None
     # It was taken before: this call changed nothing.

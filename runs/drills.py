@@ -47,8 +47,9 @@ from typing import Any
 import psycopg
 from celery import current_app
 from django.conf import settings
-from django.db import connection
-from django.db.models import F
+from django.db import IntegrityError, connection, transaction
+from django.db.models import F, Max
+from django.db.models.functions import Greatest, Now
 from django.test.utils import override_settings
 from django.utils import timezone
 
@@ -769,6 +770,49 @@ def run_scenario(drill: Drill, name: str) -> DrillResult:
         detail=detail,
         run_ids=[run.pk for run in lab.runs],
     )
+
+
+# A running drill that has shown no result for this long is taken as lost
+# (its worker died, its task never came): it no longer holds back the next.
+# A scenario takes seconds; the slowest waits about 10 s.
+LOST_AFTER = dt.timedelta(minutes=10)
+
+
+class DrillRunning(Exception):
+    """Another drill is running: one at a time."""
+
+    def __init__(self, drill: Drill) -> None:
+        super().__init__(
+            f"drill {drill.pk} is running (started by {drill.started_by} at "
+            f"{timezone.localtime(drill.started_at):%Y-%m-%d %H:%M:%S})"
+        )
+        self.drill = drill
+
+
+def start_drill(scenarios: list[str], started_by: str) -> Drill:
+    """A new running drill, unless another one runs (DrillRunning; the
+    database keeps it to one, however many ask at once).  A running drill
+    silent for LOST_AFTER is ended as lost first."""
+    silent = (
+        Drill.objects.filter(state=DrillState.RUNNING)
+        .annotate(last=Greatest("started_at", Max("results__created_at")))
+        .filter(last__lt=Now() - LOST_AFTER)
+        .values_list("pk", flat=True)
+    )
+    Drill.objects.filter(pk__in=list(silent), state=DrillState.RUNNING).update(
+        state=DrillState.DONE,
+        finished_at=Now(),
+        error=f"lost: no result for {LOST_AFTER.total_seconds() / 60:g} minutes "
+        "(its worker died, or its task never came)",
+    )
+    try:
+        with transaction.atomic():
+            return Drill.objects.create(scenarios=scenarios, started_by=started_by)
+    except IntegrityError:
+        running = Drill.objects.filter(state=DrillState.RUNNING).first()
+        if running is None:  # it ended meanwhile
+            return start_drill(scenarios, started_by)
+        raise DrillRunning(running) from None
 
 
 def run_drill(drill: Drill) -> list[DrillResult]:

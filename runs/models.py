@@ -838,6 +838,13 @@ class Drill(models.Model):
 
     class Meta:
         ordering = ["-started_at", "-id"]
+        constraints = [
+            # Two drills at once would kill processes and lock tables under
+            # each other.
+            models.UniqueConstraint(
+                fields=["state"], condition=Q(state="running"), name="one_drill_running"
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"drill {self.pk} ({self.state})"

@@ -343,7 +343,7 @@ class OpenAICompatibleProvider:
             http.client.HTTPException,
         ) as error:
             raise ProviderError(f"model API unreachable or too slow: {error}") from error
-        except ValueError as error:  # not JSON, or not UTF-8
+        except (ValueError, RecursionError) as error:  # not JSON (or nested too deep), not UTF-8
             raise ProviderError("model API answered with something other than JSON") from error
         try:
             content = payload["choices"][0]["message"]["content"]

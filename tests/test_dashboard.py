@@ -4,18 +4,21 @@ every model."""
 
 from __future__ import annotations
 
+import json
+import re
 from collections import Counter
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
 
+from dashboard import charts
 from evidence import locks, pglog
 from evidence.capture import record_gaps
 from evidence.models import IncidentSource, LockIncident
 from runs.executor import claim_and_drive
 from runs.leases import Lease
-from runs.models import Run, RunStatus, page_cursor
+from runs.models import Action, Run, RunStatus, page_cursor
 from runs.timeline import EventKind, timeline
 from tests.conftest import PASSWORD, make_user, signed_in
 from tests.test_pglog import THREE_WAY
@@ -73,6 +76,7 @@ def test_viewers_read_every_page_with_security_headers(viewer, run, incident):
         assert "script-src 'self'" in policy and "unsafe-eval" not in policy
         assert response["X-Frame-Options"] == "DENY"
         assert response["X-Content-Type-Options"] == "nosniff"
+        assert response["Cache-Control"] == "private, no-store"
         html = response.content.decode()
         assert "<script>" not in html  # no inline script anywhere
         assert "/static/vendor/htmx" in html
@@ -91,6 +95,17 @@ def test_run_page_shows_actions_revisions_and_timeline_escaped(viewer, run):
     assert "<td>run completed</td>" in page and "run_completed" not in page
     assert "<script>alert(1)</script>" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+
+
+def test_the_timeline_chart_shows_run_text_as_text_not_markup(run):
+    link = '<a href="https://evil.example/">ext</a> & <b>bold</b>'
+    actions = list(run.actions.order_by("id"))
+    Action.objects.filter(pk=actions[0].pk).update(error=link)
+    timeline.record(run.pk, EventKind.DECISION, link)
+    timeline.flush()
+    figure = json.dumps(charts.timeline(run, list(run.actions.order_by("id")), []))
+    assert "<a " not in figure and "<b>" not in figure
+    assert "&lt;a href=" in figure and "&amp; &lt;b&gt;" in figure
 
 
 def test_pages_refuse_other_methods_and_unknown_ids(viewer, run, incident):
@@ -114,6 +129,14 @@ def test_runs_list_columns_filters_and_keyset_pages(viewer, run):
     older = viewer.get("/", {"before": page_cursor(newest)}).content.decode()
     assert f'href="/runs/{newest.pk}/"' not in older and f'href="/runs/{run.pk}/"' in older
     assert viewer.get("/", {"before": "not-a-cursor"}).status_code == 400
+
+
+def test_page_links_keep_every_parameter_whole(viewer, run, monkeypatch):
+    monkeypatch.setattr("dashboard.views.PAGE_SIZE", 1)
+    Run.objects.submit(question="Another fund question", documents=["a.md"])
+    page = viewer.get("/?x%26status%3Dfailed%23=1&y=a%26b").content.decode()
+    older = re.search(r'<a href="\?([^"]+)">older</a>', page).group(1).replace("&amp;", "&")
+    assert older.startswith("x%26status%3Dfailed%23=1&y=a%26b&before=")
 
 
 def test_runs_list_rows_partial_polls_while_runs_are_active_then_stops(viewer, run):
@@ -177,12 +200,15 @@ def test_model_output_is_shown_as_text_never_run(viewer, run):
     lease.publish_revision(
         1,
         "# Report\n\n<script>alert(1)</script>\n\n"
-        '<img src="x" onerror="alert(2)">\n\n| a | b |\n|---|---|\n| 1 | 2 |',
+        '<img src="x" onerror="alert(2)">\n\n![chart](/bundles/1/download)\n\n'
+        "| a | b |\n|---|---|\n| 1 | 2 |",
         is_final=True,
     )
     page = viewer.get(f"/runs/{hostile.pk}/").content.decode()
     assert "<script>alert(1)</script>" not in page
     assert "onerror" not in page
+    # Showing the answer fetches nothing: no image, not even of this site.
+    assert "<img" not in page and "/bundles/1/download" not in page
     assert "<table>" in page and "<h1>Report</h1>" in page
 
 
@@ -205,6 +231,11 @@ def test_operator_cancels_a_queued_run_and_htmx_gets_the_fragment(operator):
     fragment = operator.post(f"/runs/{other.pk}/cancel/", headers={"HX-Request": "true"})
     assert fragment.status_code == 200
     assert fragment.content.decode().lstrip().startswith('<section id="run-live"')
+    # The fragment says what happened; no page after it says it again.
+    said = f"Cancel requested for run {other.pk}."
+    assert said in fragment.content.decode()
+    assert f"Cancel requested for run {queued.pk}." in operator.get("/").content.decode()
+    assert said not in operator.get("/").content.decode()
     assert operator.post("/runs/987654/cancel/").status_code == 404
 
 

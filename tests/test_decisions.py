@@ -276,6 +276,27 @@ def test_the_sweeps_settlements_are_system_decisions(journal):
     assert decision.choice == DecisionChoice.WRITTEN and decision.evidence["evidence"]["xid"]
 
 
+def test_a_person_cannot_take_the_token_the_sweep_settles_an_item_with(journal, operator):
+    fault = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
+    run, _ = run_with([{**fault, "outcome": "late", "stall_ms": 3000}])
+    item = OutcomeItem.objects.get(run=run)
+    taken = Request(
+        choice=DecisionChoice.CHECK_AGAIN,
+        who=Who(user=operator),
+        token=f"system:item-{item.pk}",
+        reason="mine first",
+    )
+    with pytest.raises(DecisionRefused, match="the system's"):
+        decide(item.pk, taken)
+    with pytest.raises(DecisionRefused, match="the system's"):
+        decide_run(run.pk, taken)
+    assert not OperatorDecision.objects.exists()
+    wait_for(lambda: xact_status(item.xid) == "committed")
+    from runs.sweep import sweep
+
+    assert sweep().resumed == [run.pk]
+
+
 # -- the run ------------------------------------------------------------------------
 
 

@@ -5,17 +5,32 @@ Celery worker runs."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.db import connection
 from django.test import Client
+from django.utils import timezone
 
 from runs import tasks
-from runs.drills import CHECKS, SCENARIOS, Finding, Lab, boundaries, executed_once
+from runs.drills import (
+    CHECKS,
+    SCENARIOS,
+    DrillRunning,
+    Finding,
+    Lab,
+    boundaries,
+    executed_once,
+    start_drill,
+)
 from runs.models import Drill, DrillResult, DrillState, DrillVerdict, Run
 from tests.conftest import ROOT, database_url
 from tests.processes import Worker, wait_until
@@ -130,6 +145,49 @@ def test_the_drills_page_shows_results_and_an_operator_starts_a_drill(
     assert operator.post("/drills/start/", {"scenario": "nope"}).status_code == 302
     Drill.objects.filter(pk=newest.pk).update(state=DrillState.DONE)
     assert operator.get(f"/drills/{newest.pk}/progress/").status_code == 286
+
+
+def test_one_drill_at_a_time_however_many_ask_at_once() -> None:
+    barrier = threading.Barrier(6)
+    outcomes: list[object] = []
+
+    def starting(i: int) -> None:
+        try:
+            barrier.wait()
+            outcomes.append(start_drill(["lease_stolen"], f"operator {i}"))
+        except DrillRunning as running:
+            outcomes.append(running)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=starting, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    started = [o for o in outcomes if isinstance(o, Drill)]
+    assert len(started) == 1 and Drill.objects.filter(state=DrillState.RUNNING).count() == 1
+    refused = [o for o in outcomes if isinstance(o, DrillRunning)]
+    assert len(refused) == 5 and all(r.drill.pk == started[0].pk for r in refused)
+    assert f"drill {started[0].pk} is running (started by operator" in str(refused[0])
+
+
+def test_a_drill_silent_for_ten_minutes_no_longer_holds_back_the_next() -> None:
+    long_ago = timezone.now() - dt.timedelta(minutes=30)
+    lost = start_drill(["lease_stolen"], "olga")
+    Drill.objects.filter(pk=lost.pk).update(started_at=long_ago)
+    fresh = start_drill(["lease_stolen"], "omar")
+    lost.refresh_from_db()
+    assert lost.state == DrillState.DONE and lost.error.startswith("lost: no result for 10 minutes")
+    # Running for half an hour but with a result a minute ago: alive.
+    Drill.objects.filter(pk=fresh.pk).update(started_at=long_ago)
+    DrillResult.objects.create(
+        drill=fresh, scenario="lease_stolen", verdict=DrillVerdict.PASSED, seconds=1.0
+    )
+    with pytest.raises(DrillRunning):
+        start_drill(["lease_stolen"], "olga")
+    with pytest.raises(CommandError, match=f"not started: drill {fresh.pk} is running"):
+        call_command("drill", "--scenario", "lease_stolen")
 
 
 @pytest.mark.slow

@@ -450,6 +450,15 @@ def test_resume_puts_a_run_no_item_holds_back_in_the_queue(operator):
     assert OperatorDecision.objects.filter(run_id=item.run_id).count() == 1
 
 
+@pytest.mark.parametrize("back", ["x", "runs-list", "-1", "é😀", "//elsewhere.example/", "/\\x"])
+def test_a_run_decision_returns_to_its_run_page_when_next_is_no_path_of_the_site(operator, back):
+    item = item_on(RunStatus.NEEDS_OPERATOR, OutcomeKind.CHECKPOINT)  # holds nothing
+    form = {"token": uuid.uuid4().hex, "choice": "resume", "reason": "go on", "next": back}
+    response = operator.post(f"/runs/{item.run_id}/decide/", form)
+    assert response.status_code == 302 and response["Location"] == f"/runs/{item.run_id}/"
+    assert Run.objects.get(pk=item.run_id).status == RunStatus.QUEUED
+
+
 # -- the admin ----------------------------------------------------------------------------
 
 

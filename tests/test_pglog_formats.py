@@ -187,6 +187,13 @@ def test_csvlog_and_jsonlog_reports_read_like_the_same_report_in_stderr(name, fo
     assert report.unread == []
 
 
+def test_json_nested_deeper_than_the_parser_goes_is_not_a_server_entry():
+    deep = '{"a": ' + "[" * 100_000 + "\n"
+    with pytest.raises(pglog.LogFormatError, match="jsonlog line 1 is not JSON"):
+        pglog.parse(deep, "jsonlog")
+    assert pglog.parse(deep, "auto") == []  # read as text: nothing a server reported
+
+
 def test_a_format_asked_for_overrides_what_the_content_says():
     csv_text = (FIXTURES / "three_way.csv").read_text()
     json_text = (FIXTURES / "three_way.json").read_text()

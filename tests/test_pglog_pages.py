@@ -95,6 +95,16 @@ def incident_with(edges: list[tuple[int, int, str, str, int]], cycle: list[int])
     return incident
 
 
+def test_text_from_a_log_or_a_session_reaches_the_graph_as_text_not_markup():
+    link = '<a href="https://evil.example/">ext</a> <b>bold</b> & co'
+    incident = incident_with([(101, 102, "ShareLock", f"relation {link}", 0)], [101, 102])
+    LockWait.objects.filter(incident=incident).update(waiter_role=link, waiter_query=link)
+    figure = json.dumps(charts.lock_graph(incident))
+    assert "<a " not in figure and "<b>" not in figure
+    assert '&lt;a href=\\"https://evil.example/\\"&gt;ext&lt;/a&gt;' in figure
+    assert "&amp; co" in figure
+
+
 TUPLE = "tuple (0,7) of relation 16402 of database 16384"
 RELATION = "relation 16390 of database 16384"
 CASES = {

@@ -355,13 +355,24 @@ def test_openai_provider_sends_the_api_key_as_a_bearer_token(model_api):
         (status(500), "HTTP 500"),
         (status(429), "HTTP 429"),
         (answer(b"<html>not json</html>"), "other than JSON"),
+        (answer(b"[" * 100_000), "other than JSON"),
         (answer(b'{"error": "overloaded"}'), "no choices"),
         (answer(b'{"choices": []}'), "no choices"),
         (answer(b'{"choices": [{"text": "legacy"}]}'), "no choices"),
         (answer(b'["not", "an", "object"]'), "no choices"),
         (chat_completion(None), "no text"),
     ],
-    ids=["500", "429", "not-json", "no-choices", "empty-choices", "no-message", "a-list", "null"],
+    ids=[
+        "500",
+        "429",
+        "not-json",
+        "nested-too-deep",
+        "no-choices",
+        "empty-choices",
+        "no-message",
+        "a-list",
+        "null",
+    ],
 )
 def test_openai_provider_turns_a_bad_answer_into_a_provider_error(model_api, respond, message):
     model_api.respond = respond

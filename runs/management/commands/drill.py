@@ -9,8 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from runs.drills import SCENARIOS, describe, report, run_drill
-from runs.models import Drill
+from runs.drills import SCENARIOS, DrillRunning, describe, report, run_drill, start_drill
 
 
 class Command(BaseCommand):
@@ -34,9 +33,10 @@ class Command(BaseCommand):
             for name in SCENARIOS:
                 self.stdout.write(f"{name}: {describe(name)}")
             return
-        drill = Drill.objects.create(
-            scenarios=options["scenario"] or list(SCENARIOS), started_by="manage.py drill"
-        )
+        try:
+            drill = start_drill(options["scenario"] or list(SCENARIOS), "manage.py drill")
+        except DrillRunning as running:
+            raise CommandError(f"not started: {running}") from None
         results = run_drill(drill)
         summary = report(results)
         if options["json"]:
