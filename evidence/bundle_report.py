@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from plotly.offline import get_plotlyjs
 
 from dashboard.context import evidence_fields, plain
 from dashboard.inbox import history
-from dashboard.run_page import run_facts
+from dashboard.run_page import answer_html, run_facts
 from evidence.models import CaptureGap, EvidenceCopy, LockWait
 from runs.models import Run
 from runs.timeline import EventKind
@@ -46,12 +47,19 @@ EVENTS_SHOWN = 2000
 ROWS_SHOWN = 50
 
 
-def report_html(run: Run, *, include_evidence: bool = True) -> str:
+def report_html(
+    run: Run, *, include_evidence: bool = True, redact: Callable[[str], str] = str
+) -> str:
     """The run's report page, as one self-contained HTML document.  Evidence
-    copies (model inputs and outputs) only when `include_evidence`."""
+    copies (model inputs and outputs) only when `include_evidence`.
+
+    `redact` is applied to what the run wrote, before it is rendered: to
+    the answers' markdown (rendered, a secret could come out split across
+    tags: `<code>`, list items), then to the page's body.  Never to the
+    page's own CSS and scripts."""
     context = run_facts(run)
     for revision in context["revisions"]:
-        revision.html, revision.unlinked = _offline(revision.html)
+        revision.html, revision.unlinked = _offline(answer_html(redact(revision.content)))
     decisions = history(run.decisions.all())
     by_item: dict[int | None, list[Any]] = {}
     for decision in decisions:
@@ -81,7 +89,7 @@ def report_html(run: Run, *, include_evidence: bool = True) -> str:
         "events_left_out": total - len(shown),
         "time_zone": timezone.get_current_timezone_name(),
     }
-    body = render_to_string(f"{TEMPLATE}#body", context)
+    body = redact(render_to_string(f"{TEMPLATE}#body", context))
     # Only the page's own scripts run: a nonce nobody writing a question or
     # a document can know, as it is the digest of the page they are part of.
     nonce = hashlib.sha256(body.encode()).hexdigest()[:32]
@@ -99,15 +107,15 @@ def report_html(run: Run, *, include_evidence: bool = True) -> str:
 
 
 def _offline(html: str) -> tuple[SafeString, int]:
-    """An answer as the run page renders it (run_page.answer_html), without
-    the addresses of links and images that point off the page: the report
-    loads nothing and leads nowhere (revisions.jsonl keeps the text as
+    """An answer as the run page renders it (run_page.answer_html, which
+    keeps no image), without the addresses of links that point off the
+    page: the report loads nothing and leads nowhere (revisions.jsonl keeps the text as
     written).  Also the number of addresses left out."""
     dropped = 0
 
     def in_page(element: str, attribute: str, value: str) -> str | None:
         nonlocal dropped
-        if attribute in ("href", "src") and not value.startswith("#"):
+        if attribute == "href" and not value.startswith("#"):
             dropped += 1
             return None
         return value

@@ -246,8 +246,12 @@ def export(
             counted = [0]
             entry(kind.name, _lines(kind, run, redactor, counted, tick), None)
             files[kind.name]["rows"] = counted[0]
-        html = report_html(run, include_evidence=include_evidence)
-        entry("report.html", [redactor.text(html, "report.html").encode()])
+        html = report_html(
+            run,
+            include_evidence=include_evidence,
+            redact=lambda text: redactor.text(text, "report.html"),
+        )
+        entry("report.html", [html.encode()])
         entry("README.txt", [_readme(kinds).encode()])
         manifest: dict[str, Any] = {
             "format": FORMAT,

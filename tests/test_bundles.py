@@ -16,12 +16,14 @@ import pytest
 from django.contrib.auth.models import Group, Permission, User
 from django.core.management import call_command
 from django.db import connection
+from plotly.offline import get_plotlyjs
 
 from evidence import bundles
 from evidence.capture import capture
 from evidence.redaction import Redactor
 from runs.decisions import Request, Who, decide
 from runs.executor import claim_and_drive
+from runs.leases import Lease
 from runs.management.commands.bench import measured_command
 from runs.models import DecisionChoice, OutcomeItem, Run, RunStatus
 from runs.timeline import timeline
@@ -200,6 +202,34 @@ def test_passwords_in_urls_and_named_fields_never_leave(journal, tmp_path):
     run_json = json.loads(files["run.json"])
     assert "postgres://bob:[REDACTED:url_password]@10.0.0.5/app" in run_json["question"]
     assert '"client_secret": "[REDACTED:credential]"' in run_json["question"]
+
+
+def test_secrets_in_an_answer_are_redacted_before_its_markdown_is_rendered(
+    journal, tmp_path, monkeypatch
+):
+    """Rendered, `password: `X`` becomes `password: <code>X</code>` and a
+    key's lines become list items: a pattern run over the page finds
+    neither.  A known secret that also occurs in plotly.js must not
+    change the page's own code."""
+    monkeypatch.setenv("DB_PASSWORD", "12345678")
+    key = "MIIEowIBAAKCAQEAsecretkeybodyABCDEFGH"
+    answer = (
+        "# Report\n\n- the password: `CodeSpanSecret99`\n- api_key=**BoldSecret12345**\n"
+        "- client_secret: *ItalicSecret777*\n- PEM: -----BEGIN RSA PRIVATE KEY-----\n"
+        f"- {key}\n- -----END RSA PRIVATE KEY-----\n"
+    )
+    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    lease = Lease.claim(run.pk, "owner")
+    assert lease is not None and lease.publish_revision(1, answer, is_final=False)
+    lease.finish(RunStatus.FAILED, "test")
+    timeline.flush()
+    path = tmp_path / "run.zip"
+    bundles.export(run.pk, path)
+    report = entries(path)["report.html"].decode()
+    for secret in ("CodeSpanSecret99", "BoldSecret12345", "ItalicSecret777", key):
+        assert secret not in report
+    assert "[REDACTED:private_key]" in report and "[REDACTED:credential]" in report
+    assert get_plotlyjs() in report  # the page's own code, whole
 
 
 @pytest.mark.parametrize(
