@@ -11,8 +11,11 @@ own canonical content.  Rows are written as they are read, through
 server-side cursors, so memory stays flat however large the run.  The same
 unchanged run exports to the same bytes but for the manifest's export time.
 
-`verify()` recomputes every hash and the seal; any changed byte, any file
-added or removed, any edit of the manifest fails it.  The seal proves the
+`verify()` recomputes every hash and the seal; any changed byte of the
+files it holds, any file added or removed, any edit of the manifest fails
+it (the zip's own framing -- its comment, bytes around its entries -- is
+not sealed: what is read from it is).  It reads in bounded memory and
+refuses, without an exception, a zip damaged in transit or made to harm.  The seal proves the
 bundle is the one whose seal the exporter printed: compare them through
 another channel (anyone who changes a bundle can compute a new seal).
 """
@@ -22,8 +25,11 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import os
 import socket
+import stat
 import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -61,6 +67,11 @@ MANIFEST = "manifest.json"
 # Every entry carries this time, so the same run exports to the same bytes.
 ZIP_TIME = (1980, 1, 1, 0, 0, 0)
 CHUNK = 2000  # rows fetched per round trip of a server-side cursor
+# A manifest names some sixteen files: one larger than this is no manifest.
+MAX_MANIFEST_BYTES = 1 << 20
+# What reading a damaged member raises: a bad CRC, inflating bytes that are
+# not deflate's, a member cut short.
+UNREADABLE = (zipfile.BadZipFile, zlib.error, EOFError, OSError)
 
 
 def canonical(value: Any) -> bytes:
@@ -359,24 +370,36 @@ class Verification:
 
 
 def verify(path: str | Path) -> Verification:
-    """Checks a bundle's seal and every file's size and hash."""
+    """Checks a bundle's seal and every file's size and hash.  Whatever the
+    file holds (damaged in transit, or made to harm), the answer is a list
+    of failures, read in bounded memory: never an exception, never a wait."""
     checked = Verification()
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            checked.failures.append("not a regular file")
+            return checked
         bundle = zipfile.ZipFile(path)
     except (OSError, zipfile.BadZipFile) as error:
         checked.failures.append(f"not a readable zip file: {error}")
         return checked
     with bundle:
-        names = [info.filename for info in bundle.infolist()]
-        if len(names) != len(set(names)):
+        members = {info.filename: info for info in bundle.infolist()}
+        if len(members) != len(bundle.infolist()):
             checked.failures.append("a file name appears twice in the zip")
-        if MANIFEST not in names:
+        if MANIFEST not in members:
             checked.failures.append(f"{MANIFEST}: missing")
             return checked
+        if members[MANIFEST].file_size > MAX_MANIFEST_BYTES:
+            checked.failures.append(
+                f"{MANIFEST}: {members[MANIFEST].file_size} bytes, more than a manifest holds"
+            )
+            return checked
         try:
-            manifest = json.loads(bundle.read(MANIFEST))
+            manifest = json.loads(_read(bundle, MANIFEST))
             files = manifest["files"]
-        except (ValueError, KeyError, TypeError, RecursionError) as error:
+            if not isinstance(files, dict) or not all(isinstance(f, dict) for f in files.values()):
+                raise TypeError("its files are not named with their size and hash")
+        except (ValueError, KeyError, TypeError, RecursionError, *UNREADABLE) as error:
             checked.failures.append(f"{MANIFEST}: not a bundle manifest ({error})")
             return checked
         checked.manifest = manifest
@@ -386,17 +409,35 @@ def verify(path: str | Path) -> Verification:
             )
         if manifest.get("seal") != seal_of(manifest):
             checked.failures.append(f"{MANIFEST}: the seal does not match its content")
-        for name in sorted(set(names) - set(files) - {MANIFEST}):
+        for name in sorted(set(members) - set(files) - {MANIFEST}):
             checked.failures.append(f"{name}: not in the manifest (added)")
         for name, expected in sorted(files.items()):
-            if name not in names:
+            if name not in members:
                 checked.failures.append(f"{name}: missing")
-                continue
-            sha256, size = hashlib.sha256(), 0
-            with bundle.open(name) as data:
-                while chunk := data.read(1 << 20):
-                    sha256.update(chunk)
-                    size += len(chunk)
-            if sha256.hexdigest() != expected.get("sha256") or size != expected.get("bytes"):
+            elif (
+                # The size the zip's directory gives is known before anything
+                # is inflated: a member larger than its manifest says is not read.
+                members[name].file_size != expected.get("bytes")
+                or _sha256(bundle, name) != expected.get("sha256")
+            ):
                 checked.failures.append(f"{name}: its content does not match the manifest")
     return checked
+
+
+def _read(bundle: zipfile.ZipFile, name: str) -> bytes:
+    with bundle.open(name) as data:
+        return data.read()
+
+
+def _sha256(bundle: zipfile.ZipFile, name: str) -> str:
+    """The SHA-256 of a member's content, read a megabyte at a time; a
+    member that cannot be read (its compressed bytes damaged, its CRC
+    wrong) has none: ""."""
+    sha256 = hashlib.sha256()
+    try:
+        with bundle.open(name) as data:
+            while chunk := data.read(1 << 20):
+                sha256.update(chunk)
+    except UNREADABLE:
+        return ""
+    return sha256.hexdigest()

@@ -60,6 +60,9 @@ from runs.models import (
 
 BATCH = bundles.CHUNK  # rows per INSERT at most
 BATCH_BYTES = 4 << 20  # and about this much JSON: evidence copies can be large
+# No row an export writes comes near this (a receipt holds a document of at
+# most 1 MB, escaped): a longer line is read no further.
+MAX_ROW_BYTES = 64 << 20
 UNIQUE_SEAL = "run_import_seal_unique"
 
 
@@ -371,11 +374,16 @@ class _Loader:
             raise ImportRefused(f"{name}: not in the manifest")
         sha256, size = hashlib.sha256(), 0
         with self.bundle.open(name) as data:
-            for line in data:
+            while line := data.readline(MAX_ROW_BYTES + 1):
+                if len(line) > MAX_ROW_BYTES:
+                    raise ImportRefused(f"{name}: a row of more than {MAX_ROW_BYTES} bytes")
                 sha256.update(line)
                 size += len(line)
                 if line.strip():
-                    yield json.loads(line), len(line)
+                    row = json.loads(line)
+                    if not isinstance(row, dict):
+                        raise ImportRefused(f"{name}: a row that is not a JSON object")
+                    yield row, len(line)
         if sha256.hexdigest() != expected.get("sha256") or size != expected.get("bytes"):
             raise ImportRefused(f"{name}: changed since it was verified")
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import html
 import json
+import os
+import struct
 import time
 import uuid
 import zipfile
@@ -142,6 +144,42 @@ def test_every_tampering_is_detected_and_named(decided_run, tmp_path):
     garbage = tmp_path / "garbage.zip"
     garbage.write_bytes(b"not a zip")
     assert bundles.verify(garbage).failures[0].startswith("not a readable zip file")
+
+
+def test_a_bundle_damaged_or_made_to_harm_is_refused_with_its_failures(decided_run, tmp_path):
+    original = tmp_path / "run.zip"
+    bundles.export(decided_run.pk, original)
+    data = original.read_bytes()
+
+    # A byte of a member's compressed data damaged in transit.
+    with zipfile.ZipFile(original) as bundle:
+        info = bundle.getinfo("receipts.jsonl")
+    name_length, extra_length = struct.unpack_from("<HH", data, info.header_offset + 26)
+    start = info.header_offset + 30 + name_length + extra_length
+    damaged = tmp_path / "damaged.zip"
+    damaged.write_bytes(data[: start + 5] + bytes([data[start + 5] ^ 0xFF]) + data[start + 6 :])
+    assert bundles.verify(damaged).failures == [
+        "receipts.jsonl: its content does not match the manifest"
+    ]
+
+    def verified(files: dict[str, bytes]) -> list[str]:
+        path = tmp_path / f"{uuid.uuid4().hex}.zip"
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as bundle:
+            for name, content in files.items():
+                bundle.writestr(name, content)
+        return bundles.verify(path).failures
+
+    # A manifest of a gigabyte of spaces (a few megabytes zipped): not read.
+    bomb = {"manifest.json": b" " * (bundles.MAX_MANIFEST_BYTES + 1) + b"{}"}
+    assert verified(bomb) == [
+        f"manifest.json: {bundles.MAX_MANIFEST_BYTES + 3} bytes, more than a manifest holds"
+    ]
+    for files in ([], {"run.json": "abc"}):
+        (failure,) = verified({"manifest.json": json.dumps({"files": files}).encode()})
+        assert failure.startswith("manifest.json: not a bundle manifest")
+    fifo = tmp_path / "fifo.zip"
+    os.mkfifo(fifo)
+    assert bundles.verify(fifo).failures == ["not a regular file"]
 
 
 def test_secrets_never_leave_in_any_byte(journal, tmp_path, settings, monkeypatch):

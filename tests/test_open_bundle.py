@@ -7,6 +7,7 @@ PostgreSQL."""
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import io
 import json
 import subprocess
@@ -410,6 +411,44 @@ def test_a_file_changed_after_verification_is_refused_and_nothing_is_written(
     monkeypatch.setattr(bundles, "verify", lambda _: verified)  # the file changed since
     before = counts()
     with pytest.raises(ImportRefused, match=r"events\.jsonl: changed since it was verified"):
+        open_bundle(path)
+    assert counts() == before
+
+
+def reseal(files: dict[str, bytes]) -> None:
+    """The manifest rewritten for the files as they are now, and sealed
+    again: anyone can make such a bundle."""
+    manifest = json.loads(files["manifest.json"])
+    for name, data in files.items():
+        if name != "manifest.json":
+            entry = manifest["files"][name]
+            entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    manifest["seal"] = bundles.seal_of(manifest)
+    files["manifest.json"] = json.dumps(manifest).encode()
+
+
+@pytest.mark.parametrize(
+    ("row", "refused"),
+    [
+        (b"[1, 2]\n", "a row that is not a JSON object"),
+        (b" " * 600_000 + b"{}\n", "a row of more than 500000 bytes"),
+    ],
+    ids=["not-an-object", "too-long"],
+)
+def test_a_sealed_bundle_with_rows_no_export_writes_is_refused(
+    decided_run, tmp_path, monkeypatch, row, refused
+):
+    monkeypatch.setattr("evidence.imports.MAX_ROW_BYTES", 500_000)
+    path = bundle_of(decided_run, tmp_path)
+
+    def events_changed(files: dict[str, bytes]) -> None:
+        files["events.jsonl"] = row + files["events.jsonl"]
+        reseal(files)
+
+    rewrite(path, events_changed)
+    assert bundles.verify(path).ok
+    before = counts()
+    with pytest.raises(ImportRefused, match=rf"events\.jsonl: {refused}"):
         open_bundle(path)
     assert counts() == before
 
