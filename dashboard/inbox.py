@@ -35,6 +35,7 @@ from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.security import rejects_bad_input
 from runs.decisions import (
     OPERATE,
+    REFERENCE_MAX,
     DecisionRefused,
     Offer,
     Request,
@@ -60,7 +61,6 @@ from runs.timeline import EventKind
 
 PAGE_SIZE = 50
 TOKEN_MAX = 100  # OperatorDecision.request_token
-REFERENCE_MAX = 300  # OperatorDecision.reference
 EVENTS_AFTER = 20
 
 # -- what an item holds up ----------------------------------------------------------

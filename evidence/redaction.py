@@ -9,10 +9,10 @@ headers, JWTs, private-key blocks, the password in a URL, the value of a
 field named like a password, secret, token or key), replaced wherever they
 occur, whoever they belong to.  Each becomes `[REDACTED:<kind>]`.
 
-No format matches a quote, `<` or `>`: the same patterns redact report.html
-after it is rendered, and a match that ran across markup could take an
-attribute's closing quote with it and turn the text after it into
-attributes.
+No format matches a quote, `<` or `>`: the same patterns redact report.html's
+body once it is rendered (after the answers' markdown, before it is
+rendered), and a match that ran across markup could take an attribute's
+closing quote with it and turn the text after it into attributes.
 """
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ FORMATS: list[tuple[str, re.Pattern[str]]] = [
     (
         "authorization_header",
         re.compile(
-            r"(?i)(?<![A-Za-z])((?:proxy-)?authorization\"?\s*[:=]\s*\"?)"
-            r"(?:(?:bearer|basic|token|digest|negotiate)\s+)?[^\s\"',}<>&]+"
+            # The value may be in backquotes or brackets: `Bearer x`, (Bearer x).
+            r"(?i)(?<![A-Za-z])((?:proxy-)?authorization\"?\s*[:=]\s*\"?[`(\[]?)"
+            r"(?:(?:bearer|basic|token|digest|negotiate)(?:\s*:\s*|\s+))?[^\s\"'`,)\]}<>&]+"
         ),
     ),
-    ("bearer_token", re.compile(r"(?i)\bbearer\s+[A-Za-z0-9._~+/=-]{12,}")),
+    ("bearer_token", re.compile(r"(?i)\bbearer(?:\s*[:=]\s*|\s+)[A-Za-z0-9._~+/=-]{12,}")),
     ("jwt", re.compile(r"\beyJ[A-Za-z0-9_-]{6,}\.[A-Za-z0-9_-]{6,}\.[A-Za-z0-9_-]{6,}")),
     ("anthropic_key", re.compile(r"\bsk-ant-[A-Za-z0-9_-]{16,}")),
     ("openai_key", re.compile(r"\bsk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{20,}")),
@@ -73,7 +74,8 @@ FORMATS: list[tuple[str, re.Pattern[str]]] = [
         re.compile(
             # Up to four words before the name, each bounded: a long run of
             # `a_a_a_...` must cost a pass, not a pass from every `_`.
-            r"(?i)(?<![A-Za-z0-9])((?:[a-z0-9]{1,30}[_-]){0,4}"
+            # ... and a prefix glued to the name (PGPASSWORD, csrftoken).
+            r"(?i)(?<![A-Za-z0-9])((?:[a-z0-9]{1,30}[_-]){0,4}[a-z0-9]{0,10}"
             r"(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?key|private[_-]?key|token)"
             rf"{QUOTE}?\s*[:=]\s*{QUOTE}?)(?!\[REDACTED|{PLAIN_VALUE})"
             rf"(?:(?!{QUOTE})&(?:#?\w+;)?|[^\s\"',;<>}}&\\]){{4,}}"

@@ -62,6 +62,7 @@ from runs.timeline import EventKind, timeline
 logger = logging.getLogger(__name__)
 
 OPERATE = "runs.operate_run"
+REFERENCE_MAX = OperatorDecision._meta.get_field("reference").max_length
 # The request tokens of the system's own decisions (`system:item-N`).
 SYSTEM_TOKEN = "system:"  # noqa: S105 (a prefix, no secret)
 
@@ -424,6 +425,8 @@ def _check_person(request: Request) -> None:
         raise DecisionRefused(f"{user.get_username()} may not decide: the operator permission")
     if not request.reason.strip():
         raise DecisionRefused("say why: a reason is required")
+    if len(request.reference) > REFERENCE_MAX:
+        raise DecisionRefused(f"the reference is longer than {REFERENCE_MAX} characters")
 
 
 def _by_token(request: Request, **about: int) -> OperatorDecision | None:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +63,8 @@ POINTS: dict[str, set[str]] = {
     "tool_error": {"action"},
     "delivery_timeout": set(),
 }
+# A fault's action is a step of the run: within the largest budget.
+MAX_ACTION = 2**31 - 1
 NEEDS_ACTION = {"checkpoint_serialize_error", "drop_connection_at_commit", "lease_stolen"}
 NEEDS_ACTION |= {"cancel", "tool_error"}
 
@@ -163,8 +165,17 @@ class FaultPlan:
             return cursor.rowcount == 1
 
 
+def _one_of(value: Any, choices: Collection[str]) -> bool:
+    return isinstance(value, str) and value in choices
+
+
+def _whole(value: Any) -> bool:
+    """A JSON integer (JSON's true and false are not numbers here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _parse_fault(i: int, item: Any) -> Fault:
-    if not isinstance(item, dict) or item.get("point") not in POINTS:
+    if not isinstance(item, dict) or not _one_of(item.get("point"), POINTS):
         raise FaultPlanError(f"fault {i}: 'point' must be one of {sorted(POINTS)}")
     point = item["point"]
     unknown = set(item) - POINTS[point] - {"point"}
@@ -173,17 +184,17 @@ def _parse_fault(i: int, item: Any) -> Fault:
     action = item.get("action")
     if point in NEEDS_ACTION and action is None:
         raise FaultPlanError(f"fault {i}: {point} needs 'action'")
-    if action is not None and (not isinstance(action, int) or action < 1):
-        raise FaultPlanError(f"fault {i}: 'action' must be a positive integer")
+    if action is not None and (not _whole(action) or not 1 <= action <= MAX_ACTION):
+        raise FaultPlanError(f"fault {i}: 'action' must be an integer from 1 to {MAX_ACTION}")
     for key, top in (("ms", 600_000), ("stall_ms", 600_000)):
         value = item.get(key, 0)
-        if not isinstance(value, int) or not 0 <= value <= top:
+        if not _whole(value) or not 0 <= value <= top:
             raise FaultPlanError(f"fault {i}: '{key}' must be an integer from 0 to {top}")
     fields: dict[str, Any] = {"ms": item.get("ms", 0)}
     if point == "drop_connection_at_commit":
-        if item.get("write") not in WRITES:
+        if not _one_of(item.get("write"), WRITES):
             raise FaultPlanError(f"fault {i}: 'write' must be one of {list(WRITES)}")
-        if item.get("outcome", "committed") not in OUTCOMES:
+        if not _one_of(item.get("outcome", "committed"), OUTCOMES):
             raise FaultPlanError(f"fault {i}: 'outcome' must be one of {list(OUTCOMES)}")
         fields.update(
             write=item["write"],

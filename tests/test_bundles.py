@@ -272,6 +272,20 @@ def test_secrets_in_an_answer_are_redacted_before_its_markdown_is_rendered(
 
 @pytest.mark.parametrize(
     "text",
+    [
+        "Authorization: `Bearer SpanBearerToken123456abc`",
+        "Authorization: (Bearer SpanBearerToken123456abc)",
+        "the header [Bearer SpanBearerToken123456abc]",
+        "Bearer: SpanBearerToken123456abc",
+        "PGPASSWORD=SpanBearerToken123456abc psql",
+    ],
+)
+def test_a_secret_in_backquotes_brackets_or_glued_to_its_name_is_redacted(text):
+    assert "SpanBearerToken123456abc" not in Redactor({}).text(text, "x")
+
+
+@pytest.mark.parametrize(
+    "text",
     ["PWD=/srv/app", "secret: true", "Secret: None", "max_tokens: 4096", "token=${TOKEN}"],
 )
 def test_a_field_named_like_a_secret_that_holds_none_is_left_alone(text):

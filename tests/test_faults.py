@@ -65,7 +65,16 @@ def test_failed_read_is_known_not_to_have_happened_and_the_other_reads_go_on(jou
     ("plan", "message"),
     [
         ({"point": "tool_error"}, "tool_error needs 'action'"),
-        ({"point": "lease_stolen", "action": 0}, "'action' must be a positive integer"),
+        ({"point": "lease_stolen", "action": 0}, "'action' must be an integer from 1 to"),
+        ({"point": "lease_stolen", "action": True}, "'action' must be an integer from 1 to"),
+        ({"point": "lease_stolen", "action": 10**20}, "'action' must be an integer from 1 to"),
+        ({"point": "tool_delay", "ms": False}, "'ms' must be an integer from 0 to"),
+        ({"point": ["cancel"]}, "'point' must be one of"),
+        ({"point": {}}, "'point' must be one of"),
+        (
+            {"point": "drop_connection_at_commit", "action": 1, "write": ["receipt"]},
+            "'write' must be one of",
+        ),
         (
             {"point": "drop_connection_at_commit", "action": 1, "write": "event"},
             "'write' must be one of ['checkpoint', 'receipt', 'publication', 'boundary']",

@@ -211,6 +211,9 @@ def test_decide_needs_a_person_and_a_reason(lost_delivery, operator):
             "--as",
             "olga",
         )
+    long = ["--reason", "seen", "--reference", "R" * 301, "--as", "olga"]
+    with pytest.raises(CommandError, match="the reference is longer than 300 characters"):
+        outcomes("decide", str(item.pk), "--choice", "confirmed_happened", *long)
     assert not OperatorDecision.objects.exists()
 
 
