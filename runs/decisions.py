@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db import IntegrityError, transaction
+from django.db import DatabaseError, IntegrityError, transaction
 from django.db.models import Exists, OuterRef
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -56,13 +56,16 @@ from runs.models import (
     digest,
 )
 from runs.outcomes import Settlement, settle, written, written_by
-from runs.sql import CommitUnanswered, server_cursor
+from runs.sql import CommitUnanswered, server_cursor, waits_bounded
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
 
 OPERATE = "runs.operate_run"
 REFERENCE_MAX = OperatorDecision._meta.get_field("reference").max_length
+# The longest the sweep waits for any lock (a PostgreSQL lock_timeout):
+# settling items here, and its other steps (runs/sweep.py).
+SWEEP_LOCK_WAIT = "1s"
 # The request tokens of the system's own decisions (`system:item-N`).
 SYSTEM_TOKEN = "system:"  # noqa: S105 (a prefix, no secret)
 
@@ -567,27 +570,44 @@ class Settled:
     runs_resumed: list[int] = field(default_factory=list)
 
 
-def settle_open_items() -> Settled:
+def settle_open_items(lock_wait: str = SWEEP_LOCK_WAIT) -> Settled:
     """Asks again about open checkpoint, receipt and publication items (an
     orphaned transaction may have ended since); what the evidence settles
     becomes a system decision.  Effects are never settled here: only their
     receiver knows.  An imported run's items are another installation's
-    transactions: never asked about here."""
+    transactions: never asked about here.  Each item, and their list, in a
+    transaction that waits for a lock at most `lock_wait`: an item someone
+    holds is asked about again next time, and holds up no other."""
     swept = Settled()
-    items = (
-        OutcomeItem.objects.local()
-        .filter(
-            state=OutcomeState.OPEN,
-            kind__in=[OutcomeKind.CHECKPOINT, OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION],
-        )
-        .select_related("checkpoint")
-    )
+    try:
+        with waits_bounded(lock_wait):
+            items = list(
+                OutcomeItem.objects.local()
+                .filter(
+                    state=OutcomeState.OPEN,
+                    kind__in=[
+                        OutcomeKind.CHECKPOINT,
+                        OutcomeKind.RECEIPT,
+                        OutcomeKind.PUBLICATION,
+                    ],
+                )
+                .select_related("checkpoint")
+            )
+    except DatabaseError as error:
+        logger.warning("sweep: open items not listed: %s", str(error).strip())
+        return swept
     for item in items:
         try:
-            settlement = check(item)
-            decision = (
-                None if settlement.outcome == "unknown" else settle_by_evidence(item, settlement)
-            )
+            with waits_bounded(lock_wait):
+                settlement = check(item)
+                decision = (
+                    None
+                    if settlement.outcome == "unknown"
+                    else settle_by_evidence(item, settlement)
+                )
+        except DatabaseError as error:
+            logger.warning("sweep: item %s not settled: %s", item.pk, str(error).strip())
+            continue
         except Exception:
             # One item that cannot be asked about holds up no other.
             logger.exception("sweep: item %s not settled", item.pk)

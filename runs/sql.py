@@ -15,7 +15,14 @@ from typing import Any
 
 import psycopg
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, DatabaseError, OperationalError, connection, connections
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    OperationalError,
+    connection,
+    connections,
+    transaction,
+)
 
 ANNOUNCE_PREFIX = "rundesk:xid "
 LOCK_NOT_AVAILABLE = "55P03"  # NOWAIT refusal and lock_timeout alike
@@ -101,6 +108,17 @@ def bounded_lock_waits() -> dict[str, str]:
     RUNDESK_CAPTURE_LOCK_TIMEOUT_MS fails the statement (55P03) instead of
     holding the writer, and the runs waiting on it, behind a stranger."""
     return {"lock_timeout": f"{settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS}ms"}
+
+
+@contextmanager
+def waits_bounded(timeout: str) -> Iterator[None]:
+    """A transaction in which a lock not granted within `timeout` (e.g.
+    "1s") fails the statement (LOCK_NOT_AVAILABLE) instead of waiting for
+    as long as whoever holds it.  Local to the transaction (SET LOCAL), so
+    a pooler's server connection never carries it on."""
+    with transaction.atomic(), server_cursor() as cursor:
+        cursor.execute("SELECT set_config('lock_timeout', %s, true)", [timeout], prepare=True)
+        yield
 
 
 def name_connection(role: str, run_id: int | None = None) -> None:

@@ -15,16 +15,27 @@ run:
   out again (their Celery task may have been lost with a worker).
 
 Each step is fenced like a claim, so a sweep racing an executor, another
-sweep or an old owner that wakes up changes each run once.
+sweep or an old owner that wakes up changes each run once.  Each waits for
+a lock at most decisions.SWEEP_LOCK_WAIT (a row or a table a stranger holds): a step that
+cannot have its lock is left to the next sweep, and the others go on, so
+the executor that runs the sweep is never held up by it.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from django.db import DatabaseError
 
 from runs import decisions
 from runs.models import Run
+from runs.sql import waits_bounded
 from runs.timeline import EventKind, timeline
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -43,10 +54,12 @@ class Swept:
 
 def sweep(*, redeliver_after: float | None = None) -> Swept:
     swept = Swept()
-    swept.cancelled = Run.objects.end_abandoned_cancels()
+    with _step("ending abandoned cancels"):
+        swept.cancelled = Run.objects.end_abandoned_cancels()
     for run_id in swept.cancelled:
         timeline.record(run_id, EventKind.RUN_CANCELLED, "cancelled: its owner had stopped")
-    swept.requeued = Run.objects.requeue_abandoned()
+    with _step("requeueing abandoned runs"):
+        swept.requeued = Run.objects.requeue_abandoned()
     for run_id in swept.requeued:
         timeline.record(
             run_id, EventKind.RUN_REQUEUED, "its owner stopped renewing the lease: queued again"
@@ -54,5 +67,17 @@ def sweep(*, redeliver_after: float | None = None) -> Swept:
     settled = decisions.settle_open_items()
     swept.settled, swept.resumed = settled.settled, settled.runs_resumed
     if redeliver_after is not None:
-        swept.redelivered = Run.objects.waiting_in_queue(redeliver_after)
+        with _step("handing out queued runs again"):
+            swept.redelivered = Run.objects.waiting_in_queue(redeliver_after)
     return swept
+
+
+@contextmanager
+def _step(what: str) -> Iterator[None]:
+    """One step, its lock waits bounded; one that fails is logged and left
+    to the next sweep."""
+    try:
+        with waits_bounded(decisions.SWEEP_LOCK_WAIT):
+            yield
+    except DatabaseError as error:
+        logger.warning("sweep: %s left to the next sweep: %s", what, str(error).strip())

@@ -110,6 +110,16 @@ def test_a_stranger_holding_the_timeline_leaves_a_gap_and_holds_up_nothing(journ
     assert lost.data["count"] >= 2 * len(KEYS)
 
 
+def test_a_delivery_never_waits_on_the_operators_decisions_someone_holds(journal):
+    """An effect's first dispatch needs no decision: its boundary does not
+    read the decisions table (migration 0013), so a lock on it holds
+    nothing up.  Only a dispatch after the first reads it."""
+    run = Run.objects.submit(question="Compare these funds", documents=DOCS)
+    with another_session("LOCK TABLE runs_operatordecision IN ACCESS EXCLUSIVE MODE"):
+        assert execute_within(run, 30) == RunStatus.COMPLETED
+    assert all(executions(journal, run, key) == 1 for key in KEYS)
+
+
 def test_publication_never_waits_on_a_model_record_someone_holds(journal):
     run = Run.objects.submit(question="q", documents=DOCS[:1])
     lease = Lease.claim(run.pk, "owner")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 
 import psycopg
 import pytest
@@ -68,6 +69,33 @@ def test_a_receipt_that_commits_late_ends_with_the_run_completed_and_each_read_o
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
     assert all(executions(journal, run, key) == 1 for key in KEYS)
+
+
+@pytest.mark.parametrize(
+    "held",
+    [
+        "SELECT 1 FROM runs_outcomeitem WHERE id = {item} FOR KEY SHARE",
+        "SELECT 1 FROM runs_run WHERE id = {run} FOR SHARE",
+        "LOCK TABLE runs_outcomeitem IN ACCESS EXCLUSIVE MODE",
+        "LOCK TABLE runs_run IN ACCESS EXCLUSIVE MODE",
+    ],
+    ids=["item-row", "run-row", "items-table", "runs-table"],
+)
+def test_a_stranger_holding_what_the_sweep_locks_holds_up_no_sweep(journal, settings, held):
+    """The sweep runs on the executor's workers: a lock it waited for
+    without end stopped them taking any run."""
+    settings.RUNDESK_SETTLE_SECONDS = 1
+    fault = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
+    run, _ = run_with([{**fault, "outcome": "late", "stall_ms": 3000}])
+    item = OutcomeItem.objects.get(run=run, state=OutcomeState.OPEN)
+    wait_for(lambda: xact_status(item.xid) == "committed")
+    with psycopg.connect(database_url()) as stranger:
+        stranger.execute(held.format(item=item.pk, run=run.pk))
+        started = time.monotonic()
+        assert sweep().settled == 0
+        assert time.monotonic() - started < 10  # a second a lock, at most
+        stranger.rollback()
+    assert sweep().resumed == [run.pk]  # the next sweep, once it is free
 
 
 def test_a_run_held_by_two_items_goes_back_only_when_both_are_settled():
