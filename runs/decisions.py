@@ -201,10 +201,11 @@ def offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
         )
     ]
     # Only where the evidence cannot tell: the transaction's status is gone
-    # (or was never known), or contradicts the probe.  While the transaction
-    # is still in flight nobody may decide: it can still commit.
+    # (or was never known), or contradicts the probe (committed, and no row:
+    # an aborted one settles itself, a row found then is another's).  While
+    # the transaction is still in flight nobody may decide: it can still commit.
     gone = now["xid_status"] is None and not now["writer_alive"]
-    contradicts = (now["xid_status"], now["row_found"]) in {("committed", False), ("aborted", True)}
+    contradicts = (now["xid_status"], now["row_found"]) == ("committed", False)
     if (gone or contradicts) and now["error"] is None:
         if now["row_found"]:
             choices.append(

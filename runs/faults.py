@@ -207,11 +207,15 @@ def _parse_fault(i: int, item: Any) -> Fault:
 # -- what the faults do -----------------------------------------------------------
 
 
-def _side_connection() -> psycopg.Connection[Any]:
-    """A second connection, as another process would have."""
+@contextmanager
+def _side_connection() -> Iterator[psycopg.Connection[Any]]:
+    """A second connection, as another process would have.  What goes wrong
+    with it (no connection slot left, say) is a database error like any
+    other: the run is left to its lease, not failed."""
     params = connection.get_connection_params()
     params["application_name"] = application_name("fault-plan")
-    return psycopg.connect(**params, autocommit=True)
+    with connection.wrap_database_errors, psycopg.connect(**params, autocommit=True) as side:
+        yield side
 
 
 def steal_lease(run_id: int) -> None:

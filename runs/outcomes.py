@@ -152,7 +152,9 @@ def settle(
             )
             if status == "committed" and found:
                 return Settlement("committed", evidence)
-            if status == "aborted" and not found:
+            if status == "aborted":
+                # It wrote nothing: a row found by identity is another
+                # transaction's (a later owner's), not this write's.
                 return Settlement("not_written", evidence)
             if status is None and not alive:
                 return Settlement("committed" if found else "not_written", evidence)

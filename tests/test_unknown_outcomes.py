@@ -111,6 +111,22 @@ def test_a_later_backend_that_reuses_the_writers_pid_is_not_taken_for_the_writer
         assert find_orphan(Backend(pid, None)) == (True, xid)
 
 
+def test_a_write_whose_transaction_aborted_is_not_written_whoever_wrote_the_row_since():
+    """An owner frozen while its write was cut wakes after another owner
+    wrote the same receipt: the row is there, but it is not this write's,
+    which aborted and wrote nothing.  Known not written, by its xid; the
+    owner's retry is then fenced out.  Before, it was 'unknown': an item
+    on a completed run that nothing settled, offering to adopt it."""
+    with psycopg.connect(**connection.get_connection_params()) as writer:
+        xid = writer.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
+        backend = Backend(writer.info.backend_pid, None)
+        writer.rollback()
+    assert xact_status(xid) == "aborted"
+    unanswered = CommitUnanswered("receipt of read:1", xid, backend, "cut")
+    settlement = settle(unanswered, lambda: True, patience=0)
+    assert settlement.outcome == "not_written"
+
+
 # -- publications ------------------------------------------------------------------
 
 
