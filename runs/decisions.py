@@ -174,6 +174,19 @@ def offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
     """The choices the evidence in `shown` (gather) allows for `item`."""
     if item.state != OutcomeState.OPEN or item.run.is_imported:
         return []
+    if item.kind == OutcomeKind.EFFECT and item.run.is_finished:
+        # Nothing will send it again: what the receiver says is recorded.
+        return [
+            Offer(
+                DecisionChoice.CONFIRMED_HAPPENED,
+                "The receiver has it. The action is recorded as completed, confirmed by you, "
+                "with your reference.",
+            ),
+            Offer(
+                DecisionChoice.CONFIRMED_NOT_HAPPENED,
+                "The receiver does not have it. Recorded so; nothing is sent: the run has ended.",
+            ),
+        ]
     if item.kind == OutcomeKind.EFFECT:
         key = shown["delivery"]["idempotency_key"]
         return [
@@ -507,10 +520,14 @@ def _apply(item: OutcomeItem, decision: OperatorDecision, outcome: Settlement | 
     if result == DecisionChoice.CONFIRMED_HAPPENED:
         _confirm_effect(item, decision)
     elif result in (DecisionChoice.RESEND_SAME_IDENTITY, DecisionChoice.CONFIRMED_NOT_HAPPENED):
+        afterwards = (
+            "the run had ended: not sent again"
+            if item.run.is_finished
+            else "dispatch once more under the same identity"
+        )
         Action.objects.filter(pk=item.action_id, state=ActionState.UNKNOWN).update(
             state=ActionState.FAILED,
-            error=f"{decision.get_choice_display()} ({decision.decided_by}): dispatch once more "
-            "under the same identity",
+            error=f"{decision.get_choice_display()} ({decision.decided_by}): {afterwards}",
         )
     elif item.checkpoint_id is not None:
         Checkpoint.objects.filter(pk=item.checkpoint_id, outcome=CheckpointOutcome.UNKNOWN).update(

@@ -9,12 +9,14 @@ to the tool journal when RUNDESK_TOOL_JOURNAL is set.
 
 from __future__ import annotations
 
+import base64
 import codecs
 import functools
 import hashlib
 import http.client
 import json
 import os
+import socket
 import stat
 import tempfile
 import urllib.error
@@ -147,9 +149,10 @@ def deliver_report(input: dict[str, Any], identity: str) -> dict[str, Any]:
     body = input["content"].encode()
     sha = hashlib.sha256(body).hexdigest()
     if settings.RUNDESK_DELIVERY_URL:
-        status = _post(settings.RUNDESK_DELIVERY_URL, body, identity)
+        url, credentials = _credentials(settings.RUNDESK_DELIVERY_URL)
+        status = _post(url, body, identity, credentials)
         journal("deliver_report", identity, to="url", status=status)
-        return {"delivered_to": settings.RUNDESK_DELIVERY_URL, "status": status, "sha256": sha}
+        return {"delivered_to": url, "status": status, "sha256": sha}
     outbox = Path(settings.RUNDESK_OUTBOX_DIR)
     # One file per identity, named so that no two identities share it.
     target = outbox / (urllib.parse.quote(identity, safe="") + ".md")
@@ -178,12 +181,26 @@ def deliver_report(input: dict[str, Any], identity: str) -> dict[str, Any]:
     return {"delivered_to": str(target), "sha256": sha}
 
 
-def _post(url: str, body: bytes, identity: str) -> int:
+def _credentials(url: str) -> tuple[str, str]:
+    """The receiver's address without the user and password it may carry
+    (https://user:password@host/...: urllib would take them for the host
+    name), and the Authorization header they make ("" with none).  The
+    receipt names the address, never the password."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return url, ""
+    user = urllib.parse.unquote(parts.username)
+    password = urllib.parse.unquote(parts.password or "")
+    plain = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    return plain, "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+def _post(url: str, body: bytes, identity: str, credentials: str = "") -> int:
+    headers = {"Content-Type": "text/markdown; charset=utf-8", "Idempotency-Key": identity}
+    if credentials:
+        headers["Authorization"] = credentials
     request = urllib.request.Request(  # noqa: S310 (settings.env_url allows http(s) only)
-        url,
-        data=body,
-        method="POST",
-        headers={"Content-Type": "text/markdown; charset=utf-8", "Idempotency-Key": identity},
+        url, data=body, method="POST", headers=headers
     )
     try:
         with urllib.request.urlopen(  # noqa: S310
@@ -195,7 +212,8 @@ def _post(url: str, body: bytes, identity: str) -> int:
             raise ToolFailed(f"receiver refused the report: HTTP {error.code}") from error
         raise OutcomeUnknown(f"receiver answered HTTP {error.code}: delivery unknown") from error
     except urllib.error.URLError as error:
-        if isinstance(error.reason, ConnectionRefusedError):
+        # Refused, or its name not found: no connection, so nothing was sent.
+        if isinstance(error.reason, ConnectionRefusedError | socket.gaierror):
             raise ToolFailed(f"receiver unreachable: {error.reason}") from error
         raise OutcomeUnknown(f"delivery answer lost: {error.reason}") from error
     except (TimeoutError, ConnectionError, http.client.HTTPException) as error:

@@ -300,6 +300,19 @@ def test_a_person_cannot_take_the_token_the_sweep_settles_an_item_with(journal, 
 # -- the run ------------------------------------------------------------------------
 
 
+def test_an_ended_runs_effect_item_offers_no_send(lost_delivery, operator):
+    run, item, receiver = lost_delivery
+    decide_run(run.pk, asked(DecisionChoice.ABANDON, operator, reason="customer withdrew"))
+    item.refresh_from_db()
+    offered = [o.choice for o in offers(item, gather(item))]
+    assert offered == ["confirmed_happened", "confirmed_not_happened"]
+    with pytest.raises(DecisionRefused, match="not offered"):
+        decide(item.pk, asked(DecisionChoice.RESEND_SAME_IDENTITY, operator, reason="again"))
+    decide(item.pk, asked(DecisionChoice.CONFIRMED_NOT_HAPPENED, operator, reason="not there"))
+    assert "the run had ended: not sent again" in Action.objects.get(pk=item.action_id).error
+    assert claim_and_drive(run.pk) == "not_claimable" and len(receiver.requests) == 1
+
+
 def test_abandon_ends_a_waiting_run_and_keeps_what_it_wrote(lost_delivery, operator):
     run, item, receiver = lost_delivery
     with pytest.raises(DecisionRefused, match="not offered"):  # an item holds it

@@ -3,6 +3,7 @@ deliver_report tells delivered, refused and unknown apart."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import socket
 from collections.abc import Callable, Iterator
@@ -260,6 +261,28 @@ def test_delivery_to_a_port_nothing_listens_on_is_known_not_delivered(settings, 
 
     with pytest.raises(ToolFailed, match="unreachable"):
         deliver_report({"content": REPORT}, "id-refused")
+    assert journal.entries() == []
+
+
+def test_delivery_to_an_address_with_credentials_sends_them_as_basic_auth(
+    receiver, settings, journal
+):
+    receiver.answer = status(201)
+    port = receiver.url.rsplit(":", 1)[1]
+    settings.RUNDESK_DELIVERY_URL = f"http://rundesk:p%40ss w0rd@127.0.0.1:{port}/reports"
+
+    result = deliver_report({"content": REPORT}, "id-auth")
+
+    [(headers, _)] = receiver.requests
+    assert headers["Authorization"] == "Basic " + base64.b64encode(b"rundesk:p@ss w0rd").decode()
+    assert result["delivered_to"] == f"http://127.0.0.1:{port}/reports"  # no password kept
+
+
+def test_delivery_to_a_name_that_does_not_resolve_is_known_not_delivered(settings, journal):
+    settings.RUNDESK_DELIVERY_URL = "http://no-such-receiver.invalid/reports"
+
+    with pytest.raises(ToolFailed, match="unreachable"):
+        deliver_report({"content": REPORT}, "id-nowhere")
     assert journal.entries() == []
 
 
