@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,16 +58,18 @@ from runs.models import (
     digest,
 )
 from runs.outcomes import Settlement, settle, written, written_by
-from runs.sql import CommitUnanswered, server_cursor, waits_bounded
+from runs.sql import CommitUnanswered, lock_refused, server_cursor, waits_bounded
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
 
 OPERATE = "runs.operate_run"
 REFERENCE_MAX = OperatorDecision._meta.get_field("reference").max_length
-# The longest the sweep waits for any lock (a PostgreSQL lock_timeout):
-# settling items here, and its other steps (runs/sweep.py).
-SWEEP_LOCK_WAIT = "1s"
+# The longest a decision, a person's or the sweep's, waits for a lock (a
+# PostgreSQL lock_timeout); the sweep's other steps too (runs/sweep.py).
+# Nothing of Rundesk's holds a waiting run or an item longer: a wait beyond
+# it is a stranger's lock, and the decision is refused, not left hanging.
+LOCK_WAIT = "1s"
 # The request tokens of the system's own decisions (`system:item-N`).
 SYSTEM_TOKEN = "system:"  # noqa: S105 (a prefix, no secret)
 
@@ -308,7 +312,7 @@ def decide(item_id: int, request: Request) -> OperatorDecision:
             )
     settlement = check(item) if request.choice == DecisionChoice.CHECK_AGAIN else None
     try:
-        with transaction.atomic():
+        with _deciding(f"run {item.run_id} or item {item_id}"):
             Run.objects.lock_waiting(item.run_id)
             item = OutcomeItem.objects.select_for_update().get(pk=item_id)
             if (earlier := _by_token(request, item_id=item_id)) is not None:
@@ -330,6 +334,7 @@ def decide(item_id: int, request: Request) -> OperatorDecision:
         if (earlier := _by_token(request, item_id=item_id)) is not None:
             return earlier
         raise
+
     _tell(item.run_id, decision, item.subject)
     if decision.run_resumed:
         timeline.record(
@@ -357,7 +362,7 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
             f"{', '.join(sorted(offered)) or 'nothing is'} offered"
         )
     shown = request.shown or {"run": {"id": run.pk, "status": run.status}}
-    with transaction.atomic():
+    with _deciding(f"run {run_id}"):
         Run.objects.lock_waiting(run_id)
         if (earlier := _by_token(request, run_id=run_id)) is not None:
             return earlier
@@ -423,6 +428,23 @@ def settle_by_evidence(item: OutcomeItem, settlement: Settlement) -> OperatorDec
         return decide(item.pk, request)
     except DecisionRefused:
         return None
+
+
+@contextmanager
+def _deciding(what: str) -> Iterator[None]:
+    """A decision's transaction, its lock waits bounded (LOCK_WAIT): a lock
+    a stranger holds on `what` refuses the decision instead of holding the
+    operator's request until it is released."""
+    try:
+        with waits_bounded(LOCK_WAIT):
+            yield
+    except DatabaseError as error:
+        if lock_refused(error):
+            raise DecisionRefused(
+                f"{what} is locked by another session (see the lock pages): nothing was "
+                "decided; try again once it is free"
+            ) from error
+        raise
 
 
 def _imported(run: Run) -> str:
@@ -588,17 +610,17 @@ class Settled:
     runs_resumed: list[int] = field(default_factory=list)
 
 
-def settle_open_items(lock_wait: str = SWEEP_LOCK_WAIT) -> Settled:
+def settle_open_items() -> Settled:
     """Asks again about open checkpoint, receipt and publication items (an
     orphaned transaction may have ended since); what the evidence settles
     becomes a system decision.  Effects are never settled here: only their
     receiver knows.  An imported run's items are another installation's
     transactions: never asked about here.  Each item, and their list, in a
-    transaction that waits for a lock at most `lock_wait`: an item someone
+    transaction that waits for a lock at most LOCK_WAIT: an item someone
     holds is asked about again next time, and holds up no other."""
     swept = Settled()
     try:
-        with waits_bounded(lock_wait):
+        with waits_bounded(LOCK_WAIT):
             items = list(
                 OutcomeItem.objects.local()
                 .filter(
@@ -616,7 +638,7 @@ def settle_open_items(lock_wait: str = SWEEP_LOCK_WAIT) -> Settled:
         return swept
     for item in items:
         try:
-            with waits_bounded(lock_wait):
+            with waits_bounded(LOCK_WAIT):
                 settlement = check(item)
                 decision = (
                     None

@@ -16,7 +16,7 @@ run:
 
 Each step is fenced like a claim, so a sweep racing an executor, another
 sweep or an old owner that wakes up changes each run once.  Each waits for
-a lock at most decisions.SWEEP_LOCK_WAIT (a row or a table a stranger holds): a step that
+a lock at most decisions.LOCK_WAIT (a row or a table a stranger holds): a step that
 cannot have its lock is left to the next sweep, and the others go on, so
 the executor that runs the sweep is never held up by it.
 """
@@ -77,7 +77,7 @@ def _step(what: str) -> Iterator[None]:
     """One step, its lock waits bounded; one that fails is logged and left
     to the next sweep."""
     try:
-        with waits_bounded(decisions.SWEEP_LOCK_WAIT):
+        with waits_bounded(decisions.LOCK_WAIT):
             yield
     except DatabaseError as error:
         logger.warning("sweep: %s left to the next sweep: %s", what, str(error).strip())

@@ -6,8 +6,10 @@ settles an item."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
+import psycopg
 import pytest
 from django.contrib.auth.models import Group, Permission, User
 from django.db import DatabaseError, IntegrityError, connection, transaction
@@ -298,6 +300,20 @@ def test_a_person_cannot_take_the_token_the_sweep_settles_an_item_with(journal, 
 
 
 # -- the run ------------------------------------------------------------------------
+
+
+def test_a_decision_on_a_run_a_stranger_holds_is_refused_not_left_hanging(lost_delivery, operator):
+    run, item, _ = lost_delivery
+    with psycopg.connect(**connection.get_connection_params()) as stranger:
+        stranger.execute("SELECT 1 FROM runs_run WHERE id = %s FOR SHARE", [run.pk])
+        started = time.monotonic()
+        with pytest.raises(DecisionRefused, match=f"run {run.pk} or item {item.pk} is locked"):
+            decide(item.pk, asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="seen"))
+        with pytest.raises(DecisionRefused, match=f"run {run.pk} is locked by another session"):
+            decide_run(run.pk, asked(DecisionChoice.ABANDON, operator, reason="withdrawn"))
+        assert time.monotonic() - started < 10
+    assert not OperatorDecision.objects.exists()
+    decide(item.pk, asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="seen"))
 
 
 def test_an_ended_runs_effect_item_offers_no_send(lost_delivery, operator):
