@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.db import DatabaseError, transaction
 from django.db.models import TextChoices
 from django.http import HttpRequest
 from django.utils import timezone
@@ -32,6 +33,7 @@ from runs.models import (
     Run,
     RunStatus,
 )
+from runs.sql import lock_refused
 from runs.timeline import EventKind
 
 PLAIN: dict[type[TextChoices], dict[str, str]] = {
@@ -145,8 +147,17 @@ def inbox(request: HttpRequest) -> dict[str, Any]:
         return {}
 
     @functools.cache
-    def open_items() -> int:
-        return OutcomeItem.objects.local().filter(state=OutcomeState.OPEN).count()
+    def open_items() -> int | None:
+        # None (shown as "?") when a stranger holds the table: the page
+        # itself may not need it.  A savepoint, so the page's transaction
+        # goes on (dashboard.security.PageLockWaitsMiddleware).
+        try:
+            with transaction.atomic():
+                return OutcomeItem.objects.local().filter(state=OutcomeState.OPEN).count()
+        except DatabaseError as error:
+            if lock_refused(error):
+                return None
+            raise
 
     return {"inbox_open": open_items}
 

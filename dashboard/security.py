@@ -1,7 +1,7 @@
 """What the site accepts and how it is served: the Content-Security-Policy
-every page is served with, signed-in pages kept out of caches, the request
-size limit, and the refusal of parameters no query can hold (a NUL
-character).
+every page is served with, signed-in pages kept out of caches, pages that
+give up on a stranger's lock instead of hanging, the request size limit,
+and the refusal of parameters no query can hold (a NUL character).
 
 Scripts come only from the site itself (htmx and plotly.js are served from
 static/): no inline script, no eval, no other origin.  plotly.js sets
@@ -16,9 +16,15 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import BadRequest
+from django.db import transaction
 from django.http import HttpRequest, HttpResponse
+from django.template.loader import render_to_string
 from django.utils.cache import patch_cache_control
 
+from runs.sql import lock_refused, waits_bounded
+
+# The longest a page waits for a lock someone else holds.
+PAGE_LOCK_WAIT = "3s"
 POLICY = "; ".join(
     [
         "default-src 'self'",
@@ -63,6 +69,32 @@ class ContentSecurityPolicyMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         response = self.get_response(request)
         response.setdefault("Content-Security-Policy", POLICY)
+        return response
+
+
+class PageLockWaitsMiddleware:
+    """A page a stranger's lock would hold (a migration, a VACUUM FULL, a
+    session left open in a transaction) answers 503 within PAGE_LOCK_WAIT
+    instead of holding a server thread for as long as the lock (a few
+    pages polling every two seconds would take them all).  Each GET runs
+    in one transaction whose lock waits are bounded (SET LOCAL: a pooler's
+    server connection does not keep it); forms (POST) bound their own."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        if request.method not in ("GET", "HEAD"):
+            return self.get_response(request)
+        with waits_bounded(PAGE_LOCK_WAIT):
+            return self.get_response(request)
+
+    def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
+        if request.method not in ("GET", "HEAD") or not lock_refused(exception):
+            return None
+        transaction.set_rollback(True)
+        response = HttpResponse(render_to_string("503.html", {"wait": PAGE_LOCK_WAIT}), status=503)
+        response["Retry-After"] = "5"
         return response
 
 

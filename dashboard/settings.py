@@ -158,6 +158,8 @@ MIDDLEWARE = [
     "django_htmx.middleware.HtmxMiddleware",
     "dashboard.security.ContentSecurityPolicyMiddleware",
     "dashboard.security.PrivatePagesMiddleware",
+    # Innermost: around the view alone.
+    "dashboard.security.PageLockWaitsMiddleware",
 ]
 
 ROOT_URLCONF = "dashboard.urls"

@@ -12,6 +12,7 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.auth.decorators import permission_required
 from django.core.exceptions import BadRequest
+from django.db import DatabaseError
 from django.db.models import QuerySet, Sum
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -39,12 +40,14 @@ from evidence.models import (
 )
 from runs.decisions import OPERATE
 from runs.models import Phase, Run, RunStatus, older_than, page_cursor
+from runs.sql import lock_refused, waits_bounded
 from runs.timeline import EventKind
 
 PAGE_SIZE = 50
 EVENTS_PAGE = 50
 BUNDLES_SHOWN = 10
 LOG_UPLOAD_LIMIT = 5 * 1024 * 1024
+CANCEL_LOCK_WAIT = "5s"
 
 
 def _choice(request: HttpRequest, name: str, choices: list[str]) -> str:
@@ -189,7 +192,13 @@ def run_cancel(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
             messages.error,
             f"Run {run.pk} is imported and read-only: cancel it where it runs.",
         )
-    elif run.request_cancel(by=request.user.get_username()):
+    elif (asked := _cancel(run, request.user.get_username())) is None:
+        say, said = (
+            messages.error,
+            f"Run {run.pk} is locked by another session (see the lock pages): the cancel "
+            "was not asked; try again once it is free.",
+        )
+    elif asked:
         say, said = messages.success, f"Cancel requested for run {run.pk}."
     else:
         say, said = messages.info, f"Run {run.pk} had already ended or was being cancelled."
@@ -200,6 +209,19 @@ def run_cancel(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
         return render(request, "run_detail.html#live", context)
     say(request, said)
     return redirect("run-detail", run_id=run.pk)
+
+
+def _cancel(run: Run, by: str) -> bool | None:
+    """Run.request_cancel, waiting for the run's row at most CANCEL_LOCK_WAIT
+    (its owner holds it a statement at a time: milliseconds); None when a
+    stranger's lock kept it, instead of the operator's request hanging."""
+    try:
+        with waits_bounded(CANCEL_LOCK_WAIT):
+            return run.request_cancel(by=by)
+    except DatabaseError as error:
+        if lock_refused(error):
+            return None
+        raise
 
 
 # -- investigation bundles ----------------------------------------------------------

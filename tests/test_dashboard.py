@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import Counter
 
+import psycopg
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
+from django.db import connection
 from django.test import Client
 
 from dashboard import charts
@@ -237,6 +240,35 @@ def test_operator_cancels_a_queued_run_and_htmx_gets_the_fragment(operator):
     assert f"Cancel requested for run {queued.pk}." in operator.get("/").content.decode()
     assert said not in operator.get("/").content.decode()
     assert operator.post("/runs/987654/cancel/").status_code == 404
+
+
+def test_a_cancel_of_a_run_a_stranger_holds_says_so_instead_of_hanging(operator, monkeypatch):
+    monkeypatch.setattr("dashboard.views.CANCEL_LOCK_WAIT", "200ms")
+    queued = Run.objects.submit(question="to cancel", documents=["a.md"])
+    with psycopg.connect(**connection.get_connection_params()) as stranger:
+        stranger.execute("SELECT 1 FROM runs_run WHERE id = %s FOR SHARE", [queued.pk])
+        page = operator.post(f"/runs/{queued.pk}/cancel/", follow=True).content.decode()
+    assert f"Run {queued.pk} is locked by another session" in page
+    queued.refresh_from_db()
+    assert queued.status == RunStatus.QUEUED and queued.cancel_requested_at is None
+
+
+def test_a_page_a_stranger_holds_answers_503_instead_of_hanging(viewer, run, monkeypatch):
+    monkeypatch.setattr("dashboard.security.PAGE_LOCK_WAIT", "300ms")
+    with psycopg.connect(**connection.get_connection_params()) as stranger:
+        stranger.execute("LOCK TABLE runs_run IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        response = viewer.get("/")
+        assert time.monotonic() - started < 5
+        assert response.status_code == 503 and response["Retry-After"] == "5"
+        assert "another database session holds locked" in response.content.decode()
+        stranger.rollback()
+        # A lock on the items table costs a page that does not read it only
+        # its badge's count.
+        stranger.execute("LOCK TABLE runs_outcomeitem IN ACCESS EXCLUSIVE MODE")
+        page = viewer.get("/locks/")
+        assert page.status_code == 200 and 'title="not counted' in page.content.decode()
+    assert viewer.get("/").status_code == 200
 
 
 def test_lock_graph_page_draws_the_cycle(viewer, incident):

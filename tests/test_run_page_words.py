@@ -455,8 +455,11 @@ def test_the_badge_costs_one_query_and_none_on_htmx_fragments(viewer, journal):
     with CaptureQueriesContext(connection) as queries:
         counted = inbox(request)["inbox_open"]
         assert counted() == 1 and counted() == 1
-    assert len(queries) == 1
-    assert "outcomeitem" in queries[0]["sql"] and "COUNT(*)" in queries[0]["sql"]
+    # One query (in a savepoint of its own: a lock on the items costs the
+    # page its badge, not the page).
+    asked = [q["sql"] for q in queries if not q["sql"].startswith(("SAVEPOINT", "RELEASE"))]
+    assert len(asked) == 1
+    assert "outcomeitem" in asked[0] and "COUNT(*)" in asked[0]
 
     def counts(response_of) -> int:
         with CaptureQueriesContext(connection) as queries:
