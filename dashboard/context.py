@@ -143,7 +143,8 @@ def inbox(request: HttpRequest) -> dict[str, Any]:
     """The count of open outcome items, for the navigation's badge.  Counted
     only when a page shows it (htmx fragments do not) and once per page:
     a callable the template calls, cached.  Served by outcome_open_idx."""
-    if not request.user.is_authenticated:
+    user = getattr(request, "user", None)  # none before the auth middleware ran
+    if user is None or not user.is_authenticated:
         return {}
 
     @functools.cache

@@ -69,6 +69,8 @@ def test_sign_in_enforces_csrf():
     make_user("viewer")
     response = client.post("/login/", {"username": "viewer", "password": PASSWORD})
     assert response.status_code == 403
+    page = response.content.decode()
+    assert "This form could not be checked" in page and "Nothing was changed" in page
 
 
 def test_viewers_read_every_page_with_security_headers(viewer, run, incident):
