@@ -291,9 +291,33 @@ class Request:
 def decide(item_id: int, request: Request) -> OperatorDecision:
     """Takes a decision on an open item; returns it (or the first one taken
     with the same token: `repeated`), with `run_resumed` saying whether it
-    put the run back in the queue.  DecisionRefused says why not."""
+    put the run back in the queue.  DecisionRefused says why not.  One
+    transaction, what it reads included, its lock waits bounded."""
+    try:
+        with _deciding(f"item {item_id} or its run"):
+            item, decision = _decided(item_id, request)
+    except IntegrityError:
+        # The same token, committed by a concurrent submit: that one stands.
+        if (earlier := _by_token(request, item_id=item_id)) is not None:
+            return earlier
+        raise
+    if decision.repeated:
+        return decision
+    _tell(item.run_id, decision, item.subject)
+    if decision.run_resumed:
+        timeline.record(
+            item.run_id,
+            EventKind.RUN_REQUEUED,
+            f"{item.subject} settled by {request.who.name}: continues from its receipts",
+        )
+    return decision
+
+
+def _decided(item_id: int, request: Request) -> tuple[OutcomeItem | None, OperatorDecision]:
+    """decide(), inside its transaction: the item (None for a repeat) and
+    the decision."""
     if (earlier := _by_token(request, item_id=item_id)) is not None:
-        return earlier
+        return None, earlier
     _check_person(request)
     item = (
         OutcomeItem.objects.select_related("run", "action", "checkpoint").filter(pk=item_id).first()
@@ -311,58 +335,44 @@ def decide(item_id: int, request: Request) -> OperatorDecision:
                 f"{', '.join(sorted(offered)) or 'nothing'}"
             )
     settlement = check(item) if request.choice == DecisionChoice.CHECK_AGAIN else None
-    try:
-        with _deciding(f"run {item.run_id} or item {item_id}"):
-            Run.objects.lock_waiting(item.run_id)
-            item = OutcomeItem.objects.select_for_update().get(pk=item_id)
-            if (earlier := _by_token(request, item_id=item_id)) is not None:
-                return earlier
-            if item.state != OutcomeState.OPEN:
-                first = item.decisions.filter(state_after=OutcomeState.RESOLVED).first()
-                by = f" by {first.decided_by} ({first.get_choice_display()})" if first else ""
-                raise DecisionRefused(f"already settled{by}: {item.resolution}", first)
-            outcome = _outcome(item, request.choice, settlement)
-            decision = _record(item.run_id, item, item.action_id, request, shown, outcome)
-            decision.repeated = False
-            if outcome is not None:
-                _apply(item, decision, outcome)
-            decision.run_resumed = outcome is not None and Run.objects.resume_if_settled(
-                item.run_id, f"{item.subject} settled by {request.who.name}: continues"
-            )
-    except IntegrityError:
-        # The same token, committed by a concurrent submit: that one stands.
-        if (earlier := _by_token(request, item_id=item_id)) is not None:
-            return earlier
-        raise
-
-    _tell(item.run_id, decision, item.subject)
-    if decision.run_resumed:
-        timeline.record(
-            item.run_id,
-            EventKind.RUN_REQUEUED,
-            f"{item.subject} settled by {request.who.name}: continues from its receipts",
-        )
-    return decision
+    Run.objects.lock_waiting(item.run_id)
+    item = OutcomeItem.objects.select_for_update().get(pk=item_id)
+    if (earlier := _by_token(request, item_id=item_id)) is not None:
+        return None, earlier
+    if item.state != OutcomeState.OPEN:
+        first = item.decisions.filter(state_after=OutcomeState.RESOLVED).first()
+        by = f" by {first.decided_by} ({first.get_choice_display()})" if first else ""
+        raise DecisionRefused(f"already settled{by}: {item.resolution}", first)
+    outcome = _outcome(item, request.choice, settlement)
+    decision = _record(item.run_id, item, item.action_id, request, shown, outcome)
+    decision.repeated = False
+    if outcome is not None:
+        _apply(item, decision, outcome)
+    decision.run_resumed = outcome is not None and Run.objects.resume_if_settled(
+        item.run_id, f"{item.subject} settled by {request.who.name}: continues"
+    )
+    return item, decision
 
 
 def decide_run(run_id: int, request: Request) -> OperatorDecision:
-    """`resume` or `abandon` a run that waits for an operator."""
-    if (earlier := _by_token(request, run_id=run_id)) is not None:
-        return earlier
-    _check_person(request)
-    run = Run.objects.filter(pk=run_id).first()
-    if run is None:
-        raise DecisionRefused(f"there is no run {run_id}")
-    if run.is_imported:
-        raise DecisionRefused(f"run {run_id} cannot be decided: {_imported(run)}")
-    offered = {offer.choice for offer in run_offers(run)}
-    if request.choice not in offered:
-        raise DecisionRefused(
-            f"{request.choice} is not offered for run {run_id} ({run.get_status_display()}): "
-            f"{', '.join(sorted(offered)) or 'nothing is'} offered"
-        )
-    shown = request.shown or {"run": {"id": run.pk, "status": run.status}}
+    """`resume` or `abandon` a run that waits for an operator: one
+    transaction, what it reads included, its lock waits bounded."""
     with _deciding(f"run {run_id}"):
+        if (earlier := _by_token(request, run_id=run_id)) is not None:
+            return earlier
+        _check_person(request)
+        run = Run.objects.filter(pk=run_id).first()
+        if run is None:
+            raise DecisionRefused(f"there is no run {run_id}")
+        if run.is_imported:
+            raise DecisionRefused(f"run {run_id} cannot be decided: {_imported(run)}")
+        offered = {offer.choice for offer in run_offers(run)}
+        if request.choice not in offered:
+            raise DecisionRefused(
+                f"{request.choice} is not offered for run {run_id} ({run.get_status_display()}): "
+                f"{', '.join(sorted(offered)) or 'nothing is'} offered"
+            )
+        shown = request.shown or {"run": {"id": run.pk, "status": run.status}}
         Run.objects.lock_waiting(run_id)
         if (earlier := _by_token(request, run_id=run_id)) is not None:
             return earlier

@@ -816,15 +816,21 @@ def start_drill(scenarios: list[str], started_by: str) -> Drill:
 
 
 def run_drill(drill: Drill) -> list[DrillResult]:
-    """Runs the drill's scenarios in order, each result kept as it comes."""
+    """Runs the drill's scenarios in order, each result kept as it comes,
+    while the drill is still running: one ended meanwhile (taken as lost,
+    or already run by a task delivered twice) runs no further scenario, so
+    it cannot run beside the drill started after it."""
+    running = Drill.objects.filter(pk=drill.pk, state=DrillState.RUNNING)
+    results: list[DrillResult] = []
     try:
-        results = [run_scenario(drill, name) for name in drill.scenarios]
+        for name in drill.scenarios:
+            if not running.exists():
+                return results
+            results.append(run_scenario(drill, name))
     except BaseException as error:
-        Drill.objects.filter(pk=drill.pk).update(
-            state=DrillState.DONE, finished_at=timezone.now(), error=repr(error)
-        )
+        running.update(state=DrillState.DONE, finished_at=timezone.now(), error=repr(error))
         raise
-    Drill.objects.filter(pk=drill.pk).update(state=DrillState.DONE, finished_at=timezone.now())
+    running.update(state=DrillState.DONE, finished_at=timezone.now())
     return results
 
 

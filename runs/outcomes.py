@@ -138,6 +138,11 @@ def settle(
             status = xact_status(xid) if xid is not None else None
             found = probe()
         except DatabaseError as error:
+            if connection.in_atomic_block:
+                # Asked within a caller's transaction (a page, a decision,
+                # the sweep): that transaction is lost with the error; its
+                # caller says why.
+                raise
             # The database does not answer yet: keep asking until patience ends.
             connection.close()
             checks.append({"at": timezone.now().isoformat(), "error": str(error).strip()})

@@ -115,7 +115,9 @@ def waits_bounded(timeout: str) -> Iterator[None]:
     """A transaction in which a lock not granted within `timeout` (e.g.
     "1s") fails the statement (LOCK_NOT_AVAILABLE) instead of waiting for
     as long as whoever holds it.  Local to the transaction (SET LOCAL), so
-    a pooler's server connection never carries it on."""
+    a pooler's server connection never carries it on.  Inside a caller's
+    transaction it is a savepoint, and the bound it sets holds until that
+    transaction ends."""
     with transaction.atomic(), server_cursor() as cursor:
         cursor.execute("SELECT set_config('lock_timeout', %s, true)", [timeout], prepare=True)
         yield

@@ -181,6 +181,19 @@ def deliver_report(input: dict[str, Any], identity: str) -> dict[str, Any]:
     return {"delivered_to": str(target), "sha256": sha}
 
 
+class _Unredirected(urllib.request.HTTPRedirectHandler):
+    """A receiver's redirect is its answer, not an address to try: urllib
+    would send a POST's headers (its credentials too) to wherever it points,
+    as a GET without the report, and call that delivered.  It surfaces as
+    an HTTPError of its 3xx status: the outcome is unknown."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_NOT_REDIRECTED = urllib.request.build_opener(_Unredirected)
+
+
 def _credentials(url: str) -> tuple[str, str]:
     """The receiver's address without the user and password it may carry
     (https://user:password@host/...: urllib would take them for the host
@@ -203,9 +216,7 @@ def _post(url: str, body: bytes, identity: str, credentials: str = "") -> int:
         url, data=body, method="POST", headers=headers
     )
     try:
-        with urllib.request.urlopen(  # noqa: S310
-            request, timeout=settings.RUNDESK_DELIVERY_TIMEOUT
-        ) as response:
+        with _NOT_REDIRECTED.open(request, timeout=settings.RUNDESK_DELIVERY_TIMEOUT) as response:
             return response.status
     except urllib.error.HTTPError as error:
         if 400 <= error.code < 500 and error.code not in (408, 409, 429):

@@ -21,6 +21,8 @@ class LocalServer:
                 outer.requests.append((dict(self.headers), body))
                 respond(self, body)
 
+            do_GET = do_POST  # a client that follows a redirect may send one
+
             def log_message(self, *args: object) -> None:
                 pass
 
@@ -37,10 +39,14 @@ class LocalServer:
         self.server.server_close()
 
 
-def status(code: int, delay: float = 0.0) -> Callable[[BaseHTTPRequestHandler, bytes], None]:
+def status(
+    code: int, delay: float = 0.0, headers: dict[str, str] | None = None
+) -> Callable[[BaseHTTPRequestHandler, bytes], None]:
     def respond(handler: BaseHTTPRequestHandler, body: bytes) -> None:
         time.sleep(delay)
         handler.send_response(code)
+        for name, value in (headers or {}).items():
+            handler.send_header(name, value)
         handler.send_header("Content-Length", "0")
         handler.end_headers()
 

@@ -169,7 +169,7 @@ def test_a_bundle_damaged_or_made_to_harm_is_refused_with_its_failures(decided_r
                 bundle.writestr(name, content)
         return bundles.verify(path).failures
 
-    # A manifest of a gigabyte of spaces (a few megabytes zipped): not read.
+    # A manifest larger than any manifest (spaces, a few kilobytes zipped): not read.
     bomb = {"manifest.json": b" " * (bundles.MAX_MANIFEST_BYTES + 1) + b"{}"}
     assert verified(bomb) == [
         f"manifest.json: {bundles.MAX_MANIFEST_BYTES + 3} bytes, more than a manifest holds"

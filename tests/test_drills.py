@@ -29,6 +29,7 @@ from runs.drills import (
     Lab,
     boundaries,
     executed_once,
+    run_drill,
     start_drill,
 )
 from runs.models import Drill, DrillResult, DrillState, DrillVerdict, Run
@@ -188,6 +189,10 @@ def test_a_drill_silent_for_ten_minutes_no_longer_holds_back_the_next() -> None:
         start_drill(["lease_stolen"], "olga")
     with pytest.raises(CommandError, match=f"not started: drill {fresh.pk} is running"):
         call_command("drill", "--scenario", "lease_stolen")
+    # The lost drill's task, delivered late, runs nothing beside the new one.
+    assert run_drill(lost) == [] and not DrillResult.objects.filter(drill=lost).exists()
+    lost.refresh_from_db()
+    assert lost.error.startswith("lost: no result")
 
 
 @pytest.mark.slow

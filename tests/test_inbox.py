@@ -9,6 +9,7 @@ import re
 import threading
 import uuid
 
+import psycopg
 import pytest
 from django.db import connection
 from django.test import Client
@@ -398,6 +399,18 @@ def test_a_decision_without_a_usable_token_is_400(operator, token):
     form = {"token": token, "choice": "check_again", "reason": "look"}
     assert operator.post(f"/inbox/{item.pk}/decide/", form).status_code == 400
     assert not OperatorDecision.objects.exists()
+
+
+def test_an_item_page_a_stranger_holds_answers_503_instead_of_hanging(viewer, monkeypatch):
+    """The page asks the database about the write (its probe reads the
+    receipts): under a lock it gives up, and says so."""
+    monkeypatch.setattr("dashboard.security.PAGE_LOCK_WAIT", "300ms")
+    item = item_on(RunStatus.NEEDS_OPERATOR)
+    with psycopg.connect(**connection.get_connection_params()) as stranger:
+        stranger.execute("LOCK TABLE runs_receipt IN ACCESS EXCLUSIVE MODE")
+        response = viewer.get(f"/inbox/{item.pk}/")
+    assert response.status_code == 503
+    assert viewer.get(f"/inbox/{item.pk}/").status_code == 200
 
 
 # -- the run ------------------------------------------------------------------------------

@@ -278,6 +278,19 @@ def test_delivery_to_an_address_with_credentials_sends_them_as_basic_auth(
     assert result["delivered_to"] == f"http://127.0.0.1:{port}/reports"  # no password kept
 
 
+@pytest.mark.parametrize("code", [301, 302, 303, 307, 308])
+def test_a_receiver_that_redirects_is_never_followed(receiver, settings, journal, code):
+    """Followed, the POST became a GET without the report, its credentials
+    sent to wherever the redirect pointed, and the receipt said delivered."""
+    with LocalServer(status(200)) as elsewhere:
+        receiver.answer = status(code, headers={"Location": elsewhere.url + "/x"})
+        port = receiver.url.rsplit(":", 1)[1]
+        settings.RUNDESK_DELIVERY_URL = f"http://svc:secret@127.0.0.1:{port}/reports"
+        with pytest.raises(OutcomeUnknown, match=f"HTTP {code}"):
+            deliver_report({"content": REPORT}, "id-redirected")
+        assert len(receiver.requests) == 1 and elsewhere.requests == []
+
+
 def test_delivery_to_a_name_that_does_not_resolve_is_known_not_delivered(settings, journal):
     settings.RUNDESK_DELIVERY_URL = "http://no-such-receiver.invalid/reports"
 
