@@ -74,10 +74,11 @@ def write(export: BundleExport) -> str:
     "abandoned"."""
     part = export.part_path
     try:
-        # Readable by the service's own user only: a bundle is redacted,
-        # but it is still a run's whole story.
-        part.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with open(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as out:
+        # Not for every account on the host: a bundle is redacted, but it is
+        # still a run's whole story.  The service's group may read it (web
+        # processes that serve it may run under another user of the group).
+        part.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        with open(os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "wb") as out:
             exported = bundles.export(
                 export.run_id,
                 out,

@@ -116,7 +116,7 @@ def test_operator_exports_and_downloads_the_bundle_the_task_wrote(operator, run,
     rows = sum(entry.get("rows", 0) for entry in checked.manifest["files"].values())
     assert export.rows_written == export.rows_total == rows > 1
     assert export.bytes == export.path.stat().st_size
-    assert export.path.stat().st_mode & 0o777 == 0o600  # the service's user's only
+    assert export.path.stat().st_mode & 0o007 == 0  # nobody outside the service's group
     hours = dt.timedelta(hours=24)
     assert before + hours <= export.expires_at <= timezone.now() + hours
 
