@@ -24,8 +24,7 @@ the executor that runs the sweep is never held up by it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from django.db import DatabaseError
@@ -54,12 +53,10 @@ class Swept:
 
 def sweep(*, redeliver_after: float | None = None) -> Swept:
     swept = Swept()
-    with _step("ending abandoned cancels"):
-        swept.cancelled = Run.objects.end_abandoned_cancels()
+    swept.cancelled = _step("ending abandoned cancels", Run.objects.end_abandoned_cancels)
     for run_id in swept.cancelled:
         timeline.record(run_id, EventKind.RUN_CANCELLED, "cancelled: its owner had stopped")
-    with _step("requeueing abandoned runs"):
-        swept.requeued = Run.objects.requeue_abandoned()
+    swept.requeued = _step("requeueing abandoned runs", Run.objects.requeue_abandoned)
     for run_id in swept.requeued:
         timeline.record(
             run_id, EventKind.RUN_REQUEUED, "its owner stopped renewing the lease: queued again"
@@ -67,17 +64,20 @@ def sweep(*, redeliver_after: float | None = None) -> Swept:
     settled = decisions.settle_open_items()
     swept.settled, swept.resumed = settled.settled, settled.runs_resumed
     if redeliver_after is not None:
-        with _step("handing out queued runs again"):
-            swept.redelivered = Run.objects.waiting_in_queue(redeliver_after)
+        swept.redelivered = _step(
+            "handing out queued runs again",
+            lambda: Run.objects.waiting_in_queue(redeliver_after),
+        )
     return swept
 
 
-@contextmanager
-def _step(what: str) -> Iterator[None]:
-    """One step, its lock waits bounded; one that fails is logged and left
-    to the next sweep."""
+def _step(what: str, work: Callable[[], list[int]]) -> list[int]:
+    """One step, its lock waits bounded: the runs it changed.  One that
+    fails (a lock, the database gone) is logged and left to the next sweep;
+    the others go on."""
     try:
         with waits_bounded(decisions.LOCK_WAIT):
-            yield
+            return work()
     except DatabaseError as error:
         logger.warning("sweep: %s left to the next sweep: %s", what, str(error).strip())
+        return []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from io import StringIO
 
 import psycopg
@@ -12,6 +13,7 @@ from django.db import connection, connections
 
 from runs.benchmarks import pages
 from runs.models import Run, RunStatus
+from tests.conftest import manage
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -20,6 +22,24 @@ def run_command(*args: str) -> str:
     out = StringIO()
     call_command(*args, stdout=out)
     return out.getvalue()
+
+
+def test_submit_run_says_its_run_is_queued_when_the_broker_does_not_answer(process_env):
+    """The run is committed before it is handed to Celery: a broker that
+    refuses is a warning, with the run's id (before, a traceback and exit 1
+    for a run the sweep then delivered: submitted again, it was delivered twice)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**process_env, "CELERY_BROKER_URL": f"redis://127.0.0.1:{port}/7"}
+    args = ["submit_run", "--question", "Compare", "--doc", "a.md", "--celery", "--json"]
+    done = manage(*args, env=env)
+    out, err = done.communicate(timeout=60)
+    assert done.returncode == 0, err
+    run = Run.objects.get(pk=json.loads(out)["run_id"])
+    assert run.status == RunStatus.QUEUED
+    assert f"run {run.pk} is queued, but handing it to Celery failed" in err
+    assert "Traceback" not in err
 
 
 def test_submit_run_queues_a_run_and_prints_its_id_as_json():

@@ -6,10 +6,12 @@ from __future__ import annotations
 import datetime as dt
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg
 import pytest
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, OperationalError, connection
 from django.utils import timezone
 
 from runs.decisions import DecisionRefused, Request, Who, decide
@@ -96,6 +98,23 @@ def test_a_stranger_holding_what_the_sweep_locks_holds_up_no_sweep(journal, sett
         assert time.monotonic() - started < 10  # a second a lock, at most
         stranger.rollback()
     assert sweep().resumed == [run.pk]  # the next sweep, once it is free
+
+
+def test_a_sweep_without_a_database_does_what_it_can_and_raises_nothing(monkeypatch, caplog):
+    """A step whose transaction cannot even begin (the database gone) is
+    left to the next sweep: before, the sweep died of 'generator didn't
+    yield' once a second for the whole outage."""
+
+    @contextmanager
+    def gone(timeout: str) -> Iterator[None]:
+        raise OperationalError("connection refused")
+        yield
+
+    monkeypatch.setattr("runs.sweep.waits_bounded", gone)
+    monkeypatch.setattr("runs.decisions.waits_bounded", gone)
+    swept = sweep(redeliver_after=0)
+    assert (swept.cancelled, swept.requeued, swept.redelivered, swept.settled) == ([], [], [], 0)
+    assert "requeueing abandoned runs left to the next sweep" in caplog.text
 
 
 def test_a_run_held_by_two_items_goes_back_only_when_both_are_settled():

@@ -4,6 +4,7 @@ import datetime as dt
 import json
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 from django.utils import timezone
@@ -59,8 +60,16 @@ class Command(BaseCommand):
                 )
             except ValueError as error:
                 raise CommandError(str(error)) from None
-            if options["celery"]:
-                execute_run.delay_on_commit(run.pk)
+        if options["celery"]:
+            try:
+                execute_run.apply_async((run.pk,), retry=False)
+            except Exception as error:  # the broker: whatever its client raises
+                # The run is queued all the same: the sweep hands it out.
+                self.stderr.write(
+                    f"run {run.pk} is queued, but handing it to Celery failed ({error}): "
+                    f"the sweep hands it out within {settings.RUNDESK_REDELIVER_SECONDS:g} s "
+                    "once the broker answers. Do not submit it again."
+                )
         if options["json"]:
             self.stdout.write(json.dumps({"run_id": run.pk}))
         else:
