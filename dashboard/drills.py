@@ -8,9 +8,9 @@ from collections import defaultdict
 
 from django.contrib import messages
 from django.contrib.auth.decorators import permission_required
-from django.db import transaction
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseStopPolling
 
@@ -20,6 +20,7 @@ from runs import tasks
 from runs.decisions import OPERATE
 from runs.drills import CHECKS, SCENARIOS, DrillRunning, describe, start_drill
 from runs.models import Drill, DrillResult, DrillState
+from runs.tasks import hand_over
 
 HISTORY = 10  # results shown per scenario
 
@@ -75,6 +76,14 @@ def drill_start(request: HtmxHttpRequest) -> HttpResponse:
     except DrillRunning as running:
         messages.info(request, f"Not started: {running}. Its results appear below.")
         return redirect("drills")
-    transaction.on_commit(lambda: tasks.drill.delay(drill.pk))
-    messages.success(request, f"Drill {drill.pk} started: {len(chosen)} scenarios.")
+    if refused := hand_over(tasks.drill, drill.pk):
+        # No worker will run it: ended now, so it holds back no other.
+        Drill.objects.filter(pk=drill.pk, state=DrillState.RUNNING).update(
+            state=DrillState.DONE,
+            finished_at=timezone.now(),
+            error=f"not started: could not be handed to a worker ({refused})",
+        )
+        messages.error(request, f"Drill {drill.pk} not started: no worker could be asked.")
+    else:
+        messages.success(request, f"Drill {drill.pk} started: {len(chosen)} scenarios.")
     return redirect("drills")

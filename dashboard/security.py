@@ -1,6 +1,7 @@
 """What the site accepts and how it is served: the Content-Security-Policy
 every page is served with, signed-in pages kept out of caches, pages that
-give up on a stranger's lock instead of hanging, the request size limit,
+say the database cannot answer (a stranger's lock, an outage) instead of
+hanging or failing, the request size limit,
 and the refusal of parameters no query can hold (a NUL character).
 
 Scripts come only from the site itself (htmx and plotly.js are served from
@@ -16,7 +17,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import BadRequest
-from django.db import transaction
+from django.db import OperationalError, transaction
 from django.http import HttpRequest, HttpResponse
 from django.template.loader import render_to_string
 from django.utils.cache import patch_cache_control
@@ -73,12 +74,15 @@ class ContentSecurityPolicyMiddleware:
 
 
 class PageLockWaitsMiddleware:
-    """A page a stranger's lock would hold (a migration, a VACUUM FULL, a
-    session left open in a transaction) answers 503 within PAGE_LOCK_WAIT
-    instead of holding a server thread for as long as the lock (a few
-    pages polling every two seconds would take them all).  Each GET runs
-    in one transaction whose lock waits are bounded (SET LOCAL: a pooler's
-    server connection does not keep it); forms (POST) bound their own."""
+    """A page the database cannot answer now answers 503 at once, saying
+    why, instead of a 500 or a hang.  A stranger's lock (a migration, a
+    VACUUM FULL, a session left open in a transaction) is given up on after
+    PAGE_LOCK_WAIT instead of holding a server thread for as long as the
+    lock (a few pages polling every two seconds would take them all): each
+    GET runs in one transaction whose lock waits are bounded (SET LOCAL: a
+    pooler's server connection does not keep it); forms (POST) bound their
+    own.  A database that does not answer at all (restarting, out of
+    connections) is said as such."""
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response
@@ -86,16 +90,25 @@ class PageLockWaitsMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         if request.method not in ("GET", "HEAD"):
             return self.get_response(request)
-        with waits_bounded(PAGE_LOCK_WAIT):
-            return self.get_response(request)
+        try:
+            with waits_bounded(PAGE_LOCK_WAIT):
+                return self.get_response(request)
+        except OperationalError as error:  # the transaction could not begin or end
+            return _unavailable(error)
 
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
-        if request.method not in ("GET", "HEAD") or not lock_refused(exception):
+        if request.method not in ("GET", "HEAD") or not isinstance(exception, OperationalError):
             return None
         transaction.set_rollback(True)
-        response = HttpResponse(render_to_string("503.html", {"wait": PAGE_LOCK_WAIT}), status=503)
-        response["Retry-After"] = "5"
-        return response
+        return _unavailable(exception)
+
+
+def _unavailable(error: OperationalError) -> HttpResponse:
+    locked = lock_refused(error)
+    page = render_to_string("503.html", {"locked": locked, "wait": PAGE_LOCK_WAIT})
+    response = HttpResponse(page, status=503)
+    response["Retry-After"] = "5"
+    return response
 
 
 class PrivatePagesMiddleware:

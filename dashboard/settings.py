@@ -19,14 +19,19 @@ from django.core.exceptions import ImproperlyConfigured
 from runs.sql import application_name
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(os.environ.get("RUNDESK_VAR_DIR", BASE_DIR / "var"))
 
 
 def env_str(name: str, default: str | None = None) -> str:
-    value = os.environ.get(name, default)
+    """A setting's text; set but empty is unset (an empty folder setting
+    would be the current folder: RUNDESK_CORPUS_DIR= would let runs read
+    whatever is where the process starts)."""
+    value = os.environ.get(name) or default
     if value is None:
         raise ImproperlyConfigured(f"{name} must be set")
     return value
+
+
+VAR_DIR = Path(env_str("RUNDESK_VAR_DIR", str(BASE_DIR / "var")))
 
 
 def env_bool(name: str, default: bool) -> bool:
@@ -46,7 +51,9 @@ def env_list(name: str, default: str = "") -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
 
-def env_float(name: str, default: float, *, minimum: float = 0.0) -> float:
+def env_float(name: str, default: float, *, minimum: float = 0.0, maximum: float = 1e9) -> float:
+    """A number from `minimum` to `maximum` (a billion seconds is 31 years:
+    more is a typo, and inf or nan would fail later, far from the setting)."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
@@ -54,9 +61,22 @@ def env_float(name: str, default: float, *, minimum: float = 0.0) -> float:
         value = float(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
-    if value < minimum:
-        raise ImproperlyConfigured(f"{name} must be at least {minimum}, got {raw!r}")
+    if not minimum <= value <= maximum:  # false for nan too
+        raise ImproperlyConfigured(f"{name} must be from {minimum} to {maximum:g}, got {raw!r}")
     return value
+
+
+def var_folder(*parts: str) -> Path:
+    """A folder under RUNDESK_VAR_DIR, made if missing; one that cannot be
+    made is a setting to fix, said as one."""
+    folder = VAR_DIR.joinpath(*parts)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ImproperlyConfigured(
+            f"RUNDESK_VAR_DIR: cannot make {folder}: {error.strerror or error}"
+        ) from None
+    return folder
 
 
 def env_choice(name: str, default: str, choices: set[str]) -> str:
@@ -101,7 +121,7 @@ def embedded_database_url() -> str:
     import pgserver
 
     pgdata = VAR_DIR / "postgres"
-    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    var_folder()
     # pgserver counts the processes using the server in this file but never
     # forgets one that was killed; forget those, or the server never stops.
     handles = pgdata / ".handle_pids.json"
@@ -183,7 +203,10 @@ TEMPLATES = [
 
 DATABASE_URL = os.environ.get("DATABASE_URL") or embedded_database_url()
 PROCESS_ROLE = process_role()
-DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
+try:
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)}
+except (ValueError, KeyError) as error:
+    raise ImproperlyConfigured(f"DATABASE_URL is not a database address: {error}") from None
 if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
     raise ImproperlyConfigured("DATABASE_URL must point at PostgreSQL: Rundesk relies on its locks")
 DATABASES["default"].setdefault("OPTIONS", {}).update(
@@ -259,7 +282,12 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "loggers": {
-        "runs": {"handlers": ["console"], "level": env_str("RUNDESK_LOG_LEVEL", "INFO")},
+        "runs": {
+            "handlers": ["console"],
+            "level": env_choice(
+                "RUNDESK_LOG_LEVEL", "INFO", {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}
+            ),
+        },
         # Django logs to the console only with DEBUG by default (and mails a
         # 500 to ADMINS otherwise): a server error's traceback belongs in the
         # web process's log, where 500.html says it is.
@@ -279,7 +307,7 @@ if CELERY_BROKER_URL == "filesystem://":
         "store_processed": False,
     }
     # kombu's filesystem transport expects its folder to exist.
-    CELERY_BROKER_FOLDER.mkdir(parents=True, exist_ok=True)
+    var_folder("celery-broker")
 else:
     # Redis and SQS hand an unacknowledged task to another worker after this
     # many seconds.  A run is driven in one task, acknowledged when it ends
@@ -358,7 +386,7 @@ EMAIL_BACKEND = env_str(
     else "django.core.mail.backends.smtp.EmailBackend",
 )
 EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
-EMAIL_PORT = int(env_float("EMAIL_PORT", 25, minimum=1))
+EMAIL_PORT = int(env_float("EMAIL_PORT", 25, minimum=1, maximum=65535))
 EMAIL_TIMEOUT = env_float("EMAIL_TIMEOUT", 10.0, minimum=0.1)
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "rundesk@localhost")
 

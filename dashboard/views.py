@@ -41,6 +41,7 @@ from evidence.models import (
 from runs.decisions import OPERATE
 from runs.models import Phase, Run, RunStatus, older_than, page_cursor
 from runs.sql import lock_refused, waits_bounded
+from runs.tasks import hand_over
 from runs.timeline import EventKind
 
 PAGE_SIZE = 50
@@ -257,10 +258,15 @@ def run_bundle(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     export = BundleExport.objects.create(
         run=run, requested_by=request.user.get_username(), include_evidence=not leave_evidence_out
     )
-    tasks.export_bundle.delay_on_commit(export.pk)
+    if refused := hand_over(tasks.export_bundle, export.pk):
+        # No worker will write it: said on its row, not left "waiting".
+        export.fail(f"could not be handed to a worker ({refused})", timezone.now())
     if request.htmx:
         return render(request, "run_detail.html#bundles", _bundles(run, timezone.now()))
-    messages.success(request, f"Bundle export {export.pk} of run {run.pk} queued.")
+    if refused:
+        messages.error(request, f"Bundle export {export.pk} failed: no worker could be asked.")
+    else:
+        messages.success(request, f"Bundle export {export.pk} of run {run.pk} queued.")
     return redirect(reverse("run-detail", args=[run.pk]) + "#run-bundles")
 
 

@@ -6,3 +6,6 @@ from django.apps import AppConfig
 class RunsConfig(AppConfig):
     name = "runs"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from runs import checks  # noqa: F401 (registers them)

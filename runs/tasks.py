@@ -31,6 +31,18 @@ from runs.timeline import timeline
 CLAIM_RETRIES = 10
 
 
+def hand_over(task: Any, *args: Any) -> str:
+    """Sends `task` to the workers, its rows already committed: "" once the
+    broker took it, else why not.  Whatever the broker's client raises is
+    said, never raised: what was recorded stays, and its caller says what
+    happens to it."""
+    try:
+        task.delay(*args)
+    except Exception as error:  # kombu, redis, amqp: each raises its own
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
 @shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=CLAIM_RETRIES)
 def execute_run(self: Any, run_id: int, seen_expiry: str | None = None) -> str:
     ending = claim_and_drive(run_id)

@@ -41,8 +41,8 @@ def bundle_dir(tmp_path: Path, settings: object) -> Path:
 
 @pytest.fixture
 def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
-    """The export tasks sent to the broker (after commit, by
-    delay_on_commit), recorded instead of sent: no worker runs here."""
+    """The export tasks sent to the broker (once their row is committed),
+    recorded instead of sent: no worker runs here."""
     calls: list[tuple] = []
     monkeypatch.setattr(tasks.export_bundle, "delay", lambda *args: calls.append(args))
     return calls
@@ -126,6 +126,17 @@ def test_operator_exports_and_downloads_the_bundle_the_task_wrote(operator, run,
     assert download.status_code == 200 and download["Content-Type"] == "application/zip"
     assert download["Content-Disposition"] == f'attachment; filename="rundesk-run-{run.pk}.zip"'
     assert b"".join(download.streaming_content) == export.path.read_bytes()
+
+
+def test_an_export_no_worker_can_be_asked_for_fails_with_why(operator, run, monkeypatch):
+    def refused(*args: object) -> None:
+        raise OSError("[Errno 111] Connection refused")
+
+    monkeypatch.setattr(tasks.export_bundle, "delay", refused)
+    page = operator.post(f"/runs/{run.pk}/bundle/", follow=True).content.decode()
+    export = BundleExport.objects.get()
+    assert export.state == BundleState.FAILED and "Connection refused" in export.error
+    assert f"Bundle export {export.pk} failed: no worker could be asked" in page
 
 
 def test_leaving_evidence_out_leaves_the_copies_out_of_the_bundle(operator, run, sent):

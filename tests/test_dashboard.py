@@ -12,7 +12,7 @@ from collections import Counter
 import psycopg
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
-from django.db import connection
+from django.db import OperationalError, connection
 from django.test import Client
 
 from dashboard import charts
@@ -271,6 +271,16 @@ def test_a_page_a_stranger_holds_answers_503_instead_of_hanging(viewer, run, mon
         page = viewer.get("/locks/")
         assert page.status_code == 200 and 'title="not counted' in page.content.decode()
     assert viewer.get("/").status_code == 200
+
+
+def test_a_page_the_database_cannot_answer_says_so(viewer, run, monkeypatch):
+    def gone(self: object) -> None:
+        raise OperationalError("server closed the connection unexpectedly")
+
+    monkeypatch.setattr(type(Run.objects), "listing", gone)
+    response = viewer.get("/")
+    assert response.status_code == 503 and response["Retry-After"] == "5"
+    assert "The database did not answer" in response.content.decode()
 
 
 def test_lock_graph_page_draws_the_cycle(viewer, incident):

@@ -195,6 +195,21 @@ def test_a_drill_silent_for_ten_minutes_no_longer_holds_back_the_next() -> None:
     assert lost.error.startswith("lost: no result")
 
 
+def test_a_drill_no_worker_can_be_asked_for_ends_at_once(operator: Client, monkeypatch) -> None:
+    def refused(*args: object) -> None:
+        raise OSError("[Errno 111] Connection refused")
+
+    monkeypatch.setattr(tasks.drill, "delay", refused)
+    page = operator.post("/drills/start/", {"scenario": ["lease_stolen"]}, follow=True)
+    drill = Drill.objects.get()
+    assert drill.state == DrillState.DONE and "could not be handed to a worker" in drill.error
+    assert f"Drill {drill.pk} not started: no worker could be asked" in page.content.decode()
+    # It holds back no other.
+    monkeypatch.setattr(tasks.drill, "delay", lambda *args: None)
+    operator.post("/drills/start/", {"scenario": ["lease_stolen"]})
+    assert Drill.objects.filter(state=DrillState.RUNNING).count() == 1
+
+
 @pytest.mark.slow
 def test_a_drill_started_on_the_page_is_run_by_a_real_worker(
     operator: Client, process_env: dict[str, str], tmp_path: Path, broker: Path, monkeypatch

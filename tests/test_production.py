@@ -130,6 +130,52 @@ def test_without_debug_a_secret_key_is_required(tmp_path: Path):
     assert "SECRET_KEY must be set" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("setting", "value", "said"),
+    [
+        ("SECRET_KEY", "", "SECRET_KEY must be set"),
+        ("RUNDESK_LEASE_SECONDS", "nan", "RUNDESK_LEASE_SECONDS must be from 1.0 to 1e+09"),
+        ("RUNDESK_LEASE_SECONDS", "inf", "RUNDESK_LEASE_SECONDS must be from 1.0 to 1e+09"),
+        ("RUNDESK_CAPTURE_LOCK_TIMEOUT_MS", "1e12", "RUNDESK_CAPTURE_LOCK_TIMEOUT_MS must be"),
+        ("EMAIL_PORT", "70000", "EMAIL_PORT must be from 1 to 65535"),
+        ("RUNDESK_LOG_LEVEL", "LOUD", "RUNDESK_LOG_LEVEL must be one of"),
+        ("DATABASE_URL", "garbage", "DATABASE_URL is not a database address"),
+        ("RUNDESK_CORPUS_DIR", "/nonexistent/corpus", "rundesk.E001) RUNDESK_CORPUS_DIR"),
+    ],
+)
+def test_a_setting_no_run_could_work_with_is_refused_naming_it(
+    tmp_path: Path, setting, value, said
+):
+    result = check_deploy(production(tmp_path, **DEPLOYED, **{setting: value}))
+    assert result.returncode != 0
+    assert said in result.stderr
+
+
+def test_an_empty_folder_setting_is_its_default_never_the_current_folder(tmp_path: Path):
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import django; django.setup(); from django.conf import settings as s; "
+            "print(s.RUNDESK_CORPUS_DIR, s.RUNDESK_OUTBOX_DIR.name, s.RUNDESK_BUNDLE_DIR.name)",
+        ],
+        cwd=tmp_path,
+        env=production(
+            tmp_path,
+            DJANGO_SETTINGS_MODULE="dashboard.settings",
+            PYTHONPATH=str(ROOT),
+            RUNDESK_CORPUS_DIR="",
+            RUNDESK_OUTBOX_DIR="",
+            RUNDESK_BUNDLE_DIR="",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.split() == [str(ROOT / "runs" / "sample_corpus"), "outbox", "bundles"]
+
+
 def test_the_server_error_page_stands_alone():
     """Rendered with no context: it names no URL, static file or user."""
     response = server_error(RequestFactory().get("/runs/1/"))

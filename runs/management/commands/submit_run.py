@@ -10,7 +10,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from runs.models import Run
-from runs.tasks import execute_run
+from runs.tasks import execute_run, hand_over
 
 
 class Command(BaseCommand):
@@ -60,16 +60,13 @@ class Command(BaseCommand):
                 )
             except ValueError as error:
                 raise CommandError(str(error)) from None
-        if options["celery"]:
-            try:
-                execute_run.apply_async((run.pk,), retry=False)
-            except Exception as error:  # the broker: whatever its client raises
-                # The run is queued all the same: the sweep hands it out.
-                self.stderr.write(
-                    f"run {run.pk} is queued, but handing it to Celery failed ({error}): "
-                    f"the sweep hands it out within {settings.RUNDESK_REDELIVER_SECONDS:g} s "
-                    "once the broker answers. Do not submit it again."
-                )
+        if options["celery"] and (refused := hand_over(execute_run, run.pk)):
+            # The run is queued all the same: the sweep hands it out.
+            self.stderr.write(
+                f"run {run.pk} is queued, but handing it to Celery failed ({refused}): "
+                f"the sweep hands it out within {settings.RUNDESK_REDELIVER_SECONDS:g} s "
+                "once the broker answers. Do not submit it again."
+            )
         if options["json"]:
             self.stdout.write(json.dumps({"run_id": run.pk}))
         else:
