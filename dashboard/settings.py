@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import urllib.parse
 from pathlib import Path
 
 import dj_database_url
@@ -92,6 +93,8 @@ def env_url(name: str) -> str:
     value = os.environ.get(name, "").strip()
     if value and not value.startswith(("http://", "https://")):
         raise ImproperlyConfigured(f"{name} must be an http:// or https:// URL, got {value!r}")
+    if value and not urllib.parse.urlsplit(value).hostname:
+        raise ImproperlyConfigured(f"{name} names no host: {value!r}")
     return value
 
 

@@ -140,6 +140,7 @@ def test_without_debug_a_secret_key_is_required(tmp_path: Path):
         ("EMAIL_PORT", "70000", "EMAIL_PORT must be from 1 to 65535"),
         ("RUNDESK_LOG_LEVEL", "LOUD", "RUNDESK_LOG_LEVEL must be one of"),
         ("DATABASE_URL", "garbage", "DATABASE_URL is not a database address"),
+        ("RUNDESK_DELIVERY_URL", "http://", "RUNDESK_DELIVERY_URL names no host"),
         ("RUNDESK_CORPUS_DIR", "/nonexistent/corpus", "rundesk.E001) RUNDESK_CORPUS_DIR"),
     ],
 )
