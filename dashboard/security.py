@@ -1,8 +1,8 @@
 """What the site accepts and how it is served: the Content-Security-Policy
 every page is served with, signed-in pages kept out of caches, pages that
 say the database cannot answer (a stranger's lock, an outage) instead of
-hanging or failing, the request size limit,
-and the refusal of parameters no query can hold (a NUL character).
+hanging or failing, the request size limit, and the refusal of parameters
+no query can hold (a NUL character).
 
 Scripts come only from the site itself (htmx and plotly.js are served from
 static/): no inline script, no eval, no other origin.  plotly.js sets
