@@ -16,7 +16,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import DatabaseError, transaction
 from django.db.models import TextChoices
 from django.http import HttpRequest
 from django.utils import timezone
@@ -33,7 +32,7 @@ from runs.models import (
     Run,
     RunStatus,
 )
-from runs.sql import lock_refused
+from runs.sql import unless_locked
 from runs.timeline import EventKind
 
 PLAIN: dict[type[TextChoices], dict[str, str]] = {
@@ -150,15 +149,9 @@ def inbox(request: HttpRequest) -> dict[str, Any]:
     @functools.cache
     def open_items() -> int | None:
         # None (shown as "?") when a stranger holds the table: the page
-        # itself may not need it.  A savepoint, so the page's transaction
-        # goes on (dashboard.security.PageLockWaitsMiddleware).
-        try:
-            with transaction.atomic():
-                return OutcomeItem.objects.local().filter(state=OutcomeState.OPEN).count()
-        except DatabaseError as error:
-            if lock_refused(error):
-                return None
-            raise
+        # itself may not need it, and its transaction goes on
+        # (dashboard.security.PageLockWaitsMiddleware).
+        return unless_locked(OutcomeItem.objects.local().filter(state=OutcomeState.OPEN).count)
 
     return {"inbox_open": open_items}
 

@@ -12,7 +12,6 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.auth.decorators import permission_required
 from django.core.exceptions import BadRequest
-from django.db import DatabaseError
 from django.db.models import QuerySet, Sum
 from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
@@ -40,7 +39,7 @@ from evidence.models import (
 )
 from runs.decisions import OPERATE
 from runs.models import Phase, Run, RunStatus, older_than, page_cursor
-from runs.sql import lock_refused, waits_bounded
+from runs.sql import unless_locked
 from runs.tasks import hand_over
 from runs.timeline import EventKind
 
@@ -188,12 +187,15 @@ def _events(run: Run, before: str) -> dict[str, Any]:
 @rejects_bad_input
 def run_cancel(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
+    by = request.user.get_username()
     if run.is_imported:
         say, said = (
             messages.error,
             f"Run {run.pk} is imported and read-only: cancel it where it runs.",
         )
-    elif (asked := _cancel(run, request.user.get_username())) is None:
+    # Its owner holds the run's row a statement at a time (milliseconds): a
+    # longer wait is a stranger's lock, said instead of the request hanging.
+    elif (asked := unless_locked(lambda: run.request_cancel(by=by), CANCEL_LOCK_WAIT)) is None:
         say, said = (
             messages.error,
             f"Run {run.pk} is locked by another session (see the lock pages): the cancel "
@@ -210,19 +212,6 @@ def run_cancel(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
         return render(request, "run_detail.html#live", context)
     say(request, said)
     return redirect("run-detail", run_id=run.pk)
-
-
-def _cancel(run: Run, by: str) -> bool | None:
-    """Run.request_cancel, waiting for the run's row at most CANCEL_LOCK_WAIT
-    (its owner holds it a statement at a time: milliseconds); None when a
-    stranger's lock kept it, instead of the operator's request hanging."""
-    try:
-        with waits_bounded(CANCEL_LOCK_WAIT):
-            return run.request_cancel(by=by)
-    except DatabaseError as error:
-        if lock_refused(error):
-            return None
-        raise
 
 
 # -- investigation bundles ----------------------------------------------------------

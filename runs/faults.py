@@ -63,8 +63,9 @@ POINTS: dict[str, set[str]] = {
     "tool_error": {"action"},
     "delivery_timeout": set(),
 }
-# A fault's action is a step of the run: within the largest budget.
-MAX_ACTION = 2**31 - 1
+# The most steps a run can take: its action budget is a PostgreSQL integer.
+# A fault's action is one of them.
+MAX_STEPS = 2**31 - 1
 NEEDS_ACTION = {"checkpoint_serialize_error", "drop_connection_at_commit", "lease_stolen"}
 NEEDS_ACTION |= {"cancel", "tool_error"}
 
@@ -184,8 +185,8 @@ def _parse_fault(i: int, item: Any) -> Fault:
     action = item.get("action")
     if point in NEEDS_ACTION and action is None:
         raise FaultPlanError(f"fault {i}: {point} needs 'action'")
-    if action is not None and (not _whole(action) or not 1 <= action <= MAX_ACTION):
-        raise FaultPlanError(f"fault {i}: 'action' must be an integer from 1 to {MAX_ACTION}")
+    if action is not None and (not _whole(action) or not 1 <= action <= MAX_STEPS):
+        raise FaultPlanError(f"fault {i}: 'action' must be an integer from 1 to {MAX_STEPS}")
     for key, top in (("ms", 600_000), ("stall_ms", 600_000)):
         value = item.get(key, 0)
         if not _whole(value) or not 0 <= value <= top:

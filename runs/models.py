@@ -21,7 +21,7 @@ from django.db import connection, models, transaction
 from django.db.models import Count, Exists, F, OuterRef, Q, Subquery, Value
 from django.db.models.functions import Coalesce, Concat, Now
 
-from runs.faults import FaultPlan
+from runs.faults import MAX_STEPS, FaultPlan
 from runs.timeline import EventKind, timeline
 
 
@@ -107,8 +107,6 @@ def _count_per_run(rows: models.QuerySet) -> Coalesce:
 # What no PostgreSQL text can hold: NUL, and lone surrogates (UTF-8 cannot
 # encode them).
 UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-# The largest action budget its column holds (a PositiveIntegerField).
-MAX_BUDGET = 2**31 - 1
 
 
 class RunQuerySet(models.QuerySet["Run"]):
@@ -299,8 +297,8 @@ class RunQuerySet(models.QuerySet["Run"]):
         FaultPlan.parse(faults)
         if action_budget is not None and action_budget < 1:
             raise ValueError("the action budget must be at least 1")
-        if action_budget is not None and action_budget > MAX_BUDGET:
-            raise ValueError(f"the action budget must be at most {MAX_BUDGET}")
+        if action_budget is not None and action_budget > MAX_STEPS:
+            raise ValueError(f"the action budget must be at most {MAX_STEPS}")
         fields: dict[str, Any] = {"faults": faults or [], "deadline": deadline, "is_drill": drill}
         if action_budget is not None:
             fields["action_budget"] = action_budget

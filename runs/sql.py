@@ -8,10 +8,10 @@ settles it)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from django.conf import settings
@@ -23,6 +23,8 @@ from django.db import (
     connections,
     transaction,
 )
+
+T = TypeVar("T")
 
 ANNOUNCE_PREFIX = "rundesk:xid "
 LOCK_NOT_AVAILABLE = "55P03"  # NOWAIT refusal and lock_timeout alike
@@ -121,6 +123,20 @@ def waits_bounded(timeout: str) -> Iterator[None]:
     with transaction.atomic(), server_cursor() as cursor:
         cursor.execute("SELECT set_config('lock_timeout', %s, true)", [timeout], prepare=True)
         yield
+
+
+def unless_locked(work: Callable[[], T], timeout: str | None = None) -> T | None:
+    """`work()` in a transaction of its own (a savepoint inside a caller's)
+    whose lock waits end after `timeout` (None: the caller's bound holds):
+    its result, or None when a lock was refused.  The caller's transaction
+    goes on either way."""
+    try:
+        with waits_bounded(timeout) if timeout else transaction.atomic():
+            return work()
+    except DatabaseError as error:
+        if lock_refused(error):
+            return None
+        raise
 
 
 def name_connection(role: str, run_id: int | None = None) -> None:

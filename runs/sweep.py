@@ -16,9 +16,9 @@ run:
 
 Each step is fenced like a claim, so a sweep racing an executor, another
 sweep or an old owner that wakes up changes each run once.  Each waits for
-a lock at most decisions.LOCK_WAIT (a row or a table a stranger holds): a step that
-cannot have its lock is left to the next sweep, and the others go on, so
-the executor that runs the sweep is never held up by it.
+a lock at most decisions.LOCK_WAIT (a row or a table a stranger holds): a
+step that cannot have its lock is left to the next sweep, and the others go
+on, so the executor that runs the sweep is never held up by it.
 """
 
 from __future__ import annotations
