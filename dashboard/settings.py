@@ -322,6 +322,18 @@ else:
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "visibility_timeout": env_float("RUNDESK_BROKER_VISIBILITY_TIMEOUT", 6 * 3600, minimum=60)
     }
+    if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
+        # A Redis that holds the connection open and never answers (a dead
+        # link, a half-open connection, a frozen server) held every publish
+        # for ever -- Celery beat's included, and with it the sweep, without
+        # a word.  Its client now waits this long for an answer, then
+        # Celery's publish retries take over, and the caller says the
+        # hand-over failed.  (AMQP's wait is broker_connection_timeout.)
+        broker_timeout = env_float("RUNDESK_BROKER_TIMEOUT", 10.0, minimum=0.1, maximum=3600)
+        CELERY_BROKER_TRANSPORT_OPTIONS |= {
+            "socket_timeout": broker_timeout,
+            "socket_connect_timeout": broker_timeout,
+        }
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

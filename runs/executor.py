@@ -205,6 +205,29 @@ def claim_and_drive(run_id: int, *, stop: threading.Event | None = None) -> Endi
     return drive(lease, stop or threading.Event())
 
 
+# Connections one executor process holds at most: per worker, its run's
+# and that run's heartbeat's; shared by all, the timeline's, capture's and
+# the lock sampler's.
+SHARED_CONNECTIONS = 3
+
+
+def connections_needed(concurrency: int) -> int:
+    return 2 * concurrency + SHARED_CONNECTIONS
+
+
+def connections_allowed() -> int:
+    """How many sessions the server lets a non-superuser role hold in all:
+    max_connections less the slots it reserves (reserved_connections is
+    PostgreSQL 16's)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """SELECT current_setting('max_connections')::int
+                   - current_setting('superuser_reserved_connections')::int
+                   - coalesce(current_setting('reserved_connections', true), '0')::int"""
+        )
+        return cursor.fetchone()[0]
+
+
 class Executor:
     def __init__(
         self,

@@ -11,6 +11,7 @@ wait in the queue behind every run queued before it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import shared_task
@@ -25,6 +26,8 @@ from runs.drills import report, run_drill
 from runs.executor import Ending, claim_and_drive
 from runs.models import Drill, Run
 from runs.timeline import timeline
+
+logger = logging.getLogger(__name__)
 
 # How many times a task comes back for a run it could not claim: enough to
 # outlast a dead owner's lease a few times over, never forever.
@@ -63,8 +66,19 @@ def sweep() -> dict[str, int]:
     """Beat's sweep (runs/sweep.py); the runs it leaves waiting for a worker
     get a task each."""
     swept = sweeping.sweep(redeliver_after=settings.RUNDESK_REDELIVER_SECONDS)
-    for run_id in swept.to_execute:
-        execute_run.delay(run_id)
+    waiting = swept.to_execute
+    for i, run_id in enumerate(waiting):
+        if failed := hand_over(execute_run, run_id):
+            # The broker did not take it (each hand-over waits for it up to
+            # its timeout and retries): the rest would wait as long.  They
+            # are queued, and the sweep hands them out again later.
+            logger.warning(
+                "sweep: runs %s not handed to Celery (%s): handed out again in about %s s",
+                waiting[i:],
+                failed,
+                settings.RUNDESK_REDELIVER_SECONDS,
+            )
+            break
     return {
         "cancelled": len(swept.cancelled),
         "requeued": len(swept.requeued),

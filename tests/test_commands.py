@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import socket
 from io import StringIO
@@ -10,8 +11,10 @@ import psycopg
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import connection, connections
+from django.db.models.functions import Now
 
 from runs.benchmarks import pages
+from runs.executor import SHARED_CONNECTIONS, connections_allowed, connections_needed
 from runs.models import Run, RunStatus
 from tests.conftest import manage
 
@@ -40,6 +43,65 @@ def test_submit_run_says_its_run_is_queued_when_the_broker_does_not_answer(proce
     assert run.status == RunStatus.QUEUED
     assert f"run {run.pk} is queued, but handing it to Celery failed" in err
     assert "Traceback" not in err
+
+
+class SilentBroker:
+    """A broker that takes the connection and never answers: a dead link, a
+    half-open connection, a frozen server."""
+
+    def __enter__(self) -> str:
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=64)
+        return f"redis://127.0.0.1:{self.sock.getsockname()[1]}/7"
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+
+def test_submit_run_says_its_run_is_queued_when_the_broker_never_answers(process_env):
+    # Before, the command waited for the answer for ever.
+    with SilentBroker() as url:
+        env = {**process_env, "CELERY_BROKER_URL": url, "RUNDESK_BROKER_TIMEOUT": "0.5"}
+        args = ["submit_run", "--question", "Compare", "--doc", "a.md", "--celery", "--json"]
+        done = manage(*args, env=env)
+        out, err = done.communicate(timeout=90)
+    assert done.returncode == 0, err
+    run = Run.objects.get(pk=json.loads(out)["run_id"])
+    assert run.status == RunStatus.QUEUED
+    assert f"run {run.pk} is queued, but handing it to Celery failed" in err
+
+
+def test_beats_sweep_goes_on_when_the_broker_never_answers(process_env):
+    """Beat runs the sweep itself (runs.tasks.SweepingScheduler); a sweep
+    stuck handing a run to a broker that never answers stopped every sweep
+    after it, without a word."""
+    stale = [Run.objects.submit(question=f"q{i}", documents=["a.md"]) for i in range(3)]
+    Run.objects.update(queued_at=Now() - dt.timedelta(minutes=5))
+    cancelled = Run.objects.submit(question="q", documents=["a.md"])
+    Run.objects.filter(pk=cancelled.pk).update(
+        status=RunStatus.RUNNING,
+        lease_owner="dead",
+        lease_epoch=1,
+        lease_expires_at=Now() - dt.timedelta(seconds=30),
+        cancel_requested_at=Now(),
+        cancel_requested_by="olga",
+    )
+    with SilentBroker() as url:
+        env = {**process_env, "CELERY_BROKER_URL": url, "RUNDESK_BROKER_TIMEOUT": "0.5"}
+        code = "import json; from runs.tasks import sweep; print(json.dumps(sweep()))"
+        done = manage("shell", "-c", code, env=env)
+        out, err = done.communicate(timeout=90)
+    assert done.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["redelivered"] == 3
+    # One hand-over failed; the others were not tried: the broker is down.
+    (warning,) = [line for line in err.splitlines() if "not handed to Celery" in line]
+    listed = warning.split("runs [", 1)[1].split("]", 1)[0]
+    assert sorted(int(pk) for pk in listed.split(", ")) == [r.pk for r in stale]
+    # What the sweep decides in the database it did: the dead owner's
+    # cancelled run ended, and the stale runs stay queued for the next sweep.
+    assert Run.objects.get(pk=cancelled.pk).status == RunStatus.CANCELLED
+    assert set(
+        Run.objects.filter(pk__in=[r.pk for r in stale]).values_list("status", flat=True)
+    ) == {RunStatus.QUEUED}
 
 
 def test_submit_run_queues_a_run_and_prints_its_id_as_json():
@@ -101,6 +163,17 @@ def test_executor_run_executes_one_run_and_reports_it():
 def test_executor_run_refuses_an_unknown_run():
     with pytest.raises(CommandError, match="no run 999"):
         run_command("executor", "--run", "999")
+
+
+def test_executor_refuses_more_runs_at_once_than_the_server_has_connections_for():
+    allowed = connections_allowed()
+    too_many = (allowed - SHARED_CONNECTIONS) // 2 + 1
+    run = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"])
+    with pytest.raises(CommandError, match=f"needs {2 * too_many + 3} database connections"):
+        run_command("executor", "--once", "--concurrency", str(too_many))
+    # Nothing was started: the run is still queued.
+    assert Run.objects.get(pk=run.pk).status == RunStatus.QUEUED
+    assert connections_needed(too_many - 1) <= allowed
 
 
 def test_the_dashboard_benchmark_seeds_rows_the_schema_accepts():

@@ -8,7 +8,14 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from evidence.capture import capture
-from runs.executor import Ending, Executor, claim_and_drive
+from runs.executor import (
+    SHARED_CONNECTIONS,
+    Ending,
+    Executor,
+    claim_and_drive,
+    connections_allowed,
+    connections_needed,
+)
 from runs.models import Run
 from runs.timeline import timeline
 
@@ -23,8 +30,17 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="print the outcome of each run")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        if options["concurrency"] < 1:
+        concurrency = options["concurrency"]
+        if concurrency < 1:
             raise CommandError("--concurrency must be at least 1")
+        # Past what the server allows, workers and heartbeats fail to connect
+        # one by one: runs would start and lose their leases.
+        if connections_needed(concurrency) > (allowed := connections_allowed()):
+            raise CommandError(
+                f"--concurrency {concurrency} needs {connections_needed(concurrency)} database "
+                f"connections (two per run, {SHARED_CONNECTIONS} shared); the server allows "
+                f"{allowed} in all (max_connections less its reserved slots)"
+            )
         printing = threading.Lock()
 
         def say(run_id: int, ending: Ending) -> None:
@@ -39,9 +55,7 @@ class Command(BaseCommand):
                 self.stdout.flush()
 
         # Without --json, the executor's log says each ending (runs.executor).
-        executor = Executor(
-            concurrency=options["concurrency"], on_ending=say if options["json"] else None
-        )
+        executor = Executor(concurrency=concurrency, on_ending=say if options["json"] else None)
         stop = executor.stop
 
         def on_signal(signum: int, frame: Any) -> None:
