@@ -452,11 +452,15 @@ class Dispatcher:
         self.write_receipt()
         self.lease.redispatch_boundary(action.pk)
         action.attempts += 1
+        why = (
+            "sent again under its identity, as an operator decided"
+            if action.effect_class == EffectClass.EFFECT
+            else "a read with no receipt, dispatched again"
+        )
         timeline.record(
             self.run.pk,
             EventKind.ACTION_REDISPATCHED,
-            f"{action.step_key}: a read with no receipt, dispatched again (attempt "
-            f"{action.attempts})",
+            f"{action.step_key}: {why} (attempt {action.attempts})",
             action_id=action.pk,
             epoch=self.lease.epoch,
         )

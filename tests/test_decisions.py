@@ -30,7 +30,8 @@ from runs.models import (
     RunStatus,
 )
 from runs.outcomes import xact_status
-from tests.faultruns import KEYS, executions, run_with, wait_for
+from runs.timeline import EventKind, timeline
+from tests.faultruns import KEYS, events, executions, run_with, wait_for
 from tests.receivers import LocalServer, status
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("short_settle")]
@@ -96,6 +97,11 @@ def test_an_authorised_resend_goes_once_more_under_the_same_key(
     deliver = Action.objects.get(run=run, step_key="deliver")
     assert (deliver.state, deliver.attempts) == (ActionState.COMPLETED, 2)
     assert all(executions(journal, run, key) == 1 for key in KEYS[:-1])
+    # The timeline says why it went again (it said "a read with no receipt").
+    timeline.flush()
+    assert events(run, EventKind.ACTION_REDISPATCHED) == [
+        "deliver: sent again under its identity, as an operator decided (attempt 2)"
+    ]
 
 
 def test_the_database_counts_the_decisions_that_authorise_a_second_dispatch(
