@@ -15,7 +15,7 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseStopPolling
 
 from dashboard.htmx import HtmxHttpRequest
-from dashboard.security import rejects_bad_input
+from dashboard.security import form_lock_waits, rejects_bad_input
 from runs import tasks
 from runs.decisions import OPERATE
 from runs.drills import CHECKS, SCENARIOS, DrillRunning, describe, start_drill
@@ -72,7 +72,8 @@ def drill_start(request: HtmxHttpRequest) -> HttpResponse:
         messages.error(request, f"No such scenario: {', '.join(unknown)}.")
         return redirect("drills")
     try:
-        drill = start_drill(chosen, request.user.get_username())
+        with form_lock_waits():
+            drill = start_drill(chosen, request.user.get_username())
     except DrillRunning as running:
         messages.info(request, f"Not started: {running}. Its results appear below.")
         return redirect("drills")

@@ -32,7 +32,7 @@ from django_htmx.http import HttpResponseStopPolling
 
 from dashboard.context import Field, evidence_fields, plain, status_words
 from dashboard.htmx import HtmxHttpRequest, asks_for
-from dashboard.security import rejects_bad_input
+from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
 from runs.decisions import (
     OPERATE,
     REFERENCE_MAX,
@@ -529,13 +529,22 @@ def _refused(refused: DecisionRefused) -> str:
 @permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
 def item_decide(request: HtmxHttpRequest, item_id: int) -> HttpResponse:
-    item = get_object_or_404(OutcomeItem, pk=item_id)
+    with form_lock_waits():
+        item = get_object_or_404(OutcomeItem, pk=item_id)
     said, refused = _taken(request, lambda asked: decide(item.pk, asked), "one of the choices")
+    say = messages.error if refused else messages.success
     if request.htmx:
-        item = items_listed(OutcomeItem.objects.all()).get(pk=item_id)
-        context = {**_item_context(request, item), "notice": said, "refused": refused}
-        return render(request, "outcome_item.html#item", context, status=409 if refused else 200)
-    (messages.error if refused else messages.success)(request, said)
+
+        def shown() -> HttpResponse:
+            listed = items_listed(OutcomeItem.objects.all()).get(pk=item_id)
+            context = {**_item_context(request, listed), "notice": said, "refused": refused}
+            return render(
+                request, "outcome_item.html#item", context, status=409 if refused else 200
+            )
+
+        page = reverse("inbox-item", args=[item_id])
+        return shown_unless_locked(request, shown, page, lambda: say(request, said))
+    say(request, said)
     return redirect("inbox-item", item_id=item_id)
 
 
@@ -544,13 +553,20 @@ def item_decide(request: HtmxHttpRequest, item_id: int) -> HttpResponse:
 @rejects_bad_input
 def run_decide(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     """Resume or abandon a run that waits for an operator."""
-    run = get_object_or_404(Run, pk=run_id)
+    with form_lock_waits():
+        run = get_object_or_404(Run, pk=run_id)
     said, refused = _taken(request, lambda asked: decide_run(run.pk, asked), "resume or abandon")
+    say = messages.error if refused else messages.success
     if request.htmx:
-        run.refresh_from_db()
-        context = {**run_choices(request, run), "notice": said, "refused": refused}
-        return render(request, "run_decisions.html", context, status=409 if refused else 200)
-    (messages.error if refused else messages.success)(request, said)
+
+        def shown() -> HttpResponse:
+            run.refresh_from_db()
+            context = {**run_choices(request, run), "notice": said, "refused": refused}
+            return render(request, "run_decisions.html", context, status=409 if refused else 200)
+
+        page = reverse("run-detail", args=[run.pk])
+        return shown_unless_locked(request, shown, page, lambda: say(request, said))
+    say(request, said)
     # Back to the page the decision was taken on: a path of this site, never
     # a view name (redirect() would look a bare word up as one) nor another site.
     back = request.POST.get("next", "")

@@ -12,6 +12,7 @@ inline styles on the SVG it draws, hence 'unsafe-inline' for styles only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from functools import wraps
 from typing import Any
 
@@ -21,8 +22,9 @@ from django.db import OperationalError, transaction
 from django.http import HttpRequest, HttpResponse
 from django.template.loader import render_to_string
 from django.utils.cache import patch_cache_control
+from django_htmx.http import HttpResponseClientRedirect
 
-from runs.sql import lock_refused, waits_bounded
+from runs.sql import lock_refused, unless_locked, waits_bounded
 
 # The longest a page waits for a lock someone else holds.
 PAGE_LOCK_WAIT = "3s"
@@ -81,8 +83,11 @@ class PageLockWaitsMiddleware:
     lock (a few pages polling every two seconds would take them all): each
     GET runs in one transaction whose lock waits are bounded (SET LOCAL: a
     pooler's server connection does not keep it); forms (POST) bound their
-    own.  A database that does not answer at all (restarting, out of
-    connections) is said as such."""
+    own: what a form does before and with its write runs in a transaction
+    bounded the same way (`form_lock_waits`), and a lock refused there
+    answers the same page, nothing changed; what it shows afterwards is
+    `shown_unless_locked`.  A database that does not answer at all
+    (restarting, out of connections) is said as such."""
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response
@@ -97,10 +102,36 @@ class PageLockWaitsMiddleware:
             return _unavailable(error)
 
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
-        if request.method not in ("GET", "HEAD") or not isinstance(exception, OperationalError):
+        if not isinstance(exception, OperationalError):
             return None
-        transaction.set_rollback(True)
-        return _unavailable(exception)
+        if request.method in ("GET", "HEAD"):
+            transaction.set_rollback(True)
+            return _unavailable(exception)
+        # A form: only a lock refused in `form_lock_waits`, which rolled
+        # back all it did.
+        return _unavailable(exception) if lock_refused(exception) else None
+
+
+def form_lock_waits() -> AbstractContextManager[None]:
+    """For what a form (POST) does up to and with its write: one
+    transaction whose lock waits end after PAGE_LOCK_WAIT.  A lock refused
+    rolls it all back, and the middleware answers 503 saying so."""
+    return waits_bounded(PAGE_LOCK_WAIT)
+
+
+def shown_unless_locked(
+    request: HttpRequest, show: Callable[[], HttpResponse], page: str, say: Callable[[], None]
+) -> HttpResponse:
+    """What an htmx form answers once its work is done: `show()` (the
+    region it renders again, saying what was done), its lock waits
+    bounded.  Held by a stranger's lock, the browser goes to `page`
+    instead, where `say()` leaves what was done, and which (bounded like
+    every page) says what holds it."""
+    shown = unless_locked(show, PAGE_LOCK_WAIT)
+    if shown is not None:
+        return shown
+    say()
+    return HttpResponseClientRedirect(page)
 
 
 def _unavailable(error: OperationalError) -> HttpResponse:

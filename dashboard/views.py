@@ -26,7 +26,7 @@ from dashboard.context import plain, status_words
 from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.inbox import run_choices
 from dashboard.run_page import run_facts
-from dashboard.security import rejects_bad_input
+from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
 from evidence import pglog, tasks
 from evidence.models import (
     BundleExport,
@@ -186,7 +186,8 @@ def _events(run: Run, before: str) -> dict[str, Any]:
 @permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
 def run_cancel(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
-    run = get_object_or_404(Run, pk=run_id)
+    with form_lock_waits():
+        run = get_object_or_404(Run, pk=run_id)
     by = request.user.get_username()
     if run.is_imported:
         say, said = (
@@ -205,11 +206,15 @@ def run_cancel(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
         say, said = messages.success, f"Cancel requested for run {run.pk}."
     else:
         say, said = messages.info, f"Run {run.pk} had already ended or was being cancelled."
-    run.refresh_from_db()
     if request.htmx:
         # Said in the region it replaces, not left for whatever page comes next.
-        context = {"run": run, **run_facts(run), "notice": said}
-        return render(request, "run_detail.html#live", context)
+        def live() -> HttpResponse:
+            run.refresh_from_db()
+            context = {"run": run, **run_facts(run), "notice": said}
+            return render(request, "run_detail.html#live", context)
+
+        page = reverse("run-detail", args=[run.pk])
+        return shown_unless_locked(request, live, page, lambda: say(request, said))
     say(request, said)
     return redirect("run-detail", run_id=run.pk)
 
@@ -240,23 +245,34 @@ def _bundles_region(request: HttpRequest, run: Run) -> HttpResponse:
 @rejects_bad_input
 def run_bundle(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     """Queues an export of the run's bundle; a worker writes it."""
-    run = get_object_or_404(Run.objects.local(), pk=run_id)  # an import is not re-sealed here
     leave_evidence_out = request.POST.get("no_evidence", "")
     if leave_evidence_out not in ("", "1"):
         raise BadRequest(f"no_evidence={leave_evidence_out!r} is not 1 (or absent)")
-    export = BundleExport.objects.create(
-        run=run, requested_by=request.user.get_username(), include_evidence=not leave_evidence_out
-    )
+    with form_lock_waits():
+        run = get_object_or_404(Run.objects.local(), pk=run_id)  # an import is not re-sealed
+        export = BundleExport.objects.create(
+            run=run,
+            requested_by=request.user.get_username(),
+            include_evidence=not leave_evidence_out,
+        )
     if refused := hand_over(tasks.export_bundle, export.pk):
         # No worker will write it: said on its row, not left "waiting".
         export.fail(f"could not be handed to a worker ({refused})", timezone.now())
+    said = (
+        (messages.error, f"Bundle export {export.pk} failed: no worker could be asked.")
+        if refused
+        else (messages.success, f"Bundle export {export.pk} of run {run.pk} queued.")
+    )
+    page = reverse("run-detail", args=[run.pk]) + "#run-bundles"
     if request.htmx:
-        return render(request, "run_detail.html#bundles", _bundles(run, timezone.now()))
-    if refused:
-        messages.error(request, f"Bundle export {export.pk} failed: no worker could be asked.")
-    else:
-        messages.success(request, f"Bundle export {export.pk} of run {run.pk} queued.")
-    return redirect(reverse("run-detail", args=[run.pk]) + "#run-bundles")
+        return shown_unless_locked(
+            request,
+            lambda: render(request, "run_detail.html#bundles", _bundles(run, timezone.now())),
+            page,
+            lambda: said[0](request, said[1]),
+        )
+    said[0](request, said[1])
+    return redirect(page)
 
 
 @require_GET
@@ -342,7 +358,8 @@ def locks_import(request: HttpRequest) -> HttpResponse:
         return redirect("locks")
     try:
         text, warning = pglog.decode(upload.read())
-        imported = pglog.import_log(text, upload.name, log_format)
+        with form_lock_waits():
+            imported = pglog.import_log(text, upload.name, log_format)
     except pglog.LogFormatError as error:
         messages.error(request, f"{upload.name}: {error}. Nothing was imported.")
         return redirect("locks")

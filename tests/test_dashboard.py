@@ -18,10 +18,19 @@ from django.test import Client
 from dashboard import charts
 from evidence import locks, pglog
 from evidence.capture import record_gaps
-from evidence.models import IncidentSource, LockIncident
+from evidence.models import BundleExport, IncidentSource, LockIncident
 from runs.executor import claim_and_drive
 from runs.leases import Lease
-from runs.models import Action, Run, RunStatus, page_cursor
+from runs.models import (
+    Action,
+    Drill,
+    OperatorDecision,
+    OutcomeItem,
+    OutcomeKind,
+    Run,
+    RunStatus,
+    page_cursor,
+)
 from runs.timeline import EventKind, timeline
 from tests.conftest import PASSWORD, make_user, signed_in
 from tests.test_pglog import THREE_WAY
@@ -271,6 +280,82 @@ def test_a_page_a_stranger_holds_answers_503_instead_of_hanging(viewer, run, mon
         page = viewer.get("/locks/")
         assert page.status_code == 200 and 'title="not counted' in page.content.decode()
     assert viewer.get("/").status_code == 200
+
+
+def forms_held(run: Run) -> dict[str, tuple[str, str, dict[str, object]]]:
+    """Each form, the lock a stranger holds that its first read or its
+    write waits for, and what it posts."""
+    item = OutcomeItem.objects.create(
+        run=run, kind=OutcomeKind.RECEIPT, subject="receipt:held", summary="held", evidence={}
+    )
+    log = SimpleUploadedFile("server.log", THREE_WAY.encode())
+    return {
+        "cancel": ("LOCK TABLE runs_run", f"/runs/{run.pk}/cancel/", {}),
+        # The export's row checks its run's row (a foreign key): FOR KEY SHARE.
+        "bundle": (
+            f"SELECT 1 FROM runs_run WHERE id = {run.pk} FOR UPDATE",
+            f"/runs/{run.pk}/bundle/",
+            {},
+        ),
+        "decide item": (
+            "LOCK TABLE runs_outcomeitem",
+            f"/inbox/{item.pk}/decide/",
+            {"choice": "check_again", "token": "t-1", "reason": "r"},
+        ),
+        "decide run": (
+            "LOCK TABLE runs_run",
+            f"/runs/{run.pk}/decide/",
+            {"choice": "abandon", "token": "t-2", "reason": "r"},
+        ),
+        "drill": ("LOCK TABLE runs_drill", "/drills/start/", {"scenario": ["lease_stolen"]}),
+        "import": ("LOCK TABLE evidence_lockincident", "/locks/import/", {"log": log}),
+    }
+
+
+@pytest.mark.parametrize(
+    "form", ["cancel", "bundle", "decide item", "decide run", "drill", "import"]
+)
+def test_a_form_a_stranger_holds_answers_503_and_changes_nothing(operator, form, monkeypatch):
+    """Before, a form's first read (or an export's row) waited for as long
+    as the stranger held the lock, and the request with it."""
+    monkeypatch.setattr("dashboard.security.PAGE_LOCK_WAIT", "300ms")
+    run = Run.objects.submit(question="waits", documents=["a.md"])
+    Run.objects.filter(pk=run.pk).update(status=RunStatus.NEEDS_OPERATOR)
+    lock, url, data = forms_held(run)[form]
+    before = {
+        model: model.objects.count()
+        for model in (BundleExport, Drill, LockIncident, OperatorDecision)
+    }
+    with psycopg.connect(**connection.get_connection_params()) as stranger:
+        stranger.execute(lock)
+        started = time.monotonic()
+        response = operator.post(url, data)
+        took = time.monotonic() - started
+    assert response.status_code == 503 and took < 5
+    assert "another database session holds locked" in response.content.decode()
+    assert "Nothing was changed" in response.content.decode()
+    run.refresh_from_db()
+    assert (run.status, run.cancel_requested_at) == (RunStatus.NEEDS_OPERATOR, None)
+    assert {model: model.objects.count() for model in before} == before
+
+
+def test_a_form_whose_answer_a_stranger_holds_goes_to_its_page_saying_what_was_done(
+    operator, monkeypatch
+):
+    """The cancel is written (its run row is free); the region it answers
+    with reads evidence a stranger has locked: the browser is sent to the
+    run's page, where the cancel is said."""
+    monkeypatch.setattr("dashboard.security.PAGE_LOCK_WAIT", "300ms")
+    run = Run.objects.submit(question="to cancel", documents=["a.md"])
+    with psycopg.connect(**connection.get_connection_params()) as stranger:
+        stranger.execute("LOCK TABLE evidence_capturegap")
+        response = operator.post(f"/runs/{run.pk}/cancel/", headers={"HX-Request": "true"})
+    assert response.status_code == 200 and response["HX-Redirect"] == f"/runs/{run.pk}/"
+    run.refresh_from_db()
+    assert run.status == RunStatus.CANCELLED
+    assert (
+        f"Cancel requested for run {run.pk}." in operator.get(f"/runs/{run.pk}/").content.decode()
+    )
 
 
 def test_a_page_the_database_cannot_answer_says_so(viewer, run, monkeypatch):

@@ -118,7 +118,8 @@ def test_tls_switch_and_broker_visibility_timeout_reach_django_and_celery(tmp_pa
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.strip() == (
         "True True True ('HTTP_X_FORWARDED_PROTO', 'https') 31536000 "
-        "['https://rundesk.example.com'] {'visibility_timeout': 7200.0} 1 True"
+        "['https://rundesk.example.com'] {'visibility_timeout': 7200.0, "
+        "'socket_timeout': 10.0, 'socket_connect_timeout': 10.0} 1 True"
     )
 
 
