@@ -13,6 +13,11 @@ server's log only) each process's query:
     ... CONTEXT:  while updating tuple (0,1) in relation "evidence_modelcall"
     ... STATEMENT:  UPDATE ...
 
+Only the server's report is one: where the log says a message's severity
+and SQLSTATE (csvlog, jsonlog, log_error_verbosity=verbose), an ERROR of
+40P01; a function's RAISE of the same words (a WARNING, an error P0001)
+is not.
+
 With `log_lock_waits`, the processes' waits were logged before it
 ("process 101 still waiting for ShareLock on transaction 7001 after
 1000.123 ms", DETAIL "Process holding the lock: 102. Wait queue: 101.").
@@ -47,6 +52,9 @@ from evidence.pglog_formats import (
     decode,
     read,
 )
+
+# The SQLSTATE of the server's deadlock report (errcodes.h: ERRCODE_T_R_DEADLOCK_DETECTED).
+DEADLOCK_DETECTED = "40P01"
 
 __all__ = [
     "FORMATS",
@@ -164,7 +172,7 @@ def parse(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> lis
                 waiting.pop(wait.waiter, None)
                 latest[key] = None
             continue
-        if messages.starts("deadlock", item.text.lstrip()):
+        if _reports_deadlock(item):
             report = Report(reporter=item.pid, time=item.time, line=item.line, records=[item])
             report.earlier = list(waiting.values())
             if item.time_problem:
@@ -196,6 +204,18 @@ def parse(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> lis
             if not set(wait.holders) - {wait.waiter}
         )
     return reports
+
+
+def _reports_deadlock(item: Record) -> bool:
+    """A message saying "deadlock detected" is the server's report where
+    the log says it is an ERROR of SQLSTATE 40P01, or does not say (a
+    client's output): a WARNING, or an error a function raised with that
+    text (RAISE, SQLSTATE P0001), is not one."""
+    return (
+        item.severity in ("", "ERROR")
+        and item.sqlstate in ("", DEADLOCK_DETECTED)
+        and messages.starts("deadlock", item.text.lstrip()) is not None
+    )
 
 
 def _logged_wait(item: Record) -> tuple[str, LoggedWait] | None:

@@ -62,6 +62,7 @@ class Record:
     pid: int | None = None
     application: str = ""
     line: int = 0  # where the record starts in the input
+    sqlstate: str = ""  # of a message, where the input says (csvlog, jsonlog, verbose stderr)
 
 
 def decode(raw: bytes, encoding: str = "utf-8") -> tuple[str, str]:
@@ -256,10 +257,14 @@ def _entry_records(
         "line": line,
     }
     severity = _severity(str(entry.get("error_severity") or entry.get("severity") or ""))
+    # A server entry's state_code; a client's error object's code (node-postgres).
+    code = str(entry.get("state_code") or entry.get("code") or "")
+    sqlstate = code if SQLSTATE_CODE.fullmatch(code) else ""
     for label, keys in FIELDS.items():
         value = next((entry[key] for key in keys if isinstance(entry.get(key), str)), "")
         if value:
-            yield Record(label, value, severity if label == MESSAGE else "", **common)
+            said = (severity, sqlstate) if label == MESSAGE else ("", "")
+            yield Record(label, value, said[0], **common, sqlstate=said[1])
 
 
 def _severity(word: str) -> str:
@@ -313,7 +318,8 @@ LEFTOVER = re.compile(r"^[\s'\"`+,;:()\[\]{}]*$")
 ESCAPED_NEWLINE = re.compile(r"\\n")
 SHIPPER_TAB = re.compile(r"\t|#011")
 DIGITS = re.compile(r"\d+")
-SQLSTATE = re.compile(r"^[0-9A-Z]{5}:\s+")
+SQLSTATE = re.compile(r"^(?P<code>[0-9A-Z]{5}):\s+")
+SQLSTATE_CODE = re.compile(r"[0-9A-Z]{5}")
 QUOTED_VALUE = re.compile(
     r"""(?<![\w"'])["':]?(?P<key>[A-Za-z_]+)["']?\s*(?::|=>?)\s*"""
     r"""(?P<quote>["'])(?P<value>(?:\\.|(?!(?P=quote))[^\\])*)(?P=quote)"""
@@ -332,11 +338,20 @@ class _Pending:
     time: dt.datetime | None = None
     time_problem: str = ""
     pid: int | None = None
+    sqlstate: str = ""
 
     def record(self) -> Record:
         text = "\n".join(self.lines).strip("\n")
         return Record(
-            self.label, text, self.severity, self.time, self.time_problem, self.pid, "", self.line
+            self.label,
+            text,
+            self.severity,
+            self.time,
+            self.time_problem,
+            self.pid,
+            "",
+            self.line,
+            self.sqlstate,
         )
 
 
@@ -407,10 +422,10 @@ class _TextReader:
         start = _start(line)
         if start is not None:
             yield from self._flush()
-            prefix, label, severity, text = start
+            prefix, label, severity, text, sqlstate = start
             when, problem = self._time(prefix) if _has_time(prefix) else time
             self.pending = _Pending(
-                label, severity, prefix, number, [text], when, problem, _pid(prefix)
+                label, severity, prefix, number, [text], when, problem, _pid(prefix), sqlstate
             )
             return
         pending = self.pending
@@ -432,8 +447,8 @@ class _TextReader:
             self.pending = None
 
 
-def _start(line: str) -> tuple[str, str, str, str] | None:
-    """(prefix, label, severity, text) when `line` starts a message or a
+def _start(line: str) -> tuple[str, str, str, str, str] | None:
+    """(prefix, label, severity, text, sqlstate) when `line` starts a message or a
     field: after a log_line_prefix, a severity or a label; or a client's
     field name at its start; or a deadlock report a client quotes."""
     # Where a prefix ends is in its first MAX_LINE characters; the rest is text.
@@ -443,15 +458,22 @@ def _start(line: str) -> tuple[str, str, str, str] | None:
         kind, word = found.lastgroup[0], found.lastgroup[2:]
         text = line[found.end() :]
         if kind == "s":  # log_error_verbosity=verbose puts the SQLSTATE first
-            return line[: found.start()], MESSAGE, word, SQLSTATE.sub("", text, count=1)
-        return line[: found.start()], word, "", text
+            code = SQLSTATE.match(text)
+            return (
+                line[: found.start()],
+                MESSAGE,
+                word,
+                text[code.end() :] if code else text,
+                code["code"] if code else "",
+            )
+        return line[: found.start()], word, "", text, ""
     if quoted is not None:
-        return line[:quoted], MESSAGE, "", line[quoted:]
+        return line[:quoted], MESSAGE, "", line[quoted:], ""
     if (client := CLIENT_LABEL.match(line)) and not STACK_FRAME.match(line):
         key = client["key"].replace(" ", "").replace("_", "").lower()
         if key in CLIENT_FIELDS or key in OTHER_FIELDS:
             text = line[client.end() :]
-            return "", CLIENT_FIELDS.get(key, "OTHER"), "", text.removesuffix("]")
+            return "", CLIENT_FIELDS.get(key, "OTHER"), "", text.removesuffix("]"), ""
     return None
 
 

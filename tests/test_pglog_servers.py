@@ -6,7 +6,9 @@ log_line_prefix (%t-%c-), a prefix with %x and no time, queries holding
 U+2028, a logrotate .gz, logs read while being written (jsonlog, csvlog), a
 12,000-character statement, and multi-line queries whose lines say
 "ERROR:  " or "deadlock detected" -- each cut to the lines around its
-report."""
+report -- and whole logs of four deadlocks (rows of two and three
+sessions, a table lock, advisory locks) among statements that RAISE
+"deadlock detected" as a WARNING and as an error of their own."""
 
 from __future__ import annotations
 
@@ -198,3 +200,18 @@ def test_a_statement_longer_than_a_searched_line_is_kept_whole():
     assert report.statement.startswith("UPDATE t SET v = v + 1")
     assert len(report.statement) == 12046
     assert report.graph.cycle() == [21641, 21642] and report.unread == []
+
+
+@pytest.mark.parametrize("name", ["raised_verbose.log", "raised_fr.csv", "raised_ja.json"])
+def test_a_function_that_raises_deadlock_detected_is_no_deadlock_report(name):
+    """`RAISE WARNING 'deadlock detected'` (01000) and `RAISE EXCEPTION
+    'deadlock detected' USING DETAIL = 'Process 1 waits for ...'` (P0001)
+    were taken for the server's reports (40P01): two incidents that never
+    happened, one with a made-up wait.  Where the log says a message's
+    severity and SQLSTATE (verbose stderr, csvlog, jsonlog), only the
+    server's report is one; French and Japanese logs word it their way."""
+    reports = parse(name)
+
+    assert [len(report.graph.processes) for report in reports] == [2, 3, 2, 2]
+    assert all(report.graph.cycle() for report in reports)
+    assert 1 not in {pid for report in reports for pid in report.graph.processes}
