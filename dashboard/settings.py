@@ -103,8 +103,10 @@ def process_role() -> str:
     graph can say who is who: rundesk:executor, rundesk:web, rundesk:worker."""
     if role := os.environ.get("RUNDESK_ROLE"):
         return role
-    program = Path(sys.argv[0]).name if sys.argv else ""
-    if program == "celery":
+    started = Path(sys.argv[0]) if sys.argv else Path()
+    program = started.name
+    # `celery ...`, or `python -m celery ...` (argv[0] is celery/__main__.py).
+    if program == "celery" or (program == "__main__.py" and started.parent.name == "celery"):
         return "worker"
     if program == "manage.py" and len(sys.argv) > 1:
         return {"runserver": "web"}.get(sys.argv[1], sys.argv[1])

@@ -31,6 +31,7 @@ from django.test import RequestFactory
 from django.views.defaults import server_error
 from playwright.sync_api import Browser, Page, expect
 
+from dashboard.settings import process_role
 from runs.management.commands.demo import site_environment, web_server
 from tests import test_browser
 from tests.conftest import PASSWORD, ROOT, database_url
@@ -121,6 +122,23 @@ def test_tls_switch_and_broker_visibility_timeout_reach_django_and_celery(tmp_pa
         "['https://rundesk.example.com'] {'visibility_timeout': 7200.0, "
         "'socket_timeout': 10.0, 'socket_connect_timeout': 10.0} 1 True"
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "role"),
+    [
+        (["/srv/.venv/bin/celery", "-A", "dashboard", "worker"], "worker"),
+        # `python -m celery`, as the demo starts it: its connections said "web".
+        (["/srv/.venv/lib/python3.11/site-packages/celery/__main__.py", "worker"], "worker"),
+        (["/srv/app/manage.py", "executor"], "executor"),
+        (["/srv/.venv/bin/gunicorn", "dashboard.wsgi"], "web"),
+        (["/srv/app/__main__.py"], "web"),
+    ],
+)
+def test_each_process_names_its_role_in_pg_stat_activity(monkeypatch, argv, role):
+    monkeypatch.delenv("RUNDESK_ROLE", raising=False)
+    monkeypatch.setattr(sys, "argv", argv)
+    assert process_role() == role
 
 
 def test_without_debug_a_secret_key_is_required(tmp_path: Path):
