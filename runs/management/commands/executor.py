@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError
 
 from evidence.capture import capture
 from runs.executor import (
@@ -34,8 +35,14 @@ class Command(BaseCommand):
         if concurrency < 1:
             raise CommandError("--concurrency must be at least 1")
         # Past what the server allows, workers and heartbeats fail to connect
-        # one by one: runs would start and lose their leases.
-        if connections_needed(concurrency) > (allowed := connections_allowed()):
+        # one by one: runs would start and lose their leases.  (A server not
+        # up yet is waited for as before: the workers try again.)
+        try:
+            allowed = connections_allowed()
+        except DatabaseError as error:
+            self.stderr.write(f"executor: connections not checked: {str(error).strip()}")
+            allowed = connections_needed(concurrency)
+        if connections_needed(concurrency) > allowed:
             raise CommandError(
                 f"--concurrency {concurrency} needs {connections_needed(concurrency)} database "
                 f"connections (two per run, {SHARED_CONNECTIONS} shared); the server allows "
