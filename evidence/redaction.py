@@ -36,6 +36,12 @@ QUOTE = "(?:\\\\?[\"']|&quot;|&#x27;|&#39;)"
 # of up to six digits (max_tokens: 4096), a path (PWD=/srv/app), a variable
 # (token=${TOKEN}).
 PLAIN_VALUE = r"(?:true|false|none|null|yes|no|undefined)\b|\d{1,6}\b|[/~$]"
+# Where a key may start: not within a word -- or right after a JSON escape
+# (\n, \t, \u2028), whose letter or digits are not the key's.  A model
+# call's copy holds its messages as JSON text: a document's line starts
+# after "\n", and a key at its start was glued to that "n".
+ESCAPED = r"(?<=\\[nrtbf])|(?<=\\u[0-9a-fA-F]{4})"
+START = rf"(?:(?<!\w)|{ESCAPED})"
 # Most specific first: a key is named by the first format it matches.
 FORMATS: list[tuple[str, re.Pattern[str]]] = [
     (
@@ -50,19 +56,26 @@ FORMATS: list[tuple[str, re.Pattern[str]]] = [
         "authorization_header",
         re.compile(
             # The value may be in backquotes or brackets: `Bearer x`, (Bearer x).
-            r"(?i)(?<![A-Za-z])((?:proxy-)?authorization\"?\s*[:=]\s*\"?[`(\[]?)"
+            # After a word's end, a digit or an underscore (HTTP_AUTHORIZATION).
+            rf"(?i)(?:(?<![A-Za-z])|{ESCAPED})((?:proxy-)?authorization\"?\s*[:=]\s*\"?[`(\[]?)"
             r"(?:(?:bearer|basic|token|digest|negotiate)(?:\s*:\s*|\s+))?[^\s\"'`,)\]}<>&]+"
         ),
     ),
-    ("bearer_token", re.compile(r"(?i)\bbearer(?:\s*[:=]\s*|\s+)[A-Za-z0-9._~+/=-]{12,}")),
-    ("jwt", re.compile(r"\beyJ[A-Za-z0-9_-]{6,}\.[A-Za-z0-9_-]{6,}\.[A-Za-z0-9_-]{6,}")),
-    ("anthropic_key", re.compile(r"\bsk-ant-[A-Za-z0-9_-]{16,}")),
-    ("openai_key", re.compile(r"\bsk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{20,}")),
-    ("stripe_key", re.compile(r"\b(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{16,}")),
-    ("aws_access_key", re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b")),
-    ("github_token", re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})")),
-    ("google_api_key", re.compile(r"\bAIza[0-9A-Za-z_-]{35}\b")),
-    ("slack_token", re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{10,}")),
+    ("bearer_token", re.compile(rf"(?i){START}bearer(?:\s*[:=]\s*|\s+)[A-Za-z0-9._~+/=-]{{12,}}")),
+    (
+        "jwt",
+        re.compile(rf"{START}eyJ[A-Za-z0-9_-]{{6,}}\.[A-Za-z0-9_-]{{6,}}\.[A-Za-z0-9_-]{{6,}}"),
+    ),
+    ("anthropic_key", re.compile(rf"{START}sk-ant-[A-Za-z0-9_-]{{16,}}")),
+    ("openai_key", re.compile(rf"{START}sk-(?:proj-|svcacct-|admin-)?[A-Za-z0-9_-]{{20,}}")),
+    ("stripe_key", re.compile(rf"{START}(?:sk|rk|pk)_(?:live|test)_[A-Za-z0-9]{{16,}}")),
+    ("aws_access_key", re.compile(rf"{START}(?:AKIA|ASIA)[0-9A-Z]{{16}}\b")),
+    (
+        "github_token",
+        re.compile(rf"{START}(?:gh[pousr]_[A-Za-z0-9]{{30,}}|github_pat_[A-Za-z0-9_]{{30,}})"),
+    ),
+    ("google_api_key", re.compile(rf"{START}AIza[0-9A-Za-z_-]{{35}}\b")),
+    ("slack_token", re.compile(rf"{START}xox[abposr]-[A-Za-z0-9-]{{10,}}")),
     # postgres://user:PASSWORD@host, https://user:PASSWORD@host...
     (
         "url_password",

@@ -208,6 +208,45 @@ def test_secrets_never_leave_in_any_byte(journal, tmp_path, settings, monkeypatc
     assert OPENAI_KEY not in json.dumps(exported.manifest)
 
 
+# Keys as a document may hold them, each at the start of a line.
+LINE_START_KEYS = [
+    "AKIAQQQQQQQQQQQQQQQQ",
+    "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiI5OTkifQ.linestartJwtSig",
+    "sk-proj-linestartopenaikey0123456789",
+    "ghp_linestartgithubtoken0123456789abcdef",
+    "AIza" + ("L1n3St4rt" * 4)[:35],
+]
+
+
+def test_keys_at_the_start_of_a_documents_lines_never_leave(journal, tmp_path, settings):
+    """A model call's copy holds its messages as JSON text, where each
+    line of the document follows a "\n": a key there was glued to that
+    "n", no key pattern saw where it began, and it left in
+    evidence_copies.jsonl (redacted everywhere else)."""
+    settings.RUNDESK_CORPUS_DIR = tmp_path / "corpus"
+    settings.RUNDESK_CORPUS_DIR.mkdir()
+    lines = ["# Keys", *LINE_START_KEYS, "Authorization: Basic bGluZXVzZXI6bGluZXB3ZA=="]
+    (settings.RUNDESK_CORPUS_DIR / "keys.md").write_text("\n".join(lines) + "\r\n\tend\n")
+    run = Run.objects.submit(question="Compare", documents=["keys.md"])
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    timeline.flush()
+    capture.flush()
+    path = tmp_path / "run.zip"
+    exported = bundles.export(run.pk, path)
+    assert "evidence_copies.jsonl" in entries(path)
+    for name, data in entries(path).items():
+        for secret in [*LINE_START_KEYS, "bGluZXVzZXI6bGluZXB3ZA=="]:
+            assert secret.encode() not in data, f"{secret[:8]}... left in {name}"
+    assert exported.manifest["redacted"]["evidence_copies.jsonl"]["aws_access_key"] >= 1
+
+
+@pytest.mark.parametrize("escape", ["\n", "\r\n", "\t", "\u2028", "\u00a0"])
+@pytest.mark.parametrize("key", [*LINE_START_KEYS, "Bearer abcdefghijklmnopqrstuvwxyz"])
+def test_a_key_after_a_json_escape_is_redacted(escape, key):
+    text = json.dumps(f"before{escape}{key}{escape}after")
+    assert key.split()[-1] not in Redactor({}).text(text, "x")
+
+
 def test_passwords_in_urls_and_named_fields_never_leave(journal, tmp_path):
     secrets = {
         "url_password": "BobsPassw0rd!",
