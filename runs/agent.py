@@ -185,8 +185,7 @@ def _not_read(path: str, reason: str) -> str:
 
 
 def _refused(path: str, read: dict[str, Any]) -> str:
-    # The tool's refusal names the path itself (quoted): said once.
-    return f"{path}: {str(read['refused']).removeprefix(f'{path!r}: ')}"
+    return f"{path}: {read['refused']}"
 
 
 def _not_included(path: str, step_key: str, error: str) -> str:

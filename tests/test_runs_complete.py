@@ -108,9 +108,7 @@ def test_refused_document_is_reported_and_the_run_still_completes(journal):
     receipt = Receipt.objects.get(run=run, step_key="read:0")
     assert "'..' is refused" in receipt.result["refused"]
     final = AnswerRevision.objects.get(run=run, is_final=True).content
-    assert "NWCE" in final
-    # The note names the document once (the refusal quoted it too).
-    assert "- ../../etc/passwd: '..' is refused; name a file inside the corpus\n" in final
+    assert "../../etc/passwd" in final and "NWCE" in final
     assert set(journal.counts("read_document")) == {f"rundesk:run-{run.pk}:read:1"}
 
 
