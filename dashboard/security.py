@@ -11,18 +11,18 @@ inline styles on the SVG it draws, hence 'unsafe-inline' for styles only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import wraps
 from typing import Any
 
 from django.conf import settings
+from django.contrib.messages import get_messages
 from django.core.exceptions import BadRequest
-from django.db import OperationalError, transaction
+from django.db import DatabaseError, OperationalError, transaction
 from django.http import HttpRequest, HttpResponse
 from django.template.loader import render_to_string
 from django.utils.cache import patch_cache_control
-from django_htmx.http import HttpResponseClientRedirect
 
 from runs.sql import lock_refused, unless_locked, waits_bounded
 
@@ -83,11 +83,13 @@ class PageLockWaitsMiddleware:
     lock (a few pages polling every two seconds would take them all): each
     GET runs in one transaction whose lock waits are bounded (SET LOCAL: a
     pooler's server connection does not keep it); forms (POST) bound their
-    own: what a form does before and with its write runs in a transaction
+    own: what a form does up to and with its write runs in a transaction
     bounded the same way (`form_lock_waits`), and a lock refused there
-    answers the same page, nothing changed; what it shows afterwards is
-    `shown_unless_locked`.  A database that does not answer at all
-    (restarting, out of connections) is said as such."""
+    answers the same page, saying nothing was changed; what it shows
+    afterwards is `shown_unless_locked`, saying what was done.  An htmx
+    form gets the page's words in place of the page (htmx swaps no 503).
+    A database that does not answer at all (restarting, out of
+    connections) is said as such."""
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response
@@ -99,24 +101,34 @@ class PageLockWaitsMiddleware:
             with waits_bounded(PAGE_LOCK_WAIT):
                 return self.get_response(request)
         except OperationalError as error:  # the transaction could not begin or end
-            return _unavailable(error)
+            return unavailable(request, locked=lock_refused(error))
 
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
-        if not isinstance(exception, OperationalError):
+        if isinstance(exception, FormLocked):  # rolled back: nothing was changed
+            return unavailable(request, locked=True, form=True)
+        if request.method not in ("GET", "HEAD") or not isinstance(exception, OperationalError):
             return None
-        if request.method in ("GET", "HEAD"):
-            transaction.set_rollback(True)
-            return _unavailable(exception)
-        # A form: only a lock refused in `form_lock_waits`, which rolled
-        # back all it did.
-        return _unavailable(exception) if lock_refused(exception) else None
+        transaction.set_rollback(True)
+        return unavailable(request, locked=lock_refused(exception))
 
 
-def form_lock_waits() -> AbstractContextManager[None]:
+class FormLocked(Exception):
+    """What a form does up to its write was held by a lock, and rolled back."""
+
+
+@contextmanager
+def form_lock_waits() -> Iterator[None]:
     """For what a form (POST) does up to and with its write: one
     transaction whose lock waits end after PAGE_LOCK_WAIT.  A lock refused
-    rolls it all back, and the middleware answers 503 saying so."""
-    return waits_bounded(PAGE_LOCK_WAIT)
+    rolls it all back and raises FormLocked (the middleware answers 503,
+    saying nothing was changed); no other error is taken for one."""
+    try:
+        with waits_bounded(PAGE_LOCK_WAIT):
+            yield
+    except DatabaseError as error:
+        if lock_refused(error):
+            raise FormLocked() from error
+        raise
 
 
 def shown_unless_locked(
@@ -131,13 +143,35 @@ def shown_unless_locked(
     if shown is not None:
         return shown
     say()
-    return HttpResponseClientRedirect(page)
+    return unavailable(request, locked=True, form=True, done=True, back=page)
 
 
-def _unavailable(error: OperationalError) -> HttpResponse:
-    locked = lock_refused(error)
-    page = render_to_string("503.html", {"locked": locked, "wait": PAGE_LOCK_WAIT})
-    response = HttpResponse(page, status=503)
+def unavailable(
+    request: HttpRequest,
+    *,
+    locked: bool,
+    form: bool = False,
+    done: bool = False,
+    back: str = "",
+) -> HttpResponse:
+    """The page that says the database could not answer: held by a lock
+    (`locked`), for a form (`form`) that did what it was asked (`done`) or
+    nothing, with the messages waiting to be said (what was done).  It
+    reads nothing from the database.  An htmx request gets its words in
+    place of the page it came from (htmx swaps no 503)."""
+    context = {
+        "locked": locked,
+        "form": form,
+        "done": done,
+        "wait": PAGE_LOCK_WAIT,
+        "said": [str(message) for message in get_messages(request)],
+        "back": back or request.headers.get("HX-Current-URL", ""),
+    }
+    if getattr(request, "htmx", False):
+        response = HttpResponse(render_to_string("503.html#held", context))
+        response["HX-Retarget"], response["HX-Reswap"] = "body", "innerHTML"
+        return response
+    response = HttpResponse(render_to_string("503.html", context), status=503)
     response["Retry-After"] = "5"
     return response
 

@@ -324,7 +324,7 @@ else:
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "visibility_timeout": env_float("RUNDESK_BROKER_VISIBILITY_TIMEOUT", 6 * 3600, minimum=60)
     }
-    if CELERY_BROKER_URL.startswith(("redis://", "rediss://")):
+    if CELERY_BROKER_URL.startswith(("redis://", "rediss://", "redis+socket://", "sentinel://")):
         # A Redis that holds the connection open and never answers (a dead
         # link, a half-open connection, a frozen server) held every publish
         # for ever -- Celery beat's included, and with it the sweep, without

@@ -258,20 +258,19 @@ def run_bundle(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     if refused := hand_over(tasks.export_bundle, export.pk):
         # No worker will write it: said on its row, not left "waiting".
         export.fail(f"could not be handed to a worker ({refused})", timezone.now())
-    said = (
-        (messages.error, f"Bundle export {export.pk} failed: no worker could be asked.")
-        if refused
-        else (messages.success, f"Bundle export {export.pk} of run {run.pk} queued.")
-    )
+    if refused:
+        say, said = messages.error, f"Bundle export {export.pk} failed: no worker could be asked."
+    else:
+        say, said = messages.success, f"Bundle export {export.pk} of run {run.pk} queued."
     page = reverse("run-detail", args=[run.pk]) + "#run-bundles"
     if request.htmx:
         return shown_unless_locked(
             request,
             lambda: render(request, "run_detail.html#bundles", _bundles(run, timezone.now())),
             page,
-            lambda: said[0](request, said[1]),
+            lambda: say(request, said),
         )
-    said[0](request, said[1])
+    say(request, said)
     return redirect(page)
 
 
@@ -358,8 +357,9 @@ def locks_import(request: HttpRequest) -> HttpResponse:
         return redirect("locks")
     try:
         text, warning = pglog.decode(upload.read())
+        reports = pglog.parse(text, log_format)
         with form_lock_waits():
-            imported = pglog.import_log(text, upload.name, log_format)
+            imported = pglog.store(reports, upload.name)
     except pglog.LogFormatError as error:
         messages.error(request, f"{upload.name}: {error}. Nothing was imported.")
         return redirect("locks")

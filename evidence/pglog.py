@@ -65,6 +65,7 @@ __all__ = [
     "import_log",
     "parse",
     "record",
+    "store",
 ]
 
 # Words a client wraps around the lines of a report (node's `'...' +`).
@@ -397,7 +398,11 @@ def import_log(
 ) -> list[tuple[Report, LockIncident]]:
     """Every report of `text` stored as an incident, all or none: input
     that is not in `format` (LogFormatError) or a failed write stores none."""
-    reports = parse(text, format, zone)
+    return store(parse(text, format, zone), origin)
+
+
+def store(reports: list[Report], origin: str) -> list[tuple[Report, LockIncident]]:
+    """`reports` stored as incidents, all or none."""
     with transaction.atomic():
         return [(report, record(report, origin)) for report in reports]
 

@@ -10,11 +10,11 @@ from io import StringIO
 import psycopg
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import connection, connections
+from django.db import OperationalError, connection, connections
 from django.db.models.functions import Now
 
 from runs.benchmarks import pages
-from runs.executor import SHARED_CONNECTIONS, connections_allowed, connections_needed
+from runs.executor import SHARED_CONNECTIONS, connections_allowed
 from runs.models import Run, RunStatus
 from tests.conftest import manage
 
@@ -173,7 +173,18 @@ def test_executor_refuses_more_runs_at_once_than_the_server_has_connections_for(
         run_command("executor", "--once", "--concurrency", str(too_many))
     # Nothing was started: the run is still queued.
     assert Run.objects.get(pk=run.pk).status == RunStatus.QUEUED
-    assert connections_needed(too_many - 1) <= allowed
+
+
+def test_executor_that_cannot_ask_the_server_its_connections_starts_all_the_same(monkeypatch):
+    def unanswered() -> int:
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr("runs.management.commands.executor.connections_allowed", unanswered)
+    run = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"])
+    err = StringIO()
+    call_command("executor", "--once", stdout=StringIO(), stderr=err)
+    assert "connections not checked: connection refused" in err.getvalue()
+    assert Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED
 
 
 def test_the_dashboard_benchmark_seeds_rows_the_schema_accepts():

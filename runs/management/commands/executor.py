@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
-from django.db import DatabaseError
+from django.db import DatabaseError, connection
 
 from evidence.capture import capture
 from runs.executor import (
@@ -42,6 +42,8 @@ class Command(BaseCommand):
         except DatabaseError as error:
             self.stderr.write(f"executor: connections not checked: {str(error).strip()}")
             allowed = connections_needed(concurrency)
+        finally:
+            connection.close()  # this thread's: the workers hold their own
         if connections_needed(concurrency) > allowed:
             raise CommandError(
                 f"--concurrency {concurrency} needs {connections_needed(concurrency)} database "
