@@ -157,8 +157,9 @@ def unavailable(
     """The page that says the database could not answer: held by a lock
     (`locked`), for a form (`form`) that did what it was asked (`done`) or
     nothing, with the messages waiting to be said (what was done).  It
-    reads nothing from the database.  An htmx request gets its words in
-    place of the page it came from (htmx swaps no 503)."""
+    reads nothing from the database.  An htmx form gets its words in
+    place of the page it came from (htmx swaps no 503); a region's poll
+    gets the 503, and its region stays as it was until the next poll."""
     context = {
         "locked": locked,
         "form": form,
@@ -167,7 +168,7 @@ def unavailable(
         "said": [str(message) for message in get_messages(request)],
         "back": back or request.headers.get("HX-Current-URL", ""),
     }
-    if getattr(request, "htmx", False):
+    if form and getattr(request, "htmx", False):
         response = HttpResponse(render_to_string("503.html#held", context))
         response["HX-Retarget"], response["HX-Reswap"] = "body", "innerHTML"
         return response

@@ -273,6 +273,9 @@ def test_a_page_a_stranger_holds_answers_503_instead_of_hanging(viewer, run, mon
         assert time.monotonic() - started < 5
         assert response.status_code == 503 and response["Retry-After"] == "5"
         assert "another database session holds locked" in response.content.decode()
+        # A region's poll keeps its region until the next poll: no page swapped in.
+        poll = viewer.get(f"/runs/{run.pk}/live/", headers={"HX-Request": "true"})
+        assert poll.status_code == 503 and not poll.has_header("HX-Retarget")
         stranger.rollback()
         # A lock on the items table costs a page that does not read it only
         # its badge's count.
