@@ -23,6 +23,7 @@ from django.db import DatabaseError, OperationalError, transaction
 from django.http import HttpRequest, HttpResponse
 from django.template.loader import render_to_string
 from django.utils.cache import patch_cache_control
+from django.utils.http import url_has_allowed_host_and_scheme
 
 from runs.sql import lock_refused, unless_locked, waits_bounded
 
@@ -112,6 +113,15 @@ class PageLockWaitsMiddleware:
         return unavailable(request, locked=lock_refused(exception))
 
 
+def _this_site(request: HttpRequest, url: str) -> str:
+    """`url` if it is a page of this site (a header the client sends is
+    never put in a link otherwise: javascript:, another site)."""
+    allowed = url_has_allowed_host_and_scheme(
+        url, allowed_hosts={request.get_host()}, require_https=request.is_secure()
+    )
+    return url if allowed else ""
+
+
 class FormLocked(Exception):
     """What a form does up to its write was held by a lock, and rolled back."""
 
@@ -136,9 +146,8 @@ def shown_unless_locked(
 ) -> HttpResponse:
     """What an htmx form answers once its work is done: `show()` (the
     region it renders again, saying what was done), its lock waits
-    bounded.  Held by a stranger's lock, the browser goes to `page`
-    instead, where `say()` leaves what was done, and which (bounded like
-    every page) says what holds it."""
+    bounded.  Held by a stranger's lock, the lock page's words instead,
+    with what `say()` says was done and a link to `page`."""
     shown = unless_locked(show, PAGE_LOCK_WAIT)
     if shown is not None:
         return shown
@@ -166,7 +175,7 @@ def unavailable(
         "done": done,
         "wait": PAGE_LOCK_WAIT,
         "said": [str(message) for message in get_messages(request)],
-        "back": back or request.headers.get("HX-Current-URL", ""),
+        "back": back or _this_site(request, request.headers.get("HX-Current-URL", "")),
     }
     if form and getattr(request, "htmx", False):
         response = HttpResponse(render_to_string("503.html#held", context))

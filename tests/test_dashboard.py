@@ -337,13 +337,16 @@ def test_a_form_a_stranger_holds_answers_503_and_changes_nothing(operator, form,
         # htmx swaps no 503: its form gets the page's words in place of its page.
         if isinstance(data.get("log"), SimpleUploadedFile):
             data["log"].seek(0)
-        swapped = operator.post(url, data, headers={"HX-Request": "true"})
+        swapped = operator.post(
+            url, data, headers={"HX-Request": "true", "HX-Current-URL": "javascript:alert(1)"}
+        )
     assert response.status_code == 503 and took < 5
     for page in (response, swapped):
         assert "another database session holds locked" in page.content.decode()
         assert "Nothing was changed: try again once it is free." in page.content.decode()
     assert swapped.status_code == 200
     assert (swapped["HX-Retarget"], swapped["HX-Reswap"]) == ("body", "innerHTML")
+    assert "javascript:" not in swapped.content.decode()  # a header is no link
     run.refresh_from_db()
     assert (run.status, run.cancel_requested_at) == (RunStatus.NEEDS_OPERATOR, None)
     assert {model: model.objects.count() for model in before} == before
