@@ -263,8 +263,14 @@ def _entry_records(
     for label, keys in FIELDS.items():
         value = next((entry[key] for key in keys if isinstance(entry.get(key), str)), "")
         if value:
-            said = (severity, sqlstate) if label == MESSAGE else ("", "")
-            yield Record(label, value, said[0], **common, sqlstate=said[1])
+            message = label == MESSAGE
+            yield Record(
+                label,
+                value,
+                severity if message else "",
+                **common,
+                sqlstate=sqlstate if message else "",
+            )
 
 
 def _severity(word: str) -> str:
