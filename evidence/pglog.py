@@ -151,7 +151,8 @@ def parse(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> lis
     # DETAIL, HINT... belongs to, and the waits it has logged and not ended.
     latest: dict[int | None, Report | LoggedWait | None] = {}
     waiting: dict[int, LoggedWait] = {}
-    # Per process, the application name the log gives it (csvlog, jsonlog).
+    # Per process, the application name the log gives it (csvlog, jsonlog;
+    # stderr where %a names a Rundesk connection).
     applications: dict[int, str] = {}
     for item in read(text, format, zone):
         key = item.pid

@@ -355,7 +355,7 @@ class _Pending:
             self.time,
             self.time_problem,
             self.pid,
-            "",
+            _application(self.prefix),
             self.line,
             self.sqlstate,
         )
@@ -586,6 +586,9 @@ PID_IN_PREFIX = re.compile(
     r"\[(?P<bracket>\d+)(?:-\d+)?\]|\bpid[=:]\s*(?P<named>\d+)"
     r"|(?<![\w.])[0-9a-f]{8}\.(?P<session>[0-9a-f]{1,8})(?![\w.])"
 )
+# A Rundesk connection's application name (runs/sql.py application_name),
+# where log_line_prefix has %a: a whole word, after %d: or %u@ too.
+RUNDESK_APPLICATION = re.compile(r"(?<![\w.-])rundesk:[a-z_-]+(?::run-\d+)?(?![\w:.-])")
 # Zone abbreviations that name one offset (minutes east of UTC).  CST, CDT,
 # IST and PST name several (PST: Los Angeles and Manila; CDT: Chicago and
 # Havana): a time in them is unknown unless the server's log_timezone is
@@ -656,6 +659,15 @@ def _iso_time(match: re.Match[str], zone: dt.tzinfo | None) -> tuple[dt.datetime
         return None, f"the time {written!r} is in zone {name}, whose offset is not known here"
     end = match.end("fraction") if match["fraction"] else match.end("clock")
     return None, f"the time {match.string[match.start() : end]!r} gives no time zone"
+
+
+def _application(prefix: str) -> str:
+    """The application name a stderr prefix gives (%a), where it is a
+    Rundesk connection's.  Another's is not told from the prefix's other
+    words (the user, the database, the host) without the server's
+    log_line_prefix: the process's query names its role instead."""
+    match = RUNDESK_APPLICATION.search(prefix)
+    return match[0] if match else ""
 
 
 def _pid(prefix: str) -> int | None:

@@ -187,6 +187,41 @@ def test_csvlog_and_jsonlog_reports_read_like_the_same_report_in_stderr(name, fo
     assert report.unread == []
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        "{user}@{db} {app} ",  # %u@%d %a
+        "{db}:{app} ",  # %d:%a, the database named like the product
+        "app={app},user={user} ",  # app=%a,user=%u
+    ],
+)
+def test_stderr_names_rundesk_connections_where_the_prefix_has_their_application(shape):
+    """stderr has no columns: of the words a log_line_prefix prints, a
+    Rundesk connection's application name is told by its shape, and names
+    the role and run as csvlog's column does.  Another application's name
+    is not guessed at: its process's query names its role."""
+    applications = {4102: "rundesk:capture:run-3", 4103: "rundesk:executor:run-2", 4104: "psql"}
+    lines = []
+    for line in (FIXTURES / "three_way.log").read_text().splitlines():
+        if not line.startswith("\t"):
+            pid = int(line.split("[", 1)[1].split("]", 1)[0])
+            words = shape.format(user="rundesk", db="rundesk", app=applications.get(pid, "psql"))
+            line = line.replace(" rundesk@app ", f" {words}", 1)
+        lines.append(line)
+    (report,) = pglog.parse("\n".join(lines) + "\n")
+    roles = {p.pid: (p.role, p.run_id) for p in report.graph.processes.values()}
+    assert roles == {4102: ("capture", 3), 4103: ("executor", 2), 4104: ("source refresh", None)}
+    assert report.graph.cycle() == [4102, 4103, 4104]
+    assert report.unread == []
+
+
+def test_stderr_without_application_names_leaves_roles_to_the_queries():
+    (report,) = pglog.parse((FIXTURES / "three_way.log").read_text())
+    roles = {p.pid: (p.role, p.run_id) for p in report.graph.processes.values()}
+    assert roles[4104] == ("source refresh", None)
+    assert roles[4102][1] is None and roles[4103][1] is None
+
+
 def test_json_nested_deeper_than_the_parser_goes_is_not_a_server_entry():
     deep = '{"a": ' + "[" * 100_000 + "\n"
     with pytest.raises(pglog.LogFormatError, match="jsonlog line 1 is not JSON"):
