@@ -1,13 +1,15 @@
 """System checks of the runtime's settings (`manage.py check`, and every
 command that runs work, before it starts): a setting that would let every
-run go wrong quietly stops the process with what to fix instead."""
+run go wrong quietly stops the process with what to fix instead.  One that
+only a deployment across machines gets wrong is a warning of `check
+--deploy`."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.conf import settings
-from django.core.checks import Error, register
+from django.core.checks import Error, Warning, register
 
 
 @register()
@@ -23,5 +25,25 @@ def corpus_folder(**kwargs: Any) -> list[Error]:
             "refused, and every run would complete with a report on nothing",
             hint="Point RUNDESK_CORPUS_DIR at the folder of documents runs may read.",
             id="rundesk.E001",
+        )
+    ]
+
+
+@register(deploy=True)
+def broker(**kwargs: Any) -> list[Warning]:
+    """With no CELERY_BROKER_URL, Celery's broker is a folder under
+    RUNDESK_VAR_DIR: what the web hands to workers (bundle exports, drills)
+    and `submit_run --celery` reach only workers on this machine that
+    share the folder; elsewhere they wait for ever."""
+    if settings.CELERY_BROKER_URL != "filesystem://":
+        return []
+    return [
+        Warning(
+            "CELERY_BROKER_URL is not set: Celery's broker is the folder "
+            f"{settings.CELERY_BROKER_FOLDER}, which only workers on this machine read; bundle "
+            "exports and drills the web hands over wait for ever on any other",
+            hint="Set CELERY_BROKER_URL to the Redis or RabbitMQ every web process and worker "
+            "shares (README: Deploying).",
+            id="rundesk.W001",
         )
     ]

@@ -98,6 +98,16 @@ def test_check_deploy_fails_without_tls(tmp_path: Path):
         assert f"security.{warning}" in result.stderr
 
 
+def test_check_deploy_warns_of_the_filesystem_broker(tmp_path: Path):
+    """Without CELERY_BROKER_URL the web's bundle exports and drills reach
+    only a worker on the web's own machine."""
+    local = {name: value for name, value in DEPLOYED.items() if name != "CELERY_BROKER_URL"}
+    result = check_deploy(production(tmp_path, **local))
+    assert result.returncode != 0
+    assert "rundesk.W001" in result.stderr and "CELERY_BROKER_URL is not set" in result.stderr
+    assert str(tmp_path / "celery-broker") in result.stderr
+
+
 def test_tls_switch_and_broker_visibility_timeout_reach_django_and_celery(tmp_path: Path):
     shown = subprocess.run(
         [
