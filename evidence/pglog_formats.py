@@ -325,6 +325,12 @@ ESCAPED_NEWLINE = re.compile(r"\\n")
 SHIPPER_TAB = re.compile(r"\t|#011")
 DIGITS = re.compile(r"\d+")
 SQLSTATE = re.compile(r"^(?P<code>[0-9A-Z]{5}):\s+")
+# %e in log_line_prefix: a whole word of five digits and capitals with at
+# least one of each (40P01, P0001, XX000).  One of digits alone (23505) may
+# as well be a pid, so it is not taken for one.
+PREFIX_SQLSTATE = re.compile(
+    r"(?<![\w.:/-])(?=[0-9A-Z]*[A-Z])(?=[0-9A-Z]*[0-9])[0-9A-Z]{5}(?![\w.:/-])"
+)
 SQLSTATE_CODE = re.compile(r"[0-9A-Z]{5}")
 QUOTED_VALUE = re.compile(
     r"""(?<![\w"'])["':]?(?P<key>[A-Za-z_]+)["']?\s*(?::|=>?)\s*"""
@@ -465,12 +471,13 @@ def _start(line: str) -> tuple[str, str, str, str, str] | None:
         text = line[found.end() :]
         if kind == "s":  # log_error_verbosity=verbose puts the SQLSTATE first
             code = SQLSTATE.match(text)
+            prefix = line[: found.start()]
             return (
-                line[: found.start()],
+                prefix,
                 MESSAGE,
                 word,
                 text[code.end() :] if code else text,
-                code["code"] if code else "",
+                code["code"] if code else _prefix_sqlstate(prefix),
             )
         return line[: found.start()], word, "", text, ""
     if quoted is not None:
@@ -481,6 +488,13 @@ def _start(line: str) -> tuple[str, str, str, str, str] | None:
             text = line[client.end() :]
             return "", CLIENT_FIELDS.get(key, "OTHER"), "", text.removesuffix("]"), ""
     return None
+
+
+def _prefix_sqlstate(prefix: str) -> str:
+    """The SQLSTATE a log_line_prefix's %e gives, where one is told from
+    the prefix's other words ("" otherwise)."""
+    codes = PREFIX_SQLSTATE.findall(prefix)
+    return codes[-1] if codes else ""
 
 
 def _error_object(value: object) -> dict[str, Any] | None:

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,28 @@ def _timeline_written() -> Iterator[None]:
     yield
     timeline.flush()
     capture.flush()
+
+
+@pytest.fixture(autouse=True)
+def _no_write_left_in_flight(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A fault plan's late write (outcome "late") stays in flight for its
+    stall_ms, and may outlive the test that saw what it needed of it: its
+    backend then holds its locks while the tables are emptied for the next
+    test, and the two deadlock.  Up to 30 s, it is waited for."""
+    yield
+    marker = request.node.get_closest_marker("django_db")
+    if marker is None or not marker.kwargs.get("transaction"):
+        return  # a test in a transaction: its tables are rolled back, not emptied
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event = 'PgSleep' AND pid <> pg_backend_pid())"
+            )
+            if not cursor.fetchone()[0]:
+                return
+        time.sleep(0.05)
 
 
 @pytest.fixture

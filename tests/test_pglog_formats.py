@@ -222,6 +222,21 @@ def test_stderr_without_application_names_leaves_roles_to_the_queries():
     assert roles[4102][1] is None and roles[4103][1] is None
 
 
+def test_a_sqlstate_in_the_prefix_tells_a_raised_message_from_the_servers_report():
+    """With %e in log_line_prefix, the SQLSTATE is in the prefix, not after
+    the severity: P0001 is a function's message; 40P01 is the server's report.
+    The fixture is a real PostgreSQL 15 log with log_line_prefix '%m [%p] %e '
+    of a RAISE EXCEPTION 'deadlock detected' with a made-up wait."""
+    raised = (FIXTURES / "raised_sqlstate_prefix.log").read_text()
+    assert pglog.parse(raised) == []
+    real = stderr(lambda c, p: f"2026-11-29 {c} UTC [{p}] 40P01 ")
+    (report,) = pglog.parse(raised + real)
+    assert report.graph.cycle() == [4102, 4103] and report.reporter == 4102
+    # Five digits alone may be a pid (%p without brackets): not a SQLSTATE.
+    (report,) = pglog.parse(stderr(lambda c, p: f"2026-11-29 {c} UTC {p}0 "))
+    assert report.graph.cycle() == [4102, 4103]
+
+
 def test_json_nested_deeper_than_the_parser_goes_is_not_a_server_entry():
     deep = '{"a": ' + "[" * 100_000 + "\n"
     with pytest.raises(pglog.LogFormatError, match="jsonlog line 1 is not JSON"):
