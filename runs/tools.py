@@ -130,10 +130,17 @@ def read_document(input: dict[str, Any], identity: str) -> dict[str, Any]:
 
 
 def decoded(data: bytes) -> str:
-    """A document's bytes as text: UTF-8, or UTF-16 where a byte-order mark
-    says so; what cannot be decoded becomes U+FFFD (`storable`)."""
-    utf16 = data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE))
-    return storable(data.decode("utf-16" if utf16 else "utf-8-sig", errors="replace"))
+    """A document's bytes as text: UTF-8, or UTF-32 or UTF-16 where a
+    byte-order mark says so (UTF-32's little-endian mark begins with
+    UTF-16's: it is looked for first); what cannot be decoded becomes
+    U+FFFD (`storable`)."""
+    if data.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
+        encoding = "utf-32"
+    elif data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        encoding = "utf-16"
+    else:
+        encoding = "utf-8-sig"
+    return storable(data.decode(encoding, errors="replace"))
 
 
 def storable(text: str) -> str:

@@ -4,6 +4,7 @@ deliver_report tells delivered, refused and unknown apart."""
 from __future__ import annotations
 
 import base64
+import codecs
 import hashlib
 import socket
 from collections.abc import Callable, Iterator
@@ -108,15 +109,21 @@ def test_read_document_allows_a_symlink_that_stays_inside_the_corpus(corpus, jou
     assert journal.counts("read_document") == {IDENTITY: 1}
 
 
-def test_read_document_text_holds_no_nul_and_follows_a_utf16_byte_order_mark(corpus, journal):
+def test_read_document_text_holds_no_nul_and_follows_a_byte_order_mark(corpus, journal):
     (corpus / "nul.md").write_bytes(b"a\x00b")
     (corpus / "wide.md").write_text("wide sheet\n", "utf-16")
+    # UTF-32's little-endian mark begins with UTF-16's: read as UTF-16, every
+    # other character was a NUL.
+    (corpus / "wider.md").write_bytes(codecs.BOM_UTF32_LE + "wider sheet\n".encode("utf-32-le"))
+    (corpus / "wider-be.md").write_bytes(codecs.BOM_UTF32_BE + "wider sheet\n".encode("utf-32-be"))
     (corpus / "marked.md").write_bytes(b"\xef\xbb\xbfmarked\n")
 
     nul = read_document({"path": "nul.md"}, IDENTITY)
     assert nul["text"] == "a\ufffdb" and nul["bytes"] == 3
     assert nul["sha256"] == hashlib.sha256(b"a\x00b").hexdigest()  # of the bytes as read
     assert read_document({"path": "wide.md"}, "wide")["text"] == "wide sheet\n"
+    assert read_document({"path": "wider.md"}, "wider")["text"] == "wider sheet\n"
+    assert read_document({"path": "wider-be.md"}, "wider-be")["text"] == "wider sheet\n"
     assert read_document({"path": "marked.md"}, "marked")["text"] == "marked\n"
 
 
