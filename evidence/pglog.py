@@ -270,7 +270,9 @@ def _interpret(report: Report, applications: dict[int, str]) -> None:
             if len(line) > MAX_LINE and not messages.starts("process_query", line):
                 unread.append(f"a line of {len(line)} characters was not read")
                 queried = None
-            elif edges := messages.find_all("waits", line):
+            # A line that continues a query is its text, whatever it says:
+            # the server writes every wait before the first query.
+            elif queried is None and (edges := messages.find_all("waits", line)):
                 for match in edges:
                     _edge(report, match)
                 queried = None

@@ -227,7 +227,7 @@ def test_a_sqlstate_in_the_prefix_tells_a_raised_message_from_the_servers_report
     the severity: P0001 is a function's message; 40P01 is the server's report.
     The fixture is a real PostgreSQL 15 log with log_line_prefix '%m [%p] %e '
     of a RAISE EXCEPTION 'deadlock detected' with a made-up wait."""
-    raised = (FIXTURES / "raised_sqlstate_prefix.log").read_text()
+    raised = (FIXTURES / "servers" / "raised_sqlstate_prefix.log").read_text()
     assert pglog.parse(raised) == []
     real = stderr(lambda c, p: f"2026-11-29 {c} UTC [{p}] 40P01 ")
     (report,) = pglog.parse(raised + real)

@@ -194,6 +194,25 @@ def test_a_csvlog_cut_inside_a_quoted_fields_lines_leaves_out_that_record():
     assert pglog.parse(cut.replace("ending log", "ending\rlog", 1), "csvlog") == []
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["query_quotes_a_report.log", "query_quotes_a_report.csv", "query_quotes_a_report.json"],
+)
+def test_a_query_whose_text_quotes_a_report_is_kept_whole_and_adds_no_wait(name):
+    """Two sessions deadlocked writing an error message that quotes a
+    report ("Process 7 waits for ... blocked by process 8.") into a table
+    (PostgreSQL 15.20; stderr, csvlog, jsonlog): the quoted wait is the
+    queries' text, not two more processes and an edge."""
+    (report,) = parse(name)
+
+    assert sorted(report.graph.processes) == [23130, 23131]
+    assert report.graph.cycle() == [23130, 23131] and report.unread == []
+    for pid, row in ((23131, 1), (23130, 2)):
+        query = report.graph.processes[pid].query
+        assert query.startswith("update t set note='job failed: deadlock detected\n")
+        assert query.endswith(f"blocked by process 8.' where id={row}")
+
+
 def test_a_statement_longer_than_a_searched_line_is_kept_whole():
     (report,) = parse("longstmt.log")
 
