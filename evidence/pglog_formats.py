@@ -326,10 +326,16 @@ SHIPPER_TAB = re.compile(r"\t|#011")
 DIGITS = re.compile(r"\d+")
 SQLSTATE = re.compile(r"^(?P<code>[0-9A-Z]{5}):\s+")
 # %e in log_line_prefix: a whole word of five digits and capitals with at
-# least one of each (40P01, P0001, XX000).  One of digits alone (23505) may
-# as well be a pid, so it is not taken for one.
+# least one of each (40P01, P0001, XX000), of one of PostgreSQL's classes
+# (its first two), so that a user or host named SVC01 is none.  One of
+# digits alone (23505) may as well be a pid, so it is not taken for one.
+SQLSTATE_CLASSES = (
+    "00|01|02|03|08|09|0A|0B|0F|0L|0P|0Z|20|21|22|23|24|25|26|27|28|2B|2D|2F|34|38|39|3B|3D"
+    "|3F|40|42|44|53|54|55|57|58|72|F0|HV|P0|XX"
+)
 PREFIX_SQLSTATE = re.compile(
-    r"(?<![\w.:/-])(?=[0-9A-Z]*[A-Z])(?=[0-9A-Z]*[0-9])[0-9A-Z]{5}(?![\w.:/-])"
+    rf"(?<![\w.:/-])(?=[0-9A-Z]*[A-Z])(?=[0-9A-Z]*[0-9])(?:{SQLSTATE_CLASSES})[0-9A-Z]{{3}}"
+    r"(?![\w.:/-])"
 )
 SQLSTATE_CODE = re.compile(r"[0-9A-Z]{5}")
 QUOTED_VALUE = re.compile(

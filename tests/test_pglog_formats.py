@@ -232,9 +232,11 @@ def test_a_sqlstate_in_the_prefix_tells_a_raised_message_from_the_servers_report
     real = stderr(lambda c, p: f"2026-11-29 {c} UTC [{p}] 40P01 ")
     (report,) = pglog.parse(raised + real)
     assert report.graph.cycle() == [4102, 4103] and report.reporter == 4102
-    # Five digits alone may be a pid (%p without brackets): not a SQLSTATE.
-    (report,) = pglog.parse(stderr(lambda c, p: f"2026-11-29 {c} UTC {p}0 "))
-    assert report.graph.cycle() == [4102, 4103]
+    # Five digits alone may be a pid (%p without brackets), and a user may be
+    # named SVC01: neither is a SQLSTATE.
+    for words in ("{p}0", "user=SVC01 [{p}]"):
+        (report,) = pglog.parse(stderr(lambda c, p: f"2026-11-29 {c} UTC {words.format(p=p)} "))
+        assert report.graph.cycle() == [4102, 4103]
 
 
 def test_json_nested_deeper_than_the_parser_goes_is_not_a_server_entry():
