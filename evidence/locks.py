@@ -31,7 +31,9 @@ from runs.sql import name_connection
 
 logger = logging.getLogger(__name__)
 
-APPLICATION = re.compile(r"^rundesk:(?P<role>[a-z_-]+)(?::run-(?P<run>\d+))?")
+# A Rundesk connection's application name (runs/sql.py application_name).
+APPLICATION_NAME = r"rundesk:(?P<role>[a-z_-]+)(?::run-(?P<run>\d+))?"
+APPLICATION = re.compile("^" + APPLICATION_NAME)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from evidence import pglog_messages as messages
+from evidence.locks import APPLICATION_NAME
 
 FORMATS = ("auto", "stderr", "csvlog", "jsonlog")
 MESSAGE = "MESSAGE"
@@ -606,9 +607,9 @@ PID_IN_PREFIX = re.compile(
     r"\[(?P<bracket>\d+)(?:-\d+)?\]|\bpid[=:]\s*(?P<named>\d+)"
     r"|(?<![\w.])[0-9a-f]{8}\.(?P<session>[0-9a-f]{1,8})(?![\w.])"
 )
-# A Rundesk connection's application name (runs/sql.py application_name),
-# where log_line_prefix has %a: a whole word, after %d: or %u@ too.
-RUNDESK_APPLICATION = re.compile(r"(?<![\w.-])rundesk:[a-z_-]+(?::run-\d+)?(?![\w:.-])")
+# A Rundesk connection's application name where log_line_prefix has %a:
+# a whole word, after %d: or %u@ too.
+RUNDESK_APPLICATION = re.compile(rf"(?<![\w.-]){APPLICATION_NAME}(?![\w:.-])")
 # Zone abbreviations that name one offset (minutes east of UTC).  CST, CDT,
 # IST and PST name several (PST: Los Angeles and Manila; CDT: Chicago and
 # Havana): a time in them is unknown unless the server's log_timezone is
