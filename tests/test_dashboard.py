@@ -34,6 +34,7 @@ from runs.models import (
 from runs.timeline import EventKind, timeline
 from tests.conftest import PASSWORD, make_user, signed_in
 from tests.test_pglog import THREE_WAY
+from tests.test_run_page_words import section
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -224,6 +225,28 @@ def test_model_output_is_shown_as_text_never_run(viewer, run):
     # Showing the answer fetches nothing: no image, not even of this site.
     assert "<img" not in page and "/bundles/1/download" not in page
     assert "<table>" in page and "<h1>Report</h1>" in page
+
+
+def test_text_that_only_looks_like_a_tag_is_shown_as_written(viewer, run):
+    """Only a tag that names an HTML element is markup; `List<String>` is
+    what the answer says, and an element that runs or fetches is still
+    dropped, in any case."""
+    typed = Run.objects.submit(question="q", documents=["a.md"])
+    lease = Lease.claim(typed.pk, "owner")
+    assert lease is not None
+    lease.publish_revision(
+        1,
+        "# Types\n\nUse List<String> or Map<K, V>; <T> is generic, and Vec<u8> holds bytes.\n\n"
+        "<String> opens a line. <SCRIPT>alert(1)</SCRIPT> <Img src=x onerror=alert(2)> "
+        "<svg onload=alert(3)> <b>kept</b>",
+        is_final=True,
+    )
+    page = viewer.get(f"/runs/{typed.pk}/").content.decode()
+    answer = section(page, '<div class="answer final">', "</div>")
+    assert "List&lt;String&gt; or Map&lt;K, V&gt;; &lt;T&gt; is generic" in answer
+    assert "Vec&lt;u8&gt; holds bytes" in answer and "<p>&lt;String&gt; opens a line." in answer
+    assert "alert" not in answer and "onerror" not in page and "onload" not in page
+    assert "<svg" not in answer.lower() and "<b>kept</b>" in answer
 
 
 def test_cancel_needs_the_operator_permission_and_csrf(viewer, run):
