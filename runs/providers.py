@@ -47,11 +47,54 @@ class Provider(Protocol):
     def complete(self, messages: list[dict[str, str]]) -> str: ...
 
 
+@dataclass(frozen=True)
+class _Entity:
+    """A character that would end a document block where `context` (a
+    pattern) follows it -- a name's `"`, the `<` of a text's
+    `</document>` -- written as the entity `&{name};`, reversibly: an `&`
+    that already begins that entity there (after any `amp;`) gains one
+    more `amp;`.  Any other text is written as it is."""
+
+    char: str
+    name: str
+    context: str = ""
+
+    def _written(self) -> re.Pattern[str]:
+        return re.compile(rf"&((?:amp;)*)({self.name};)(?={self.context})", re.I)
+
+    def escape(self, text: str) -> str:
+        bumped = self._written().sub(r"&amp;\1\2", text)
+        return re.sub(
+            rf"{re.escape(self.char)}(?={self.context})", f"&{self.name};", bumped, flags=re.I
+        )
+
+    def unescape(self, text: str) -> str:
+        def read(match: re.Match[str]) -> str:
+            amps, entity = match.groups()
+            return f"&{amps[4:]}{entity}" if amps else self.char
+
+        return self._written().sub(read, text)
+
+
+_NAME_QUOTE = _Entity('"', "quot")
+_TEXT_END = _Entity("<", "lt", r"/document\s*>")
+
+
 def document_block(name: str, text: str) -> str:
-    """A document in a prompt.  A double quote in its name is written as
-    &quot; (the only character the block's syntax cannot hold)."""
-    quoted = name.replace('"', "&quot;")
-    return f'<document name="{quoted}">\n{text}\n</document>'
+    """A document in a prompt.  What would end its block is written as an
+    entity: a double quote in its name as &quot;, a `</document>` in its
+    text as &lt;/document> (so no document can close its block early and
+    pass what follows for another document); `document_blocks` reads both
+    back as they were."""
+    return f'<document name="{_NAME_QUOTE.escape(name)}">\n{_TEXT_END.escape(text)}\n</document>'
+
+
+def document_blocks(prompt: str) -> list[tuple[str, str]]:
+    """The documents of a prompt (`document_block`): name and text."""
+    return [
+        (_NAME_QUOTE.unescape(name), _TEXT_END.unescape(text))
+        for name, text in _DOCUMENT.findall(prompt)
+    ]
 
 
 _NUMBERED = re.compile(r"\d+\.\s")
@@ -301,10 +344,7 @@ class OfflineProvider:
     def complete(self, messages: list[dict[str, str]]) -> str:
         system = next((m["content"] for m in messages if m["role"] == "system"), "")
         prompt = "\n".join(m["content"] for m in messages if m["role"] == "user")
-        sheets = [
-            FactSheet.parse(text, name.replace("&quot;", '"'))
-            for name, text in _DOCUMENT.findall(prompt)
-        ]
+        sheets = [FactSheet.parse(text, name) for name, text in document_blocks(prompt)]
         if not sheets:
             raise ProviderError("the prompt holds no <document> block")
         if system == COMPARE_INSTRUCTIONS:
