@@ -17,7 +17,7 @@ import re
 import urllib.error
 import urllib.request
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from django.conf import settings
@@ -108,6 +108,10 @@ NO_TEXT = "The document holds no text."
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[\u3002\uff01\uff1f])\s*")
 _LIST_ITEM = re.compile(r"^(?:[-*+]|\d+[.)])\s+")
 _MARKUP = re.compile(r"^(?:#+\s+|>\s*|[-*+]\s+|\d+[.)]\s+)")
+# A markdown heading: one to six #, then a blank (`#hashtag` is text).
+_HEADING = re.compile(r"#{1,6}(?:\s|$)")
+# A line that opens or closes a fenced code block.
+_FENCE = re.compile(r"(?:```|~~~)")
 _WORD = re.compile(r"[^\W_]")
 _TERM = re.compile(r"[^\W\d_]{4,}")
 # Words too common to say what documents share (only words of 4+ letters count).
@@ -125,6 +129,9 @@ class FactSheet:
     sections, or, for any other document, its title and key points."""
 
     title: str
+    name: str = ""  # the document's path
+    # Said after the label when another document of a comparison has the same one.
+    qualifier: str = ""
     figures: dict[str, str] = field(default_factory=dict)
     fees: dict[str, str] = field(default_factory=dict)
     holdings: list[str] = field(default_factory=list)
@@ -133,7 +140,8 @@ class FactSheet:
 
     @property
     def label(self) -> str:
-        return self.figures.get("Ticker") or self.title
+        label = self.figures.get("Ticker") or self.title
+        return f"{label} ({self.qualifier})" if self.qualifier else label
 
     @property
     def is_fact_sheet(self) -> bool:
@@ -142,9 +150,9 @@ class FactSheet:
     @classmethod
     def parse(cls, text: str, name: str = "") -> FactSheet:
         """The document `text` (named `name`, its title if it has none)."""
-        sheet = cls(title="")
+        sheet = cls(title="", name=name)
         section = ""
-        for raw in text.splitlines():
+        for raw in _without_code(text):
             line = raw.strip()
             if line.startswith("# ") and not sheet.title:
                 sheet.title = line[2:].strip()
@@ -183,10 +191,10 @@ def _opening(text: str, title: str) -> tuple[str, list[str]]:
     heading, its front matter's title, or a short first line that is no
     sentence ("" when it has none) -- and its first KEY_POINTS points, each
     cut at POINT_CHARS: a list item is a point, a paragraph gives its
-    sentences; headings, rules and other markup are left out."""
+    sentences; headings, rules, code blocks and other markup are left out."""
     points: list[str] = []
     paragraph: list[str] = []
-    lines = text.splitlines()
+    lines = _without_code(text)
     end = _front_matter_end(lines) if lines and lines[0].strip() == "---" else 0
     if end:  # front matter: its title only
         matter, lines = lines[1:end], lines[end + 1 :]
@@ -201,9 +209,9 @@ def _opening(text: str, title: str) -> tuple[str, list[str]]:
     for number, raw in enumerate(lines):
         line = raw.strip()
         words = _MARKUP.sub("", line).strip()
-        if not _WORD.search(words):  # a blank line, a rule, a fence
+        if not _WORD.search(words):  # a blank line, a rule, code
             end_paragraph()
-        elif line.startswith("#"):
+        elif _HEADING.match(line):
             title = title or words
             end_paragraph()
         elif _LIST_ITEM.match(line):
@@ -215,6 +223,17 @@ def _opening(text: str, title: str) -> tuple[str, list[str]]:
             paragraph.append(words)
     end_paragraph()
     return _cut(title), [_cut(point) for point in points[:KEY_POINTS]]
+
+
+def _without_code(text: str) -> list[str]:
+    """The lines of `text`, those of fenced code blocks (fences included)
+    blank: code is no title, heading, figure or point."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        opens_or_closes = bool(_FENCE.match(line.strip()))
+        fenced ^= opens_or_closes
+        lines.append("" if fenced or opens_or_closes else line)
+    return lines
 
 
 def _front_matter_end(lines: list[str]) -> int:
@@ -264,6 +283,7 @@ def _cell(text: str) -> str:
 def compare_report(question: str, sheets: list[FactSheet]) -> str:
     """The fact sheets side by side, with the extremes of their figures;
     any other documents with their key points, and the terms they all use."""
+    sheets = _distinct(sheets)
     funds = [s for s in sheets if s.is_fact_sheet]
     others = [s for s in sheets if not s.is_fact_sheet]
     compared = (
@@ -286,6 +306,18 @@ def compare_report(question: str, sheets: list[FactSheet]) -> str:
             else "- The documents share no term beyond the commonest words."
         )
     return "\n".join(lines) + "\n"
+
+
+def _distinct(sheets: list[FactSheet]) -> list[FactSheet]:
+    """The sheets, each labelled with its document's path where another
+    document has the same label (two notes titled "Summary")."""
+    paths: dict[str, set[str]] = {}
+    for sheet in sheets:
+        paths.setdefault(sheet.label, set()).add(sheet.name)
+    return [
+        replace(sheet, qualifier=sheet.name) if len(paths[sheet.label]) > 1 else sheet
+        for sheet in sheets
+    ]
 
 
 def _side_by_side(sheets: list[FactSheet]) -> list[str]:
@@ -348,8 +380,9 @@ class OfflineProvider:
         if not sheets:
             raise ProviderError("the prompt holds no <document> block")
         if system == COMPARE_INSTRUCTIONS:
-            question = prompt.split("\n", 1)[0].removeprefix("Question: ").strip()
-            return compare_report(question or "Comparison", sheets)
+            # What precedes the documents, on one line: the report's heading.
+            asked = prompt.partition('<document name="')[0].removeprefix("Question: ")
+            return compare_report(" ".join(asked.split()) or "Comparison", sheets)
         return "\n\n".join(sheet.to_markdown() for sheet in sheets)
 
 

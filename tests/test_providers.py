@@ -291,6 +291,35 @@ def test_comparison_of_a_fund_and_an_essay_keeps_the_table_for_the_fund():
     assert "### The Rise of Durable Execution" in lines
 
 
+def test_comparison_heads_the_report_with_the_whole_question_on_one_line():
+    report = compare_texts("Which is\nclearer,\n\n  and why?", {"essay.txt": ESSAY})
+    assert report.splitlines()[0] == "# Which is clearer, and why?"
+
+
+def test_a_hashtag_is_no_heading_and_code_is_neither_title_nor_point():
+    text = (
+        "#hashtag opens the post. It says more.\n\n```python\n# not a title\n"
+        "print('not a point')\n```\n\n- After the code."
+    )
+    assert summarize_text("post.md", text).splitlines() == [
+        "# post.md",
+        "",
+        "## Key points",
+        "- #hashtag opens the post.",
+        "- It says more.",
+        "- After the code.",
+    ]
+
+
+def test_documents_with_the_same_title_are_told_apart_by_their_paths():
+    report = compare_texts(
+        "Compare", {"a/summary.md": "# Summary\n\nAlpha.", "b/summary.md": "# Summary\n\nBeta."}
+    )
+    lines = report.splitlines()
+    assert "Documents compared: Summary (a/summary.md), Summary (b/summary.md)." in lines
+    assert lines.index("### Summary (a/summary.md)") < lines.index("### Summary (b/summary.md)")
+
+
 # -- the OpenAI-compatible provider against a local model API ---------------------
 
 
