@@ -185,7 +185,8 @@ def _not_read(path: str, reason: str) -> str:
 
 
 def _refused(path: str, read: dict[str, Any]) -> str:
-    return f"{path}: {read['refused']}"
+    """The note of a refused read; the tool's reason names the path too."""
+    return f"{path}: {read['refused'].removeprefix(f'{path!r}: ')}"
 
 
 def _not_included(path: str, step_key: str, error: str) -> str:
