@@ -270,15 +270,20 @@ def _interpret(report: Report, applications: dict[int, str]) -> None:
             if len(line) > MAX_LINE and not messages.starts("process_query", line):
                 unread.append(f"a line of {len(line)} characters was not read")
                 queried = None
-            # A line that continues a query is its text, whatever it says:
-            # the server writes every wait before the first query.
+            # A query's line is its text, whatever it says (a quoted wait):
+            # its first line too, and those that continue it, as the server
+            # writes every wait before the first query.  The line as written
+            # first: what a client's quoting is stripped of (`'`, `;`) may
+            # end a query (`SET note = 'x';`).
+            elif match := (
+                messages.starts("process_query", raw.lstrip())
+                or messages.starts("process_query", line)
+            ):
+                queried = graph.processes.setdefault(int(match["pid"]), Process(int(match["pid"])))
+                queried.query = match["query"].strip()
             elif queried is None and (edges := messages.find_all("waits", line)):
                 for match in edges:
                     _edge(report, match)
-                queried = None
-            elif match := messages.starts("process_query", line):
-                queried = graph.processes.setdefault(int(match["pid"]), Process(int(match["pid"])))
-                queried.query = match["query"].strip()
             elif queried is not None:
                 queried.query += "\n" + raw  # a query over several lines
             elif item.label == "DETAIL":

@@ -387,7 +387,7 @@ class _TextReader:
     def _line(
         self, line: str, number: int, depth: int, time: tuple[dt.datetime | None, str]
     ) -> Iterator[Record]:
-        if depth < MAX_DEPTH and _quotes_a_report(line):
+        if depth < MAX_DEPTH and _quotes_a_report(line) and not self._as_written(line):
             if line.lstrip().startswith("{"):
                 try:
                     entry = json.loads(line)
@@ -409,6 +409,32 @@ class _TextReader:
                     yield from self._line(piece, number, depth + 1, time)
                 return
         yield from self._text_line(line, number, time)
+
+    def _as_written(self, line: str) -> bool:
+        """Whether `line` is the server's own text, which quotes nothing: a
+        further line of the message being read, or a STATEMENT (only a
+        server's log has one).  A `\\n` and quotes in it are a query's
+        (E'a\\nb'): read as a client's quoting, its query was cut at the
+        literal's end and the report's lines after it lost."""
+        if self._further(line) is not None:
+            return True
+        found = messages.label_pattern().search(line, 0, MAX_LINE)
+        quoted = _quoted_report(line)
+        return (
+            found is not None
+            and found.lastgroup == "l_STATEMENT"
+            and (quoted is None or found.start() <= quoted)
+        )
+
+    def _further(self, line: str) -> str | None:
+        """The rest of `line` where it is a further line of the message being
+        read, as the server writes them: after a tab (not a stack frame's),
+        or after a log shipper's prefix and a tab (`... [3-2] #011`)."""
+        if self.pending is None:
+            return None
+        if line[:1] == "\t" and not STACK_FRAME.match(line):
+            return line[1:]
+        return _shipped(line, self.pending.prefix)
 
     def _object(
         self, entry: dict[str, Any], number: int, depth: int, time: tuple[dt.datetime | None, str]
@@ -433,10 +459,11 @@ class _TextReader:
     def _text_line(
         self, line: str, number: int, time: tuple[dt.datetime | None, str]
     ) -> Iterator[Record]:
-        if self.pending is not None and line[:1] == "\t" and not STACK_FRAME.match(line):
+        if self.pending is not None and (rest := self._further(line)) is not None:
             # The server indents a message's further lines by a tab: what
-            # they say (a query's "ERROR:  " or "deadlock detected") is text.
-            self.pending.lines.append(line[1:])
+            # they say (a query's "ERROR:  " or "deadlock detected") is text,
+            # after a log shipper's prefix too.
+            self.pending.lines.append(rest)
             return
         start = _start(line)
         if start is not None:
@@ -537,20 +564,27 @@ def _quoted_report(line: str) -> int | None:
 def _continuation(line: str, prefix: str) -> str | None:
     """The rest of the message when `line` continues it: indented (the
     server indents a message's further lines by a tab) but not a stack
-    frame; or a report's line a client wrote unindented; or a line a log
-    shipper prefixed again (`host postgres[4102]: [3-2] #011...`)."""
+    frame; or a report's line a client wrote unindented; or only a log
+    shipper's prefix (an empty line; with text, `_TextReader._further`)."""
     if line[:1].isspace():
         return None if STACK_FRAME.match(line) else line[1:] if line[0] == "\t" else line
     if len(line) <= MAX_LINE and any(
         messages.starts(name, line) for name in ("waits", "process_query", "holders")
     ):
         return line
+    if prefix and line.strip() and DIGITS.sub("0", prefix).startswith(DIGITS.sub("0", line)):
+        return ""
+    return None
+
+
+def _shipped(line: str, prefix: str) -> str | None:
+    """The rest of a message's further line a log shipper prefixed again
+    (`host postgres[4102]: [3-2] #011...`): its prefix shaped like the
+    message's first line's, then a tab."""
     if prefix and (tab := SHIPPER_TAB.search(line)):
         shipped = DIGITS.sub("0", line[: tab.start()])
         if shipped and DIGITS.sub("0", prefix).startswith(shipped):
             return line[tab.end() :]
-    if prefix and line.strip() and DIGITS.sub("0", prefix).startswith(DIGITS.sub("0", line)):
-        return ""
     return None
 
 

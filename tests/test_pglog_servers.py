@@ -8,12 +8,15 @@ U+2028, a logrotate .gz, logs read while being written (jsonlog, csvlog), a
 "ERROR:  " or "deadlock detected" -- each cut to the lines around its
 report -- and whole logs of four deadlocks (rows of two and three
 sessions, a table lock, advisory locks) among statements that RAISE
-"deadlock detected" as a WARNING and as an error of their own."""
+"deadlock detected" as a WARNING and as an error of their own, and a
+whole log of two deadlocks whose queries write E'...\\n...' strings
+around a quoted report."""
 
 from __future__ import annotations
 
 import datetime as dt
 import zoneinfo
+from collections.abc import Callable
 from io import StringIO
 from pathlib import Path
 
@@ -28,10 +31,22 @@ SERVERS = Path(__file__).parent / "fixtures" / "pglog" / "servers"
 QUERY = "UPDATE t\n   SET v = v + 1\n WHERE id = 2 AND note <> 'ERROR:  x'"
 
 
-def parse(name: str, **options: object) -> list[pglog.Report]:
+def parse(name: str, shown: Callable[[str], str] = str, **options: object) -> list[pglog.Report]:
+    """The reports of fixture `name`, its text as `shown` gives it."""
     text, warning = pglog.decode((SERVERS / name).read_bytes())
     assert warning == ""
-    return pglog.parse(text, **options)
+    return pglog.parse(shown(text), **options)
+
+
+def journald(text: str) -> str:
+    """A server's stderr as journalctl shows it: each line after the
+    journal's prefix, a message's further lines after its process's."""
+    shown, clock, pid = [], "", ""
+    for line in text.splitlines():
+        if not line.startswith("\t"):
+            clock, pid = line[11:19], line.split("[", 1)[1].split("]", 1)[0]
+        shown.append(f"Dec 02 {clock} db1 postgres[{pid}]: {line}")
+    return "\n".join(shown) + "\n"
 
 
 def test_verbose_messages_are_read_after_their_sqlstate():
@@ -195,15 +210,22 @@ def test_a_csvlog_cut_inside_a_quoted_fields_lines_leaves_out_that_record():
 
 
 @pytest.mark.parametrize(
-    "name",
-    ["query_quotes_a_report.log", "query_quotes_a_report.csv", "query_quotes_a_report.json"],
+    ("name", "shown"),
+    [
+        ("query_quotes_a_report.log", str),
+        ("query_quotes_a_report.csv", str),
+        ("query_quotes_a_report.json", str),
+        ("query_quotes_a_report.log", journald),
+    ],
+    ids=["stderr", "csvlog", "jsonlog", "journald"],
 )
-def test_a_query_whose_text_quotes_a_report_is_kept_whole_and_adds_no_wait(name):
+def test_a_query_whose_text_quotes_a_report_is_kept_whole_and_adds_no_wait(name, shown):
     """Two sessions deadlocked writing an error message that quotes a
     report ("Process 7 waits for ... blocked by process 8.") into a table
-    (PostgreSQL 15.20; stderr, csvlog, jsonlog): the quoted wait is the
-    queries' text, not two more processes and an edge."""
-    (report,) = parse(name)
+    (PostgreSQL 15.20; stderr, csvlog, jsonlog; stderr as the journal shows
+    it): the quoted wait is the queries' text, not two more processes and
+    an edge."""
+    (report,) = parse(name, shown)
 
     assert sorted(report.graph.processes) == [23130, 23131]
     assert report.graph.cycle() == [23130, 23131] and report.unread == []
@@ -211,6 +233,42 @@ def test_a_query_whose_text_quotes_a_report_is_kept_whole_and_adds_no_wait(name)
         query = report.graph.processes[pid].query
         assert query.startswith("update t set note='job failed: deadlock detected\n")
         assert query.endswith(f"blocked by process 8.' where id={row}")
+
+
+# The queries of escaped_query_quotes_a_report.log, as the server wrote them.
+ESCAPED_QUERIES = {
+    10331: r"update t set note = E'line one\nline two\tcol', reason = 'Process 1 waits for "
+    r"ShareLock on transaction 5; blocked by process 2.' where id = 1;",
+    10329: r"update t set note = E'job failed:\nProcess 1 waits for ShareLock on transaction 5; "
+    r"blocked by process 2.\nretrying' where id = 2;",
+    10774: "update t\n   set note = E'job failed: deadlock detected\\nDETAIL:  Process 7 waits "
+    "for ShareLock on transaction 1; blocked by process 8.'\n where id = 2;",
+    10776: r"update t set note = E'C:\\jobs\\new\tlog', reason = 'Process 1 waits for ShareLock "
+    r"on transaction 5; blocked by process 2.' where id = 1;",
+}
+
+
+@pytest.mark.parametrize("shown", [str, journald], ids=["stderr", "journald"])
+def test_a_querys_backslash_escapes_around_a_quoted_report_are_kept_as_written(shown):
+    """Two deadlocks (PostgreSQL 15.20, log_line_prefix '%m [%p] ') between
+    sessions whose queries write E'...\\n...' strings and quote a report's
+    wait or "deadlock detected\\nDETAIL:" in them: the server's lines
+    quote nothing, so each query is as the server wrote it.  Read as a
+    client's quoting, `\\n` split each line there and cut the query at its
+    string's end, and what followed was lost: a process's query, and the
+    other process's whole line.  A query's first line quoting a wait is
+    the query's too, and its closing `;` (or `'`) is kept."""
+    first, second = parse("escaped_query_quotes_a_report.log", shown)
+
+    assert sorted(first.graph.processes) == [10329, 10331]
+    assert sorted(second.graph.processes) == [10774, 10776]
+    for report, reporter in ((first, 10331), (second, 10774)):
+        assert report.reporter == reporter and report.graph.cycle() and report.unread == []
+        for pid, process in report.graph.processes.items():
+            assert process.query == ESCAPED_QUERIES[pid]
+        assert report.statement == ESCAPED_QUERIES[reporter]
+    assert [(w.waiter, w.holders) for w in first.lead_up] == [(10329, [10331]), (10331, [10329])]
+    assert [(w.waiter, w.holders) for w in second.lead_up] == [(10774, [10776])]
 
 
 def test_a_statement_longer_than_a_searched_line_is_kept_whole():
