@@ -21,7 +21,7 @@ from runs.checkpoints import Disagreement
 from runs.dispatch import ActionFailed, Dispatcher
 from runs.models import Phase, digest
 from runs.progress import History
-from runs.providers import COMPARE_INSTRUCTIONS, SUMMARIZE_INSTRUCTIONS, document_block
+from runs.providers import COMPARE_INSTRUCTIONS, SUMMARIZE_INSTRUCTIONS, research_prompt
 
 # Actions kept back for the end of a run: composing the report and delivering it.
 FINISHING_ACTIONS = 2
@@ -83,7 +83,7 @@ class ResearchAgent:
             if "refused" in read:
                 state.notes.append(_refused(path, read))
                 return
-            prompt = f"Question: {self.run.question}\n\n" + document_block(path, read["text"])
+            prompt = research_prompt(self.run.question, [(path, read["text"])])
             messages = _messages(SUMMARIZE_INSTRUCTIONS, prompt)
             summary = self.dispatcher.step(
                 summary_key, "model_call", {"messages": messages}, sources=[path]
@@ -101,9 +101,7 @@ class ResearchAgent:
 
     def _compose(self, state: ResearchState) -> str:
         if state.summaries:
-            prompt = f"Question: {self.run.question}\n\n" + "\n\n".join(
-                document_block(path, text) for path, text in state.summaries
-            )
+            prompt = research_prompt(self.run.question, state.summaries)
             messages = _messages(COMPARE_INSTRUCTIONS, prompt)
             paths = [path for path, _ in state.summaries]
             report = self.dispatcher.step(

@@ -17,6 +17,7 @@ import re
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -78,6 +79,16 @@ class _Entity:
 
 _NAME_QUOTE = _Entity('"', "quot")
 _TEXT_END = _Entity("<", "lt", r"/document\s*>")
+_QUESTION_TAG = _Entity("<", "lt", r"/?document\b")
+
+
+def research_prompt(question: str, documents: Iterable[tuple[str, str]]) -> str:
+    """The user message of a model call: the question, then a block for
+    each document (name, text).  A `<document` or `</document` the
+    question holds is written as an entity: no question can pass for a
+    document, nor end before its last word."""
+    blocks = (document_block(name, text) for name, text in documents)
+    return f"Question: {_QUESTION_TAG.escape(question)}\n\n" + "\n\n".join(blocks)
 
 
 def document_block(name: str, text: str) -> str:
@@ -97,7 +108,6 @@ def document_blocks(prompt: str) -> list[tuple[str, str]]:
     ]
 
 
-_NUMBERED = re.compile(r"\d+\.\s")
 # The opening of a document that is not a fact sheet: its key points.
 KEY_POINTS = 5
 POINT_CHARS = 300
@@ -110,8 +120,17 @@ _LIST_ITEM = re.compile(r"^(?:[-*+]|\d+[.)])\s+")
 _MARKUP = re.compile(r"^(?:#+\s+|>\s*|[-*+]\s+|\d+[.)]\s+)")
 # A markdown heading: one to six #, then a blank (`#hashtag` is text).
 _HEADING = re.compile(r"#{1,6}(?:\s|$)")
-# A line that opens or closes a fenced code block.
-_FENCE = re.compile(r"(?:```|~~~)")
+# A fact sheet's section: a heading of level 2 to 6 (closing #s and a colon
+# are no part of its name), or a line in bold alone.
+_SECTION = re.compile(r"(#{2,6})\s+(.*?)[\s#]*|(\*\*|__)(.+?)\3:?")
+SECTIONS = ("key figures", "fees", "top holdings", "risks", "key points")
+# A fenced code block opens with three or more ` or ~; the same, at least as
+# many, close it.
+_FENCE = re.compile(r"`{3,}|~{3,}")
+_EMPHASIS = re.compile(r"\*\*|__")
+# Between a figure's name and its value where no colon is: a dash between blanks.
+_DASH = re.compile(r"\s+[-\u2013\u2014]\s+")
+_TABLE_SEPARATOR = re.compile(r":?-+:?")
 _WORD = re.compile(r"[^\W_]")
 _TERM = re.compile(r"[^\W\d_]{4,}")
 # Words too common to say what documents share (only words of 4+ letters count).
@@ -138,9 +157,15 @@ class FactSheet:
     risks: list[str] = field(default_factory=list)
     points: list[str] = field(default_factory=list)
 
+    def value(self, name: str) -> str:
+        """The figure or fee called `name`, in any case ("" if none)."""
+        wanted = name.lower()
+        pairs = [*self.figures.items(), *self.fees.items()]
+        return next((value for key, value in pairs if key.lower() == wanted), "")
+
     @property
     def label(self) -> str:
-        label = self.figures.get("Ticker") or self.title
+        label = self.value("Ticker") or self.title
         return f"{label} ({self.qualifier})" if self.qualifier else label
 
     @property
@@ -149,25 +174,32 @@ class FactSheet:
 
     @classmethod
     def parse(cls, text: str, name: str = "") -> FactSheet:
-        """The document `text` (named `name`, its title if it has none)."""
+        """The document `text` (named `name`, its title if it has none).
+        Lists may be bulleted (- * +) or numbered, names in bold, figures
+        in a table of two columns."""
         sheet = cls(title="", name=name)
         section = ""
-        for raw in _without_code(text):
+        lines = _without_code(text)
+        for number, raw in enumerate(lines):
             line = raw.strip()
+            item = _item(line)
             if line.startswith("# ") and not sheet.title:
                 sheet.title = line[2:].strip()
-            elif line.startswith("## "):
-                section = line[3:].strip().lower()
-            elif section in ("key figures", "fees") and line.startswith("- ") and ":" in line:
-                key, _, value = line[2:].partition(":")
-                target = sheet.figures if section == "key figures" else sheet.fees
-                target[key.strip()] = value.strip()
-            elif section == "top holdings" and _NUMBERED.match(line):
-                sheet.holdings.append(line.split(".", 1)[1].strip())
-            elif section == "risks" and line.startswith("- "):
-                sheet.risks.append(line[2:].strip())
-            elif section == "key points" and line.startswith("- "):
-                sheet.points.append(line[2:].strip())
+            elif heading := _section(line):
+                level, named = heading
+                # A deeper heading of another name is a part of its section.
+                if level == 2 or named in SECTIONS:
+                    section = named
+            elif section in ("key figures", "fees"):
+                if pair := _pair(item, line, lines[number + 1 : number + 2]):
+                    target = sheet.figures if section == "key figures" else sheet.fees
+                    target[pair[0]] = pair[1]
+            elif item and section == "top holdings":
+                sheet.holdings.append(item)
+            elif item and section == "risks":
+                sheet.risks.append(item)
+            elif item and section == "key points":
+                sheet.points.append(item)
         if not sheet.is_fact_sheet and not sheet.points:
             sheet.title, sheet.points = _opening(text, sheet.title)
         sheet.title = sheet.title or name
@@ -214,6 +246,10 @@ def _opening(text: str, title: str) -> tuple[str, list[str]]:
         elif _HEADING.match(line):
             title = title or words
             end_paragraph()
+        elif (cells := _table_row(line)) is not None:
+            end_paragraph()  # a table's row is a point of its own, but its header
+            if not _header(lines[number + 1 : number + 2]):
+                points.append("; ".join(" ".join(cell.split()) for cell in cells if cell))
         elif _LIST_ITEM.match(line):
             end_paragraph()
             points.append(" ".join(words.split()))
@@ -228,12 +264,65 @@ def _opening(text: str, title: str) -> tuple[str, list[str]]:
 def _without_code(text: str) -> list[str]:
     """The lines of `text`, those of fenced code blocks (fences included)
     blank: code is no title, heading, figure or point."""
-    lines, fenced = [], False
+    lines, fence = [], ""
     for line in text.splitlines():
-        opens_or_closes = bool(_FENCE.match(line.strip()))
-        fenced ^= opens_or_closes
-        lines.append("" if fenced or opens_or_closes else line)
+        stripped = line.strip()
+        if fence:
+            if stripped.startswith(fence) and set(stripped) == {fence[0]}:
+                fence = ""
+        elif opening := _FENCE.match(stripped):
+            fence = opening.group()
+        else:
+            lines.append(line)
+            continue
+        lines.append("")
     return lines
+
+
+def _item(line: str) -> str:
+    """The text of a list item (bulleted or numbered), without bold; ""
+    when `line` is none."""
+    if not (marker := _LIST_ITEM.match(line)):
+        return ""
+    return _EMPHASIS.sub("", line[marker.end() :]).strip()
+
+
+def _section(line: str) -> tuple[int, str] | None:
+    """The level and name (lower case) of a section heading, or None."""
+    if not (match := _SECTION.fullmatch(line)):
+        return None
+    level = len(match[1]) if match[1] else 2
+    named = _EMPHASIS.sub("", match[2] or match[4]).strip().rstrip(":").strip()
+    return level, " ".join(named.lower().split())
+
+
+def _pair(item: str, line: str, following: list[str]) -> tuple[str, str] | None:
+    """A figure's name and value: from a list item 'Name: value', or a row
+    of a two-column table (neither its header nor its rule)."""
+    if item:
+        cells = item.split(":", 1) if ":" in item else _DASH.split(item, maxsplit=1)
+    elif (cells := _table_row(line)) is None or _rule(cells) or _header(following):
+        return None
+    name, value = (_EMPHASIS.sub("", cell).strip() for cell in [*cells, "", ""][:2])
+    return (name, value) if len(cells) == 2 and name and value else None
+
+
+def _table_row(line: str) -> list[str] | None:
+    """The cells of a markdown table row, or None."""
+    if len(line) < 2 or not (line.startswith("|") and line.endswith("|")):
+        return None
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", line[1:-1])]
+
+
+def _header(following: list[str]) -> bool:
+    """Whether a table row is its table's header: the rule follows it."""
+    under = _table_row(following[0].strip()) if following else None
+    return under is not None and _rule(under)
+
+
+def _rule(cells: list[str]) -> bool:
+    """Whether a table row is the rule under its header (|---|:---:|)."""
+    return all(_TABLE_SEPARATOR.fullmatch(cell) for cell in cells)
 
 
 def _front_matter_end(lines: list[str]) -> int:
@@ -266,18 +355,43 @@ def shared_terms(sheets: list[FactSheet], limit: int = 8) -> list[str]:
     return sorted(shared, key=lambda term: (-total[term], term))[:limit]
 
 
+_NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?|\.\d+")
+_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_SCALE = re.compile(r"\s*(trillion|billion|million|thousand|tn|bn|mn|m|k)\b", re.I)
+SCALES = {"trillion": 1e12, "billion": 1e9, "million": 1e6, "thousand": 1e3}
+SCALES |= {"tn": 1e12, "bn": 1e9, "mn": 1e6, "m": 1e6, "k": 1e3}
+MINUS_SIGNS = "-\u2212\u2013"  # hyphen-minus, minus sign, en dash
+
+
 def figure(value: str) -> float | None:
-    """'$2.84 billion' -> 2.84e9, '0.29%' -> 0.29, '2,914' -> 2914."""
-    match = re.search(r"-?[\d,]*\.?\d+", value)
-    if not match:
+    """'$2.84 billion' -> 2.84e9, '$1.5bn' -> 1.5e9, '0.29%' -> 0.29,
+    '2,914' -> 2914, '0,45 %' -> 0.45, '\u22124.1%' and '(4.1%)' -> -4.1.  None
+    unless the value holds one number, read without doubt: a date, a range,
+    'as of 2024: $2.8 billion' are not compared."""
+    numbers = _NUMBER.findall(value)
+    if len(numbers) != 1:
         return None
-    number = float(match.group().replace(",", ""))
-    scale = {"billion": 1e9, "million": 1e6}
-    return number * next((f for word, f in scale.items() if word in value.lower()), 1)
+    written = numbers[0].rstrip(",")
+    if _THOUSANDS.fullmatch(written):
+        written = written.replace(",", "")
+    elif written.count(",") == 1 and "." not in written:
+        written = written.replace(",", ".")  # a decimal comma
+    elif "," in written:
+        return None
+    number = float(written)
+    at = value.index(numbers[0])
+    sign = value[:at].rstrip(" $\u20ac\u00a3\u00a5")
+    bracketed = value.strip().startswith("(") and value.strip().endswith(")")
+    if sign.endswith(tuple(MINUS_SIGNS)) or bracketed:
+        number = -number
+    if scale := _SCALE.match(value, at + len(numbers[0])):
+        number *= SCALES[scale[1].lower()]
+    return number
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """A table cell: "—" when there is nothing to say."""
+    return text.replace("|", "\\|").replace("\n", " ") or "\u2014"
 
 
 def compare_report(question: str, sheets: list[FactSheet]) -> str:
@@ -325,13 +439,12 @@ def _side_by_side(sheets: list[FactSheet]) -> list[str]:
     lines = ["## Side by side", ""]
     lines += ["| | " + " | ".join(map(_cell, labels)) + " |"]
     lines += ["|---" * (len(sheets) + 1) + "|"]
-    rows: list[str] = []
+    rows: dict[str, str] = {"ticker": ""}  # a figure's name in lower case: as first written
     for sheet in sheets:
         for key in [*sheet.figures, *sheet.fees]:
-            if key not in rows and key != "Ticker":
-                rows.append(key)
-    for key in rows:
-        values = [s.figures.get(key) or s.fees.get(key) or "—" for s in sheets]
+            rows.setdefault(key.lower(), key)
+    for key in filter(None, rows.values()):
+        values = [s.value(key) for s in sheets]
         lines.append(f"| {_cell(key)} | " + " | ".join(map(_cell, values)) + " |")
     lines.append(
         "| Top holdings | " + " | ".join(_cell("; ".join(s.holdings[:3])) for s in sheets) + " |"
@@ -345,7 +458,8 @@ def _side_by_side(sheets: list[FactSheet]) -> list[str]:
 
 
 def _extremes(sheets: list[FactSheet]) -> list[str]:
-    """For each figure two or more sheets give: the lowest and the highest."""
+    """For each figure two or more sheets give: the lowest and the highest,
+    each naming every sheet that gives it; or that they all give one."""
     lines = []
     for key, low_word, high_word in [
         ("Expense ratio", "Lowest", "highest"),
@@ -353,19 +467,23 @@ def _extremes(sheets: list[FactSheet]) -> list[str]:
         ("1-year return", "Weakest", "strongest"),
         ("Distribution yield", "Lowest", "highest"),
     ]:
-        known = [
-            (v, s)
-            for s in sheets
-            if (v := figure(s.figures.get(key) or s.fees.get(key) or "")) is not None
-        ]
-        if len(known) >= 2:
-            low, high = min(known, key=lambda p: p[0]), max(known, key=lambda p: p[0])
-            lines.append(
-                f"- {key}: {low_word} {low[1].label} "
-                f"({low[1].figures.get(key) or low[1].fees.get(key)}), {high_word} "
-                f"{high[1].label} ({high[1].figures.get(key) or high[1].fees.get(key)})."
-            )
+        known = [(v, s) for s in sheets if (v := figure(s.value(key))) is not None]
+        if len(known) < 2:
+            continue
+        low, high = min(v for v, _ in known), max(v for v, _ in known)
+        lowest, highest = _giving(key, low, known), _giving(key, high, known)
+        if low == high:
+            lines.append(f"- {key}: the same for {lowest}.")
+        else:
+            lines.append(f"- {key}: {low_word} {lowest}, {high_word} {highest}.")
     return lines
+
+
+def _giving(key: str, extreme: float, known: list[tuple[float, FactSheet]]) -> str:
+    """The sheets whose `key` is `extreme`, with the value as written."""
+    named = [sheet for value, sheet in known if value == extreme]
+    labels = ", ".join(dict.fromkeys(sheet.label for sheet in named))
+    return f"{labels} ({named[0].value(key)})"
 
 
 class OfflineProvider:
@@ -381,7 +499,9 @@ class OfflineProvider:
             raise ProviderError("the prompt holds no <document> block")
         if system == COMPARE_INSTRUCTIONS:
             # What precedes the documents, on one line: the report's heading.
-            asked = prompt.partition('<document name="')[0].removeprefix("Question: ")
+            asked = _QUESTION_TAG.unescape(
+                prompt.partition('<document name="')[0].removeprefix("Question: ")
+            )
             return compare_report(" ".join(asked.split()) or "Comparison", sheets)
         return "\n\n".join(sheet.to_markdown() for sheet in sheets)
 
