@@ -16,6 +16,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import socket
 import stat
 import tempfile
@@ -33,6 +34,22 @@ from runs.models import UNSTORABLE, EffectClass
 from runs.providers import ProviderError, get_provider
 
 MAX_DOCUMENT_BYTES = 1_000_000
+# How a file that is no text begins: it is refused, not read as garbage.
+NOT_TEXT = {
+    b"%PDF-": "a PDF document",
+    b"\x89PNG\r\n\x1a\n": "a PNG image",
+    b"GIF87a": "a GIF image",
+    b"GIF89a": "a GIF image",
+    b"\xff\xd8\xff": "a JPEG image",
+    b"PK\x03\x04": "a ZIP archive (or a document in one: .docx, .xlsx, .odt)",
+    b"\x1f\x8b": "a gzip archive",
+    b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1": "an Office 97-2003 document",
+    b"\x7fELF": "a program",
+}
+# A character of two or more bytes in UTF-8.
+_UTF8_SEQUENCE = re.compile(
+    rb"[\xc2-\xdf][\x80-\xbf]|[\xe0-\xef][\x80-\xbf]{2}|[\xf0-\xf4][\x80-\xbf]{3}"
+)
 
 
 class ToolRefused(Exception):
@@ -120,6 +137,8 @@ def read_document(input: dict[str, Any], identity: str) -> dict[str, Any]:
         raise ToolRefused(f"{input['path']!r}: {error.strerror or error}") from None
     if len(data) > MAX_DOCUMENT_BYTES:
         raise ToolRefused(f"{input['path']!r}: larger than {MAX_DOCUMENT_BYTES} bytes")
+    if kind := next((kind for head, kind in NOT_TEXT.items() if data.startswith(head)), ""):
+        raise ToolRefused(f"{input['path']!r}: {kind}, not text")
     journal("read_document", identity, path=input["path"])
     return {
         "path": input["path"],
@@ -132,15 +151,36 @@ def read_document(input: dict[str, Any], identity: str) -> dict[str, Any]:
 def decoded(data: bytes) -> str:
     """A document's bytes as text: UTF-8, or UTF-32 or UTF-16 where a
     byte-order mark says so (UTF-32's little-endian mark begins with
-    UTF-16's: it is looked for first); what cannot be decoded becomes
-    U+FFFD (`storable`)."""
+    UTF-16's: it is looked for first) or, for UTF-16 without one, where
+    every other byte is a NUL; bytes that are no UTF-8 and hold no UTF-8
+    character are Windows-1252 (Latin-1's superset).  What cannot be
+    decoded becomes U+FFFD (`storable`)."""
     if data.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
         encoding = "utf-32"
     elif data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         encoding = "utf-16"
     else:
-        encoding = "utf-8-sig"
-    return storable(data.decode(encoding, errors="replace"))
+        encoding = _unmarked_utf16(data) or "utf-8-sig"
+    try:
+        return storable(data.decode(encoding))
+    except UnicodeDecodeError:
+        if encoding == "utf-8-sig" and not _UTF8_SEQUENCE.search(data):
+            encoding = "cp1252"
+        return storable(data.decode(encoding, errors="replace"))
+
+
+def _unmarked_utf16(data: bytes) -> str | None:
+    """UTF-16 without a byte-order mark, as text of mostly Latin letters
+    writes it: the high byte of each character a NUL (odd bytes in
+    little-endian, even in big-endian), the other bytes hardly ever."""
+    if len(data) < 4 or len(data) % 2:
+        return None
+    even, odd = data[0::2].count(0), data[1::2].count(0)
+    if odd >= len(data) // 4 and even * 10 <= odd:
+        return "utf-16-le"
+    if even >= len(data) // 4 and odd * 10 <= even:
+        return "utf-16-be"
+    return None
 
 
 def storable(text: str) -> str:

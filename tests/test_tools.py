@@ -127,6 +127,41 @@ def test_read_document_text_holds_no_nul_and_follows_a_byte_order_mark(corpus, j
     assert read_document({"path": "marked.md"}, "marked")["text"] == "marked\n"
 
 
+# Accents, curly quotes, an en dash and the euro sign.
+WESTERN = "Caf\u00e9 \u201cr\u00e9sum\u00e9\u201d \u2013 it\u2019s 5\u20ac\n"
+
+
+@pytest.mark.parametrize(
+    ("data", "text"),
+    [
+        # Windows-1252 (Latin-1's superset): no byte of it is a UTF-8 character.
+        (WESTERN.encode("cp1252"), WESTERN),
+        # UTF-8 with one bad byte stays UTF-8: only that byte is lost.
+        ("Café ".encode() + b"\xff\n", "Café \ufffd\n"),
+        ("Alpha fund\n".encode("utf-16-le"), "Alpha fund\n"),
+        ("Alpha fund\n".encode("utf-16-be"), "Alpha fund\n"),
+    ],
+)
+def test_read_document_reads_text_of_an_encoding_no_mark_names(corpus, journal, data, text):
+    (corpus / "sheet.txt").write_bytes(data)
+    assert read_document({"path": "sheet.txt"}, IDENTITY)["text"] == text
+
+
+@pytest.mark.parametrize(
+    ("data", "kind"),
+    [
+        (b"%PDF-1.4\n%\xe2\xe3\xcf\xd3\n1 0 obj", "a PDF document"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "a PNG image"),
+        (b"PK\x03\x04\x14\x00\x06\x00", "a ZIP archive"),
+    ],
+)
+def test_read_document_refuses_a_file_that_is_no_text(corpus, journal, data, kind):
+    (corpus / "report.bin").write_bytes(data)
+    with pytest.raises(ToolRefused, match=f"'report.bin': {kind}.*, not text"):
+        read_document({"path": "report.bin"}, IDENTITY)
+    assert journal.entries() == []
+
+
 @pytest.mark.parametrize(
     ("path", "message"),
     [
