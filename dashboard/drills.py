@@ -11,7 +11,7 @@ from django.contrib.auth.decorators import permission_required
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_POST, require_safe
 from django_htmx.http import HttpResponseStopPolling
 
 from dashboard.htmx import HtmxHttpRequest
@@ -25,7 +25,7 @@ from runs.tasks import hand_over
 HISTORY = 10  # results shown per scenario
 
 
-@require_GET
+@require_safe
 @rejects_bad_input
 def drills(request: HtmxHttpRequest) -> HttpResponse:
     history: dict[str, list[DrillResult]] = defaultdict(list)
@@ -52,7 +52,7 @@ def drills(request: HtmxHttpRequest) -> HttpResponse:
     )
 
 
-@require_GET
+@require_safe
 @rejects_bad_input
 def drill_progress(request: HtmxHttpRequest, drill_id: int) -> HttpResponse:
     drill = get_object_or_404(Drill, pk=drill_id)

@@ -27,7 +27,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import url_has_allowed_host_and_scheme
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_POST, require_safe
 from django_htmx.http import HttpResponseStopPolling
 
 from dashboard.context import Field, evidence_fields, plain, status_words
@@ -371,7 +371,7 @@ def _filters(request: HttpRequest) -> dict[str, Any]:
     return {"kind": kind, "run": int(run) if run else None}
 
 
-@require_GET
+@require_safe
 @rejects_bad_input
 def inbox(request: HtmxHttpRequest) -> HttpResponse:
     """Open items, oldest first (served by outcome_open_idx), a page at a
@@ -467,7 +467,7 @@ def run_choices(request: HttpRequest, run: Run) -> dict[str, Any]:
     }
 
 
-@require_GET
+@require_safe
 @rejects_bad_input
 def item_detail(request: HttpRequest, item_id: int) -> HttpResponse:
     item = get_object_or_404(items_listed(OutcomeItem.objects.all()), pk=item_id)

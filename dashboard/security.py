@@ -20,7 +20,8 @@ from django.conf import settings
 from django.contrib.messages import get_messages
 from django.core.exceptions import BadRequest
 from django.db import DatabaseError, OperationalError, transaction
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
+from django.middleware import csrf
 from django.template.loader import render_to_string
 from django.utils.cache import patch_cache_control
 from django.utils.http import url_has_allowed_host_and_scheme
@@ -107,10 +108,44 @@ class PageLockWaitsMiddleware:
     def process_exception(self, request: HttpRequest, exception: Exception) -> HttpResponse | None:
         if isinstance(exception, FormLocked):  # rolled back: nothing was changed
             return unavailable(request, locked=True, form=True)
-        if request.method not in ("GET", "HEAD") or not isinstance(exception, OperationalError):
+        if not isinstance(exception, OperationalError):
             return None
+        if request.method not in ("GET", "HEAD"):
+            # A form the database stopped answering (signing in included):
+            # whether its change was made is for the page to show.
+            return unavailable(request, locked=False, form=True)
         transaction.set_rollback(True)
         return unavailable(request, locked=lock_refused(exception))
+
+
+def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
+    """A form Django's CSRF check refused (CSRF_FAILURE_VIEW), saying which
+    check failed: Django renders a site's own 403_csrf.html without its
+    reason, and an origin the server does not know (a proxy, TLS not
+    declared) is not an old page."""
+    context = {"why": csrf_words(reason), "reason": reason}
+    return HttpResponseForbidden(render_to_string("403_csrf.html", context, request=request))
+
+
+def csrf_words(reason: str) -> str:
+    """What a CSRF refusal's `reason` (django.middleware.csrf) means."""
+    if reason.endswith("does not match any trusted origins."):
+        return (
+            "The form came from an address that is not this site's as the server knows it "
+            "(behind a proxy or TLS: set RUNDESK_TLS=1, ALLOWED_HOSTS or CSRF_TRUSTED_ORIGINS, "
+            "as the README's Deploying section says)."
+        )
+    if reason.startswith("Referer checking failed"):
+        return (
+            "Over HTTPS the browser must say which page of this site sent the form (its "
+            "Referer header), and it did not: a browser setting or an extension may remove it."
+        )
+    if reason == csrf.REASON_NO_CSRF_COOKIE:
+        return "The browser did not send this site's cookie: cookies may be blocked for this site."
+    return (
+        "The form was sent without the token that proves this site made it, or with one of "
+        "an older session: the page may be older than your sign-in."
+    )
 
 
 def _this_site(request: HttpRequest, url: str) -> str:

@@ -153,6 +153,8 @@ ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "127.0.0.1,localhost")
 # Origins (scheme://host[:port]) a form may be posted from besides the host
 # itself: the public https:// address when a proxy in front rewrites Host.
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS")
+# A refused form says which check failed (Django gives its own page no reason).
+CSRF_FAILURE_VIEW = "dashboard.security.csrf_failure"
 
 INSTALLED_APPS = [
     "django.contrib.admin",

@@ -18,7 +18,7 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import urlencode
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_POST, require_safe
 from django_htmx.http import HttpResponseStopPolling
 
 from dashboard import charts
@@ -72,7 +72,7 @@ def _older_than(rows: QuerySet, cursor: str) -> QuerySet:
 # -- runs -------------------------------------------------------------------------
 
 
-@require_GET
+@require_safe
 @rejects_bad_input
 def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     filters = {
@@ -125,7 +125,7 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     return render(request, "runs_list.html", context)
 
 
-@require_GET
+@require_safe
 @rejects_bad_input
 def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     """The run page; its event log from `events_before` (a page_cursor) when
@@ -141,7 +141,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     return render(request, "run_detail.html", {**context, **run_choices(request, run)})
 
 
-@require_GET
+@require_safe
 @rejects_bad_input
 def run_live(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     """The run page's live region, which polls this while the run is active
@@ -153,7 +153,7 @@ def run_live(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     return response if run.is_active else HttpResponseStopPolling(response.content)
 
 
-@require_GET
+@require_safe
 @rejects_bad_input
 def run_events(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     """A page of the run's event log, older than `before` (a page_cursor)."""
@@ -274,7 +274,7 @@ def run_bundle(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     return redirect(page)
 
 
-@require_GET
+@require_safe
 @rejects_bad_input
 def run_bundles(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     """The bundles region, which polls this while an export is queued or
@@ -285,7 +285,7 @@ def run_bundles(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     return _bundles_region(request, run)
 
 
-@require_GET
+@require_safe
 @permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
 def bundle_download(request: HttpRequest, export_id: int) -> FileResponse:
@@ -307,7 +307,7 @@ def bundle_download(request: HttpRequest, export_id: int) -> FileResponse:
 # -- locks ------------------------------------------------------------------------
 
 
-@require_GET
+@require_safe
 @rejects_bad_input
 def locks_list(request: HttpRequest) -> HttpResponse:
     incidents = LockIncident.objects.order_by("-started_at", "-id")
@@ -324,7 +324,7 @@ def locks_list(request: HttpRequest) -> HttpResponse:
     return render(request, "locks.html", context)
 
 
-@require_GET
+@require_safe
 @rejects_bad_input
 def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
     incident = get_object_or_404(LockIncident, pk=incident_id)
@@ -384,7 +384,7 @@ def locks_import(request: HttpRequest) -> HttpResponse:
 # -- capture gaps -----------------------------------------------------------------
 
 
-@require_GET
+@require_safe
 @rejects_bad_input
 def gaps(request: HttpRequest) -> HttpResponse:
     """Read from the hourly and per-run counters capture keeps, so the page

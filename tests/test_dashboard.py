@@ -83,6 +83,36 @@ def test_sign_in_enforces_csrf():
     assert "This form could not be checked" in page and "Nothing was changed" in page
 
 
+def test_a_form_from_another_origin_is_refused_saying_so():
+    """Behind a proxy that does not say the site's address, every form
+    fails the origin check: the page says that, not that it is old."""
+    client = Client(enforce_csrf_checks=True)
+    make_user("viewer")
+    token = client.get("/login/").cookies["csrftoken"].value
+    response = client.post(
+        "/login/",
+        {"username": "viewer", "password": PASSWORD, "csrfmiddlewaretoken": token},
+        HTTP_ORIGIN="http://evil.example",
+    )
+    assert response.status_code == 403
+    page = response.content.decode()
+    assert "not this site&#x27;s as the server knows it" in page and "RUNDESK_TLS" in page
+    assert "http://evil.example does not match any trusted origins" in page
+    assert "older than your sign-in" not in page
+
+
+def test_signing_in_while_the_database_cannot_answer_says_so(monkeypatch):
+    def gone(*args: object, **kwargs: object) -> None:
+        raise OperationalError("server closed the connection unexpectedly")
+
+    make_user("viewer")
+    monkeypatch.setattr("django.contrib.auth.backends.ModelBackend.authenticate", gone)
+    response = Client().post("/login/", {"username": "viewer", "password": PASSWORD})
+    assert response.status_code == 503
+    page = response.content.decode()
+    assert "The database did not answer" in page and "may have been carried out" in page
+
+
 def test_viewers_read_every_page_with_security_headers(viewer, run, incident):
     for url in urls(run, incident):
         response = viewer.get(url)
@@ -121,6 +151,14 @@ def test_the_timeline_chart_shows_run_text_as_text_not_markup(run):
     figure = json.dumps(charts.timeline(run, list(run.actions.order_by("id")), []))
     assert "<a " not in figure and "<b>" not in figure
     assert "&lt;a href=" in figure and "&amp; &lt;b&gt;" in figure
+
+
+def test_pages_answer_head_as_they_answer_get(viewer, run, incident):
+    """Uptime checks and link checkers ask with HEAD."""
+    for url in urls(run, incident):
+        response = viewer.head(url)
+        assert response.status_code == viewer.get(url).status_code == 200, url
+        assert response.content == b"", url
 
 
 def test_pages_refuse_other_methods_and_unknown_ids(viewer, run, incident):
