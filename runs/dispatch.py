@@ -7,7 +7,8 @@ action of every agent:
 - an action with a receipt is never dispatched again: its receipt is the result;
 - an action with a boundary but no receipt is dispatched again only if it is
   a `read`, under its original identity (MAX_READ_DISPATCHES times in all:
-  then it fails, and the agent goes on without it);
+  then it fails, and the agent goes on without it); a read known to have
+  failed is not: its failure is the result, as it was the first time;
 - an `effect` action in that state may have happened: it is marked `unknown`
   and the run waits for an operator; it is dispatched again (under its
   original identity) only as often as operators' decisions authorise
@@ -418,6 +419,12 @@ class Dispatcher:
             raise NeedsOperator(f"{action.step_key} is completed but its receipt is missing")
         if action.state == ActionState.UNKNOWN:
             raise NeedsOperator(f"the outcome of {action.step_key} is unknown")
+        if action.effect_class == EffectClass.READ and action.state == ActionState.FAILED:
+            # Known not to have completed, and the run went on without it
+            # (a note, a draft, a composition that leave it out): a fact,
+            # like a receipt.  Read again, the run would take another path
+            # than the one its receipts record.
+            raise ActionFailed(action.step_key, action.error)
         if action.effect_class == EffectClass.EFFECT and action.state == ActionState.FAILED:
             if action.attempts < 1 + action.decisions.filter(choice__in=AUTHORISING).count():
                 return None  # an operator's decision authorises one more dispatch

@@ -83,6 +83,33 @@ def test_confirmed_happened_completes_the_run_without_sending_again(lost_deliver
     assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
 
 
+def test_a_read_that_failed_stays_failed_when_the_run_resumes(settings, journal, operator):
+    """With no checkpoint to resume from (the production cadence), the
+    run steps through its actions again: a failed read was read again,
+    its summary changed the published draft, and the run ended failed
+    after its report had been delivered and confirmed."""
+    settings.RUNDESK_CHECKPOINT_EVERY = 100
+    with LocalServer(status(200)) as receiver:
+        settings.RUNDESK_DELIVERY_URL = receiver.url
+        run, outcome = run_with(
+            [{"point": "tool_error", "action": 1}, {"point": "delivery_timeout"}]
+        )
+        assert outcome == RunStatus.NEEDS_OPERATOR
+        item = OutcomeItem.objects.get(run=run, kind=OutcomeKind.EFFECT)
+        decide(
+            item.pk,
+            asked(
+                DecisionChoice.CONFIRMED_HAPPENED, operator, reason="in their log", reference="D-8"
+            ),
+        )
+        assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    assert len(receiver.requests) == 1
+    # The fault failed read:0 before its tool ran: nothing read it, then or after.
+    assert not journal.counts().get(f"rundesk:run-{run.pk}:read:0")
+    final = AnswerRevision.objects.get(run=run, is_final=True).content
+    assert "northwind-clean-energy.md: not included (read:0 failed" in final
+
+
 @pytest.mark.parametrize(
     "choice", [DecisionChoice.RESEND_SAME_IDENTITY, DecisionChoice.CONFIRMED_NOT_HAPPENED]
 )
