@@ -16,7 +16,6 @@ import hashlib
 import http.client
 import json
 import os
-import re
 import socket
 import stat
 import tempfile
@@ -46,10 +45,6 @@ NOT_TEXT = {
     b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1": "an Office 97-2003 document",
     b"\x7fELF": "a program",
 }
-# A character of two or more bytes in UTF-8.
-_UTF8_SEQUENCE = re.compile(
-    rb"[\xc2-\xdf][\x80-\xbf]|[\xe0-\xef][\x80-\xbf]{2}|[\xf0-\xf4][\x80-\xbf]{3}"
-)
 
 
 class ToolRefused(Exception):
@@ -152,21 +147,15 @@ def decoded(data: bytes) -> str:
     """A document's bytes as text: UTF-8, or UTF-32 or UTF-16 where a
     byte-order mark says so (UTF-32's little-endian mark begins with
     UTF-16's: it is looked for first) or, for UTF-16 without one, where
-    every other byte is a NUL; bytes that are no UTF-8 and hold no UTF-8
-    character are Windows-1252 (Latin-1's superset).  What cannot be
-    decoded becomes U+FFFD (`storable`)."""
+    every other byte is a NUL.  What cannot be decoded becomes U+FFFD
+    (`storable`)."""
     if data.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
         encoding = "utf-32"
     elif data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         encoding = "utf-16"
     else:
         encoding = _unmarked_utf16(data) or "utf-8-sig"
-    try:
-        return storable(data.decode(encoding))
-    except UnicodeDecodeError:
-        if encoding == "utf-8-sig" and not _UTF8_SEQUENCE.search(data):
-            encoding = "cp1252"
-        return storable(data.decode(encoding, errors="replace"))
+    return storable(data.decode(encoding, errors="replace"))
 
 
 def _unmarked_utf16(data: bytes) -> str | None:
