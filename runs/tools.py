@@ -188,7 +188,7 @@ def deliver_report(input: dict[str, Any], identity: str) -> dict[str, Any]:
         url, credentials = _credentials(settings.RUNDESK_DELIVERY_URL)
         status = _post(url, body, identity, credentials)
         journal("deliver_report", identity, to="url", status=status)
-        return {"delivered_to": url, "status": status, "sha256": sha}
+        return {"delivered_to": _named(url), "status": status, "sha256": sha}
     outbox = Path(settings.RUNDESK_OUTBOX_DIR)
     # One file per identity, named so that no two identities share it.
     target = outbox / (urllib.parse.quote(identity, safe="") + ".md")
@@ -242,6 +242,13 @@ def _credentials(url: str) -> tuple[str, str]:
     password = urllib.parse.unquote(parts.password or "")
     plain = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
     return plain, "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+def _named(url: str) -> str:
+    """The receiver's address as a receipt (immutable, shown to staff)
+    names it: without its query, where a webhook's secret travels
+    (?token=, ?sig=)."""
+    return urllib.parse.urlunsplit(urllib.parse.urlsplit(url)._replace(query="", fragment=""))
 
 
 def _post(url: str, body: bytes, identity: str, credentials: str = "") -> int:

@@ -8,6 +8,7 @@ import codecs
 import hashlib
 import socket
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -312,6 +313,25 @@ def test_delivery_to_an_address_with_credentials_sends_them_as_basic_auth(
     [(headers, _)] = receiver.requests
     assert headers["Authorization"] == "Basic " + base64.b64encode(b"rundesk:p@ss w0rd").decode()
     assert result["delivered_to"] == f"http://127.0.0.1:{port}/reports"  # no password kept
+
+
+def test_a_webhooks_token_in_the_query_is_sent_but_never_kept(receiver, settings, journal):
+    """A receipt is immutable and shown to staff: it names the receiver,
+    not the secret its address carries."""
+    paths: list[str] = []
+
+    def answer(handler: BaseHTTPRequestHandler, body: bytes) -> None:
+        paths.append(handler.path)
+        status(200)(handler, body)
+
+    receiver.answer = answer
+    settings.RUNDESK_DELIVERY_URL = receiver.url + "/hooks/reports?token=tok-SECRET-456#x"
+
+    result = deliver_report({"content": REPORT}, "id-token")
+
+    assert paths == ["/hooks/reports?token=tok-SECRET-456"]
+    assert result["delivered_to"] == receiver.url + "/hooks/reports"
+    assert "SECRET" not in str(result) and "SECRET" not in str(journal.entries())
 
 
 @pytest.mark.parametrize("code", [301, 302, 303, 307, 308])
