@@ -311,10 +311,17 @@ def _distinct(reports: list[Report]) -> list[Report]:
     second has and the first lacks (its statement) is kept.  A server's
     reports, which name their reporter, are each a deadlock of their own."""
     kept: list[Report] = []
+    # The reports that may be printed again, by their edges: each is
+    # compared with those of the same edges only (a log of thousands of
+    # reports took minutes).
+    alike: dict[tuple[Edge, ...], list[Report]] = {}
     for report in reports:
-        same = next((k for k in kept if _same_deadlock(k, report)), None)
+        printed = report.reporter is None and report.graph.edges
+        bucket = alike.setdefault(tuple(report.graph.edges), []) if printed else []
+        same = next((k for k in bucket if _same_deadlock(k, report)), None)
         if same is None:
             kept.append(report)
+            bucket.append(report)
             continue
         same.statement = same.statement or report.statement
         same.context = same.context or report.context

@@ -301,3 +301,21 @@ def test_a_sentence_that_mentions_a_deadlock_is_not_a_report():
         "2026-11-29 10:00:02,001 INFO worker: job 7 done\n"
     )
     assert pglog.parse(log) == []
+
+
+def test_a_report_is_compared_only_with_those_it_may_repeat(monkeypatch):
+    """A log of thousands of reports: each was compared with every report
+    kept before it (20,000 took a minute), though only a client's report
+    of the same edges can be its repetition."""
+    compared: list[int] = []
+    same = pglog._same_deadlock
+    monkeypatch.setattr(
+        pglog, "_same_deadlock", lambda first, second: compared.append(1) or same(first, second)
+    )
+    server = "2024-01-01 00:00:00 UTC [1] ERROR:  deadlock detected\n" * 2000
+    assert len(pglog.parse(server)) == 2000 and compared == []
+
+    raised = "psycopg.errors.DeadlockDetected: deadlock detected\nDETAIL:  "
+    printed = "".join(f"{raised}{detail(a, a + 1, a, a + 2)}\n\n" for a in range(100, 700, 3))
+    assert len(pglog.parse(printed + printed)) == 200
+    assert len(compared) == 200  # each repetition with its first print, once
