@@ -366,6 +366,11 @@ class Dispatcher:
             except CancelRequested:
                 self._receipt_written(completed)  # the receipt went; the boundary did not
                 raise
+            except LeaseLost as lost:
+                raise LeaseLost(
+                    f"{lost}, and the receipt of {completed.step_key} with it: the next owner "
+                    "reads it again"
+                ) from lost
             except DatabaseError:
                 # Answered with an error: the statement rolled back, and the
                 # receipt can still go on its own (receipt_kept).

@@ -32,6 +32,23 @@ def test_stolen_lease_stops_the_owner_before_its_next_boundary(journal):
     assert run.faults_fired == ["0:lease_stolen"]
 
 
+def test_a_lease_stolen_at_a_boundary_carrying_a_receipt_says_the_read_goes_again(
+    settings, journal
+):
+    """With no checkpoint after read:0 (the production cadence), its
+    receipt rides with the next boundary: refused, both are lost, and the
+    timeline says the read will be sent again."""
+    settings.RUNDESK_CHECKPOINT_EVERY = 100
+    run, outcome = run_with([{"point": "lease_stolen", "action": 2}])
+
+    assert outcome == "lease_lost"
+    assert events(run, EventKind.WRITE_FENCED) == [
+        "boundary of summarize:0 refused, and the receipt of read:0 with it: the next owner "
+        "reads it again"
+    ]
+    assert not Receipt.objects.filter(run=run).exists() and not dispatched(run, "summarize:0")
+
+
 def test_cancel_before_an_action_dispatches_nothing_new_and_keeps_the_facts(journal):
     run, outcome = run_with([{"point": "cancel", "action": 3}])
 
