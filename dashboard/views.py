@@ -365,19 +365,15 @@ def locks_import(request: HttpRequest) -> HttpResponse:
         return redirect("locks")
     if warning:
         messages.warning(request, f"{upload.name}: {warning}.")
-    if not imported:
+    if not reports:
         messages.error(request, f"No 'deadlock detected' report found in {upload.name}.")
         return redirect("locks")
-    partial = sum(bool(incident.unread) for _, incident in imported)
-    messages.success(
-        request,
-        f"{len(imported)} deadlock reports imported from {upload.name}."
-        + (
-            f" {partial} could not be read in full: their pages say what is missing."
-            if partial
-            else ""
-        ),
-    )
+    said = [f"{len(imported)} deadlock reports imported from {upload.name}."]
+    if partial := sum(bool(incident.unread) for _, incident in imported):
+        said.append(f"{partial} could not be read in full: their pages say what is missing.")
+    if before := len(reports) - len(imported):
+        said.append(pglog.imported_before(before))
+    messages.success(request, " ".join(said))
     return redirect("locks")
 
 

@@ -169,10 +169,20 @@ class LockIncident(models.Model):
     unread = models.JSONField(
         db_default=[], blank=True, help_text="What an imported report had that could not be read"
     )
+    # An imported report's digest (pglog.Report.digest): a log imported
+    # again, or one that overlaps it, stores none of its reports twice.
+    report_digest = models.CharField(max_length=64, blank=True, db_default="")
 
     class Meta:
         ordering = ["-started_at", "-id"]
-        indexes = [models.Index(fields=["started_at"], name="incident_time_idx")]
+        indexes = [
+            models.Index(fields=["started_at"], name="incident_time_idx"),
+            models.Index(
+                fields=["report_digest"],
+                name="incident_report_digest_idx",
+                condition=~Q(report_digest=""),
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.source} incident {self.pk}"

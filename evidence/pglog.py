@@ -52,6 +52,7 @@ from evidence.pglog_formats import (
     decode,
     read,
 )
+from runs.models import canonical_json, text_digest
 
 # The SQLSTATE of the server's deadlock report (errcodes.h: ERRCODE_T_R_DEADLOCK_DETECTED).
 DEADLOCK_DETECTED = "40P01"
@@ -106,6 +107,10 @@ class LoggedWait:
         }
 
 
+# What a report's digest is made of (Report.as_json's keys).
+REPORT_IDENTITY = ("time", "reporter", "processes", "edges", "statement", "context")
+
+
 @dataclass
 class Report:
     """One "deadlock detected" report: its wait-for graph, what it could not
@@ -123,6 +128,18 @@ class Report:
     # The records the report is read from, and the logged waits before it.
     records: list[Record] = field(default_factory=list, repr=False)
     earlier: list[LoggedWait] = field(default_factory=list, repr=False)
+
+    @property
+    def digest(self) -> str:
+        """What tells this report from every other, for an import that meets
+        it again (a log uploaded twice, or one that overlaps the last): its
+        time, reporter, processes, edges and statement, not where its file
+        has it.  "" when the log gives no time: the same report then may be
+        the same deadlock happening again."""
+        if self.time is None:
+            return ""
+        said = self.as_json()
+        return text_digest(canonical_json({key: said[key] for key in REPORT_IDENTITY}))
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -417,12 +434,32 @@ def import_log(
 
 
 def store(reports: list[Report], origin: str) -> list[tuple[Report, LockIncident]]:
-    """`reports` stored as incidents, all or none."""
+    """`reports` stored as incidents, all or none, but those imported
+    before (Report.digest): the ones stored."""
+    digests = [report.digest for report in reports]
     with transaction.atomic():
-        return [(report, record(report, origin)) for report in reports]
+        seen = set(
+            LockIncident.objects.filter(
+                source=IncidentSource.LOG, report_digest__in=set(digests) - {""}
+            ).values_list("report_digest", flat=True)
+        )
+        stored = []
+        for report, digest in zip(reports, digests, strict=True):
+            if digest and digest in seen:
+                continue
+            seen.add(digest)
+            stored.append((report, record(report, origin, digest)))
+        return stored
 
 
-def record(report: Report, origin: str) -> LockIncident:
+def imported_before(count: int) -> str:
+    """What an import says of the reports it did not store again."""
+    return (
+        f"{count} had been imported before (the same report, at the same time): not stored again."
+    )
+
+
+def record(report: Report, origin: str, digest: str) -> LockIncident:
     """Stores a report as an incident: its edges, then the waits logged
     before it, each at the time the log gives (the import's time, marked
     unknown, where it gives none), and what could not be read."""
@@ -453,6 +490,7 @@ def record(report: Report, origin: str) -> LockIncident:
             cycle=cycle,
             summary=summary,
             unread=report.unread,
+            report_digest=digest,
         )
         waits = [
             locks._wait(incident, graph, edge, runs, when, when) for edge in report.graph.edges

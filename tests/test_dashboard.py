@@ -479,6 +479,14 @@ def test_log_upload_is_for_operators_with_a_size_limit_and_clear_errors(viewer, 
     )
     assert "1 deadlock reports imported from pg.log" in response.content.decode()
     assert LockIncident.objects.filter(source=IncidentSource.LOG).count() == 1
+    again = operator.post(
+        "/locks/import/", {"log": SimpleUploadedFile("pg.log", THREE_WAY.encode())}, follow=True
+    )
+    assert (
+        "0 deadlock reports imported from pg.log. 1 had been imported before"
+        in again.content.decode()
+    )
+    assert LockIncident.objects.filter(source=IncidentSource.LOG).count() == 1
     empty = operator.post(
         "/locks/import/", {"log": SimpleUploadedFile("x.log", b"LOG: fine\n")}, follow=True
     )

@@ -227,6 +227,34 @@ def test_import_pg_log_stores_incidents_and_prints_them(tmp_path):
     assert wait.waiter_query == "UPDATE evidence_source SET changed = false WHERE id = 5"
 
 
+def test_a_log_imported_again_or_overlapping_the_last_stores_no_report_twice(tmp_path):
+    """The rotated log an operator imports today holds yesterday's tail."""
+    first, overlapping = tmp_path / "monday.log", tmp_path / "tuesday.log"
+    first.write_text(THREE_WAY)
+    overlapping.write_text(THREE_WAY + NO_PID)
+    call_command("import_pg_log", str(first), stdout=StringIO())
+    out = StringIO()
+    call_command("import_pg_log", str(overlapping), "--json", stdout=out)
+    printed = json.loads(out.getvalue())
+    assert [incident["cycle"] for incident in printed["incidents"]] == [[200, 201]]
+    assert printed["imported_before"] == 1
+    out = StringIO()
+    call_command("import_pg_log", str(overlapping), stdout=out)
+    assert out.getvalue().splitlines() == [
+        f"0 deadlock reports imported from {overlapping}",
+        "  2 had been imported before (the same report, at the same time): not stored again.",
+    ]
+    assert LockIncident.objects.filter(source=IncidentSource.LOG).count() == 2
+
+
+def test_a_report_with_no_time_imported_again_may_be_the_deadlock_again(tmp_path):
+    log = tmp_path / "no-dates.log"
+    log.write_text(THREE_WAY.replace("2026-11-29 ", ""))
+    for _ in range(2):
+        call_command("import_pg_log", str(log), stdout=StringIO())
+    assert LockIncident.objects.filter(source=IncidentSource.LOG).count() == 2
+
+
 def test_import_pg_log_prints_each_incident_with_what_it_could_not_read(tmp_path):
     log = tmp_path / "postgresql.log"
     log.write_text(THREE_WAY + INCOMPLETE)

@@ -58,16 +58,20 @@ class Command(BaseCommand):
                 ) from None
         try:
             text, warning = pglog.decode(raw, options["encoding"])
-            imported = pglog.import_log(text, name, options["format"], zone)
+            reports = pglog.parse(text, options["format"], zone)
+            imported = pglog.store(reports, name)
         except pglog.LogFormatError as error:
             raise CommandError(f"{name}: {error}; nothing was imported") from None
         if warning:
             self.stderr.write(f"{name}: {warning}")
         incidents = [{"id": incident.pk, **report.as_json()} for report, incident in imported]
+        before = len(reports) - len(imported)
         if options["json"]:
-            self.stdout.write(json.dumps({"incidents": incidents}))
+            self.stdout.write(json.dumps({"incidents": incidents, "imported_before": before}))
             return
         self.stdout.write(f"{len(incidents)} deadlock reports imported from {name}")
+        if before:
+            self.stdout.write(f"  {pglog.imported_before(before)}")
         for incident in incidents:
             cycle = incident["cycle"]
             self.stdout.write(
