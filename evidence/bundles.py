@@ -187,8 +187,10 @@ KINDS: list[Rows] = [
     ),
 ]
 
-# What a row says about who it was: not a fact of the run.
-LEFT_OUT = {"user_id"}
+# What a row says about who it was, and what this installation keeps to
+# know a log it imported before (an incident's report_digest): no fact of
+# the run.
+LEFT_OUT = {"user_id", "report_digest"}
 
 
 # -- export -------------------------------------------------------------------------
