@@ -4,9 +4,9 @@ The agent sends chat messages; a provider returns text.  The offline
 provider is deterministic: it reads the <document> blocks of the prompt and
 writes what a careful analyst would extract from fact sheets (figures, fees,
 holdings, risks), and, for a comparison, puts them side by side.  Any other
-document (prose, notes, another corpus) gives its title and its opening
-sentences as key points, and a comparison of such documents lists each
-one's points and the terms they all use.
+document (prose, notes, an HTML page, another corpus) gives its title and
+its opening sentences as key points, and a comparison of such documents
+lists each one's points and the terms they all use.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from django.conf import settings
+
+from runs.html_text import is_page, page_text
 
 SUMMARIZE_INSTRUCTIONS = (
     "You are a research assistant. Summarise the fact sheet in the document: key figures, "
@@ -176,7 +178,9 @@ class FactSheet:
     def parse(cls, text: str, name: str = "") -> FactSheet:
         """The document `text` (named `name`, its title if it has none).
         Lists may be bulleted (- * +) or numbered, names in bold, figures
-        in a table of two columns."""
+        in a table of two columns; an HTML page is read as its text."""
+        if is_page(text):
+            text = page_text(text)
         sheet = cls(title="", name=name)
         section = ""
         lines = _without_code(text)

@@ -406,6 +406,34 @@ def test_a_question_cannot_pass_for_a_document_nor_end_early():
     assert "Documents compared: Alpha." in report.splitlines() and "FAKE" not in report[200:]
 
 
+PAGE = """<!DOCTYPE html>
+<html><head><title>Harbor fund</title><style>p {color: red}</style>
+<script>document.write("not text")</script></head>
+<body><nav><a href="/">Home</a> <a href="/funds">Funds</a></nav>
+<h1>Harbor Global Dividend (HGD)</h1>
+<p>A fund that   pays <b>dividends</b> &amp; stays global.</p>
+<h2>Key figures</h2>
+<table><tr><th>Figure</th><th>Value</th></tr>
+<tr><td>Ticker</td><td>HGD</td></tr><tr><td>Net assets</td><td>$2.1 billion</td></tr></table>
+<h2>Risks</h2><ul><li>Currency moves.</li><li>Rates <i>rise</i>.</li></ul>
+</body></html>"""
+
+
+def test_an_html_page_is_read_as_its_text_never_its_markup():
+    summary = summarize_text("harbor.html", PAGE)
+    assert summary.splitlines()[:4] == [
+        "# Harbor Global Dividend (HGD)",
+        "",
+        "## Key figures",
+        "- Ticker: HGD",
+    ]
+    assert "- Net assets: $2.1 billion" in summary and "- Rates rise." in summary
+    assert not any(word in summary for word in ("<", "Figure", "Home", "not text", "color"))
+
+    untitled = PAGE.replace("<h1>Harbor Global Dividend (HGD)</h1>", "").replace("Key figures", "x")
+    assert summarize_text("harbor.html", untitled).splitlines()[0] == "# Harbor fund"
+
+
 # -- the OpenAI-compatible provider against a local model API ---------------------
 
 
