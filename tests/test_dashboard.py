@@ -246,18 +246,22 @@ def test_unknown_outcomes_are_shown_as_unknown(viewer):
     assert "unknown: not known to have happened, nor not" in page
 
 
-def test_model_output_is_shown_as_text_never_run(viewer, run):
-    hostile = Run.objects.submit(question="q", documents=["a.md"])
-    lease = Lease.claim(hostile.pk, "owner")
+def answered_page(viewer: Client, answer: str) -> str:
+    """The run page of a run whose final answer is `answer`."""
+    run = Run.objects.submit(question="q", documents=["a.md"])
+    lease = Lease.claim(run.pk, "owner")
     assert lease is not None
-    lease.publish_revision(
-        1,
+    lease.publish_revision(1, answer, is_final=True)
+    return viewer.get(f"/runs/{run.pk}/").content.decode()
+
+
+def test_model_output_is_shown_as_text_never_run(viewer, run):
+    page = answered_page(
+        viewer,
         "# Report\n\n<script>alert(1)</script>\n\n"
         '<img src="x" onerror="alert(2)">\n\n![chart](/bundles/1/download)\n\n'
         "| a | b |\n|---|---|\n| 1 | 2 |",
-        is_final=True,
     )
-    page = viewer.get(f"/runs/{hostile.pk}/").content.decode()
     assert "<script>alert(1)</script>" not in page
     assert "onerror" not in page
     # Showing the answer fetches nothing: no image, not even of this site.
@@ -269,17 +273,12 @@ def test_text_that_only_looks_like_a_tag_is_shown_as_written(viewer, run):
     """Only a tag that names an HTML element is markup; `List<String>` is
     what the answer says, and an element that runs or fetches is still
     dropped, in any case."""
-    typed = Run.objects.submit(question="q", documents=["a.md"])
-    lease = Lease.claim(typed.pk, "owner")
-    assert lease is not None
-    lease.publish_revision(
-        1,
+    page = answered_page(
+        viewer,
         "# Types\n\nUse List<String> or Map<K, V>; <T> is generic, and Vec<u8> holds bytes.\n\n"
         "<String> opens a line. <SCRIPT>alert(1)</SCRIPT> <Img src=x onerror=alert(2)> "
         "<svg onload=alert(3)> <b>kept</b>",
-        is_final=True,
     )
-    page = viewer.get(f"/runs/{typed.pk}/").content.decode()
     answer = section(page, '<div class="answer final">', "</div>")
     assert "List&lt;String&gt; or Map&lt;K, V&gt;; &lt;T&gt; is generic" in answer
     assert "Vec&lt;u8&gt; holds bytes" in answer and "<p>&lt;String&gt; opens a line." in answer
