@@ -9,8 +9,9 @@ from __future__ import annotations
 import re
 from html.parser import HTMLParser
 
-# How a whole HTML page begins (after a byte-order mark or blanks).
-_PAGE = re.compile(r"\s*(?:<!--.*?-->\s*)*<(?:!doctype\s+html|html|head|body)\b", re.I | re.S)
+# How a whole HTML page begins, after blanks and comments.
+_PAGE = re.compile(r"<(?:!doctype\s+html|html|head|body)\b", re.I)
+_BLANKS = re.compile(r"\s*")
 # Elements whose content is no text of the page (a site's navigation neither).
 HIDDEN = {"script", "style", "head", "template", "noscript", "svg", "math", "iframe", "object"}
 HIDDEN |= {"nav"}
@@ -24,7 +25,13 @@ BLOCKS = {
 
 
 def is_page(text: str) -> bool:
-    return bool(_PAGE.match(text))
+    at = _BLANKS.match(text).end()
+    while text.startswith("<!--", at):
+        end = text.find("-->", at + 4)
+        if end < 0:
+            return False
+        at = _BLANKS.match(text, end + 3).end()
+    return bool(_PAGE.match(text, at))
 
 
 def page_text(page: str) -> str:

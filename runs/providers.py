@@ -124,7 +124,7 @@ _MARKUP = re.compile(r"^(?:#+\s+|>\s*|[-*+]\s+|\d+[.)]\s+)")
 _HEADING = re.compile(r"#{1,6}(?:\s|$)")
 # A fact sheet's section: a heading of level 2 to 6 (closing #s and a colon
 # are no part of its name), or a line in bold alone.
-_SECTION = re.compile(r"(#{2,6})\s+(.*?)[\s#]*|(\*\*|__)(.+?)\3:?")
+_SECTION = re.compile(r"(#{2,6})\s+(.*)|(\*\*|__)(.+?)\3:?")
 SECTIONS = ("key figures", "fees", "top holdings", "risks", "key points")
 # A fenced code block opens with three or more ` or ~; the same, at least as
 # many, close it.
@@ -296,7 +296,7 @@ def _section(line: str) -> tuple[int, str] | None:
     if not (match := _SECTION.fullmatch(line)):
         return None
     level = len(match[1]) if match[1] else 2
-    named = _EMPHASIS.sub("", match[2] or match[4]).strip().rstrip(":").strip()
+    named = _EMPHASIS.sub("", (match[2] or match[4]).rstrip(" \t#")).strip().rstrip(":").strip()
     return level, " ".join(named.lower().split())
 
 
