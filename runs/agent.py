@@ -72,7 +72,7 @@ class ResearchAgent:
         summary that fails is noted in the report; the other documents are
         independent work and go on."""
         read_key, summary_key = f"read:{index}", f"summarize:{index}"
-        if not self.dispatcher.completed(read_key):
+        if not self.dispatcher.settled(read_key):
             needed = 2 + FINISHING_ACTIONS
             if over := self.dispatcher.finalize_if_due(actions_needed=needed):
                 state.notes.append(_not_read(path, over))
@@ -183,8 +183,7 @@ def _not_read(path: str, reason: str) -> str:
 
 
 def _refused(path: str, read: dict[str, Any]) -> str:
-    """The note of a refused read; the tool's reason names the path too."""
-    return f"{path}: {read['refused'].removeprefix(f'{path!r}: ')}"
+    return f"{path}: {read['refused']}"
 
 
 def _not_included(path: str, step_key: str, error: str) -> str:

@@ -161,6 +161,11 @@ class Dispatcher:
     def completed(self, step_key: str) -> bool:
         return step_key in self.completed_now or self.history.completed(step_key)
 
+    def settled(self, step_key: str) -> bool:
+        """Whether the action's outcome is known: it completed, or it failed
+        (stepping a failed read raises its failure again)."""
+        return self.completed(step_key) or self.history.failure(step_key) is not None
+
     def action_id(self, step_key: str) -> int:
         """The id of an action this run has completed (now or earlier)."""
         if step_key in self.completed_now:

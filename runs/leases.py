@@ -296,15 +296,18 @@ class Lease:
 
     def redispatch_boundary(self, action_id: int) -> None:
         """Re-arms the boundary of an action that has no receipt, under its
-        original identity, for this epoch: a `read`, or an effect that an
-        operator's decision says to send once more (its `failed` state; the
-        database also counts the decisions, migration 0008)."""
+        original identity, for this epoch: a `read` still dispatched (its
+        owner died before its receipt; a read that failed stays failed), or
+        an effect that an operator's decision says to send once more (its
+        `failed` state; the database also counts the decisions, migration
+        0008)."""
         self._require(
             f"""UPDATE runs_action SET epoch = %(epoch)s, attempts = attempts + 1,
                     state = 'dispatched', dispatched_at = now(), error = ''
                 WHERE id = %(action)s AND run_id = %(run)s
-                  AND (effect_class = 'read' OR state = 'failed')
-                  AND state IN ('dispatched', 'failed') AND epoch < %(epoch)s
+                  AND (effect_class = 'read' AND state = 'dispatched'
+                       OR effect_class = 'effect' AND state = 'failed')
+                  AND epoch < %(epoch)s
                   AND EXISTS ({OWNED_NOT_CANCELLED})""",
             f"re-dispatch of action {action_id}",
             action=action_id,

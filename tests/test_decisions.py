@@ -31,7 +31,7 @@ from runs.models import (
 )
 from runs.outcomes import xact_status
 from runs.timeline import EventKind, timeline
-from tests.faultruns import KEYS, events, executions, run_with, wait_for
+from tests.faultruns import DOCS, KEYS, events, executions, run_with, wait_for
 from tests.receivers import LocalServer, status
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("short_settle")]
@@ -108,6 +108,36 @@ def test_a_read_that_failed_stays_failed_when_the_run_resumes(settings, journal,
     assert not journal.counts().get(f"rundesk:run-{run.pk}:read:0")
     final = AnswerRevision.objects.get(run=run, is_final=True).content
     assert "northwind-clean-energy.md: not included (read:0 failed" in final
+
+
+def test_a_read_that_failed_before_research_ended_is_noted_alike_on_resume(
+    settings, journal, operator
+):
+    """The budget ended research after read:0 had failed: resumed, the run
+    said "not read" of it (research was over) where its report, already
+    delivered, said "not included", and ended failed."""
+    settings.RUNDESK_CHECKPOINT_EVERY = 100
+    with LocalServer(status(200)) as receiver:
+        settings.RUNDESK_DELIVERY_URL = receiver.url
+        run = Run.objects.submit(
+            question="Compare these funds",
+            documents=DOCS,
+            action_budget=6,
+            faults=[{"point": "tool_error", "action": 1}, {"point": "delivery_timeout"}],
+        )
+        assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
+        item = OutcomeItem.objects.get(run=run, kind=OutcomeKind.EFFECT)
+        decide(
+            item.pk,
+            asked(
+                DecisionChoice.CONFIRMED_HAPPENED, operator, reason="in their log", reference="D-9"
+            ),
+        )
+        assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    assert len(receiver.requests) == 1
+    final = AnswerRevision.objects.get(run=run, is_final=True).content
+    assert f"{DOCS[0]}: not included (read:0 failed" in final
+    assert f"{DOCS[2]}: not read (action budget of 6 exhausted)" in final
 
 
 @pytest.mark.parametrize(

@@ -108,8 +108,7 @@ def test_refused_document_is_reported_and_the_run_still_completes(journal):
     receipt = Receipt.objects.get(run=run, step_key="read:0")
     assert "'..' is refused" in receipt.result["refused"]
     final = AnswerRevision.objects.get(run=run, is_final=True).content
-    assert "- ../../etc/passwd: '..' is refused; name a file inside the corpus" in final
-    assert "NWCE" in final and final.count("etc/passwd") == 1  # the note names it once
+    assert "../../etc/passwd" in final and "NWCE" in final
     assert set(journal.counts("read_document")) == {f"rundesk:run-{run.pk}:read:1"}
 
 
