@@ -1,8 +1,8 @@
 """An HTML page as the text the offline provider reads (runs/providers.py):
 headings as `#`, list items as `-`, table rows as `| a | b |`, paragraphs
 apart, the page's title first where no heading gives one; what a browser
-does not show as text (scripts, styles, the head) left out.  Only a whole
-page is read so: a markdown document's inline HTML stays as it is."""
+does not show as text (scripts, styles, the head, code) left out.  Only a
+whole page is read so: a markdown document's inline HTML stays as it is."""
 
 from __future__ import annotations
 
@@ -12,15 +12,19 @@ from html.parser import HTMLParser
 # How a whole HTML page begins, after blanks and comments.
 _PAGE = re.compile(r"<(?:!doctype\s+html|html|head|body)\b", re.I)
 _BLANKS = re.compile(r"\s*")
-# Elements whose content is no text of the page (a site's navigation neither).
-HIDDEN = {"script", "style", "head", "template", "noscript", "svg", "math", "iframe", "object"}
-HIDDEN |= {"nav"}
+# Elements whose content is no text of the page: a site's navigation and
+# code (as a markdown document's fenced code) neither.
+HIDDEN = {"script", "style", "template", "noscript", "svg", "math", "iframe", "object"}
+HIDDEN |= {"nav", "pre"}
+# What a head holds; any other element begins the body (</head> and <body>
+# may be left out).
+HEAD = {"base", "link", "meta", "noscript", "script", "style", "template", "title"}
 HEADINGS = {"h1": 1, "h2": 2, "h3": 3, "h4": 4, "h5": 5, "h6": 6}
 # Elements that begin and end a paragraph of their own.
 BLOCKS = {
     "address", "article", "aside", "blockquote", "body", "caption", "dd", "details", "dialog",
     "div", "dl", "dt", "fieldset", "figcaption", "figure", "footer", "form", "header", "hr",
-    "html", "legend", "main", "ol", "p", "pre", "section", "summary", "table", "ul",
+    "html", "legend", "main", "ol", "p", "section", "summary", "table", "ul",
 }  # fmt: skip
 
 
@@ -39,80 +43,105 @@ def page_text(page: str) -> str:
     reader = _Reader()
     reader.feed(page)
     reader.close()
-    lines = [line.strip() for line in reader.lines]
-    title = " ".join(reader.title.split())
+    reader.end_row()
+    lines = ["".join(parts).strip() for parts in reader.lines]
+    title = " ".join("".join(reader.title).split())
     if title and not any(line.startswith("# ") for line in lines):
         lines.insert(0, f"# {title}")
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
 
 
 class _Reader(HTMLParser):
+    """Each line a list of parts, joined once at the end (a string grown
+    in place is copied at each addition)."""
+
     def __init__(self) -> None:
         super().__init__(convert_charrefs=True)
-        self.lines = [""]
-        self.title = ""
+        self.lines: list[list[str]] = [[]]
+        self.title: list[str] = []
+        self.in_head = self.in_title = False
         self.hidden = 0
-        self.in_title = False
-        self.cells: list[str] = []  # the tags of the table row's cells
+        self.cells: list[str] = []  # the tags of the open table row's cells
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "title":
+        if tag == "head":
+            self.in_head = True
+        elif self.in_head and tag not in HEAD:
+            self.in_head = False
+        if tag == "title" and self.in_head and not self.hidden:
             self.in_title = True
         elif tag in HIDDEN:
             self.hidden += 1
-        elif self.hidden:
+        elif self.hidden or self.in_head:
             return
         elif tag in HEADINGS:
             self._paragraph()
-            self.lines[-1] = "#" * HEADINGS[tag] + " "
+            self.lines[-1].append("#" * HEADINGS[tag] + " ")
         elif tag == "li":
             self._line()
-            self.lines[-1] = "- "
+            self.lines[-1].append("- ")
         elif tag == "tr":
-            self._line()
-            self.cells = []
+            self.end_row()
         elif tag in ("td", "th"):
+            if self.cells:
+                self._space()  # the cell before it may be left open
             self.cells.append(tag)
-            self.lines[-1] += "| "
+            self.lines[-1].append("| ")
         elif tag == "br":
             self._line()
         elif tag in BLOCKS:
             self._paragraph()
 
     def handle_endtag(self, tag: str) -> None:
-        if tag == "title":
+        if tag == "head":
+            self.in_head = False
+        elif tag == "title":
             self.in_title = False
         elif tag in HIDDEN:
             self.hidden = max(0, self.hidden - 1)
-        elif self.hidden:
+        elif self.hidden or self.in_head:
             return
         elif tag in ("td", "th"):
-            self.lines[-1] = self.lines[-1].rstrip() + " "
-        elif tag == "tr":
-            self.lines[-1] += "|"
-            self._line()
-            if self.cells and set(self.cells) == {"th"}:  # a header row: its rule under it
-                self.lines[-1] = "|---" * len(self.cells) + "|"
-                self._line()
+            self._space()
+        elif tag in ("tr", "table"):
+            self.end_row()
         elif tag == "li":
             self._line()
-        elif tag in HEADINGS or tag in BLOCKS:
+        if tag in HEADINGS or tag in BLOCKS:
             self._paragraph()
 
     def handle_data(self, data: str) -> None:
         if self.in_title:
-            self.title += data
-        elif not self.hidden:
-            words = " ".join(data.split())
-            if words:
-                space = " " if data[:1].isspace() and not self.lines[-1].endswith(" ") else ""
-                self.lines[-1] += space + words + (" " if data[-1:].isspace() else "")
+            self.title.append(data)
+        elif not self.hidden and not self.in_head and (words := " ".join(data.split())):
+            if data[:1].isspace():
+                self._space()
+            self.lines[-1].append(words)
+            if data[-1:].isspace():
+                self.lines[-1].append(" ")
+
+    def end_row(self) -> None:
+        """Closes the open table row, if any (</td> and </tr> may be left
+        out); a row of header cells gets the rule under it."""
+        if not self.cells:
+            return
+        self._space()
+        self.lines[-1].append("|")
+        self._line()
+        if set(self.cells) == {"th"}:
+            self.lines[-1].append("|---" * len(self.cells) + "|")
+            self._line()
+        self.cells = []
+
+    def _space(self) -> None:
+        if self.lines[-1] and not self.lines[-1][-1].endswith(" "):
+            self.lines[-1].append(" ")
 
     def _line(self) -> None:
-        if self.lines[-1].strip():
-            self.lines.append("")
+        if any(part.strip() for part in self.lines[-1]):
+            self.lines.append([])
 
     def _paragraph(self) -> None:
         self._line()
-        if self.lines[-1] == "" and len(self.lines) > 1 and self.lines[-2] != "":
-            self.lines.append("")
+        if len(self.lines) > 1 and self.lines[-2]:
+            self.lines.append([])

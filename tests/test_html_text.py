@@ -1,0 +1,50 @@
+"""An HTML page read as the text a browser shows of it, in the shape the
+offline provider reads (headings, items, table rows, paragraphs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runs.html_text import is_page, page_text
+
+
+@pytest.mark.parametrize(
+    ("text", "page"),
+    [
+        ("<!DOCTYPE html><p>x</p>", True),
+        ("  <!-- built 2026 --> <!--x--><html lang=en>", True),
+        ("<body><p>x</p>", True),
+        ("# Notes\n\n<b>bold</b> in markdown", False),
+        ("<!-- a comment that never closes <html>", False),
+        ("<p>a fragment is markdown's inline HTML</p>", False),
+    ],
+)
+def test_only_a_whole_page_is_read_as_html(text, page):
+    assert is_page(text) is page
+
+
+def test_a_head_left_open_hides_only_the_head():
+    """</head> and <body> may be left out: the body began at its first element."""
+    page = "<!doctype html><html><head><meta charset=utf-8><title>Fund</title><h2>Alpha</h2>"
+    assert page_text(page + "<p>Text.</p>") == "# Fund\n## Alpha\n\nText.\n"
+
+
+def test_the_title_is_the_heads_never_an_icons():
+    page = "<html><head><title>Fund</title></head><body><svg><title>Search</title></svg><p>Hi"
+    assert page_text(page) == "# Fund\nHi\n"
+
+
+def test_table_cells_and_rows_left_open_are_rows_with_their_header_rule():
+    page = "<html><body><table><tr><th>A<th>B<tr><td>Ticker<td>X<tr><td>Net<td>$1 bn</table>"
+    assert page_text(page + "<p>after") == (
+        "| A | B |\n|---|---|\n| Ticker | X |\n| Net | $1 bn |\n\nafter\n"
+    )
+
+
+def test_scripts_styles_navigation_and_code_are_no_text():
+    page = (
+        "<html><head><style>p {}</style><script>var a = '<p>no</p>';</script></head><body>"
+        "<nav><a href=/>Home</a></nav><pre># not a heading\nx = 1</pre>"
+        "<ul><li>one <b>two</b> three<li>four</ul><p>A &amp; B</p></body></html>"
+    )
+    assert page_text(page) == "- one two three\n- four\n\nA & B\n"
