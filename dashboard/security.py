@@ -19,7 +19,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.messages import get_messages
 from django.core.exceptions import BadRequest
-from django.db import DatabaseError, OperationalError, transaction
+from django.db import DatabaseError, OperationalError, connection, transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 from django.middleware import csrf
 from django.template.loader import render_to_string
@@ -98,6 +98,12 @@ class PageLockWaitsMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         if request.method not in ("GET", "HEAD"):
+            try:
+                # Before anything reads the session (who is signed in):
+                # a database that cannot be reached at all took nothing.
+                connection.ensure_connection()
+            except OperationalError:
+                return unavailable(request, locked=False, form=True)
             return self.get_response(request)
         try:
             with waits_bounded(PAGE_LOCK_WAIT):
@@ -113,7 +119,7 @@ class PageLockWaitsMiddleware:
         if request.method not in ("GET", "HEAD"):
             # A form the database stopped answering (signing in included):
             # whether its change was made is for the page to show.
-            return unavailable(request, locked=False, form=True)
+            return unavailable(request, locked=False, form=True, done=None)
         transaction.set_rollback(True)
         return unavailable(request, locked=lock_refused(exception))
 
@@ -138,7 +144,8 @@ def csrf_words(reason: str) -> str:
     if reason.startswith("Referer checking failed"):
         return (
             "Over HTTPS the browser must say which page of this site sent the form (its "
-            "Referer header), and it did not: a browser setting or an extension may remove it."
+            "Referer header), and it sent none this check accepts (none, a malformed one, or one "
+            "not over HTTPS): a browser setting or an extension may remove or change it."
         )
     if reason == csrf.REASON_NO_CSRF_COOKIE:
         return "The browser did not send this site's cookie: cookies may be blocked for this site."
@@ -195,13 +202,14 @@ def unavailable(
     *,
     locked: bool,
     form: bool = False,
-    done: bool = False,
+    done: bool | None = False,
     back: str = "",
 ) -> HttpResponse:
     """The page that says the database could not answer: held by a lock
-    (`locked`), for a form (`form`) that did what it was asked (`done`) or
-    nothing, with the messages waiting to be said (what was done).  It
-    reads nothing from the database.  An htmx form gets its words in
+    (`locked`), for a form (`form`) that did what it was asked (`done`),
+    nothing, or what is not known (None), with the messages waiting to be
+    said (what was done).  It reads nothing from the database (messages
+    the session holds, where it cannot be read, are not said).  An htmx form gets its words in
     place of the page it came from (htmx swaps no 503); a region's poll
     gets the 503, and its region stays as it was until the next poll."""
     context = {
@@ -209,7 +217,7 @@ def unavailable(
         "form": form,
         "done": done,
         "wait": PAGE_LOCK_WAIT,
-        "said": [str(message) for message in get_messages(request)],
+        "said": _said(request),
         "back": back or _this_site(request, request.headers.get("HX-Current-URL", "")),
     }
     if form and getattr(request, "htmx", False):
@@ -221,6 +229,15 @@ def unavailable(
     return response
 
 
+def _said(request: HttpRequest) -> list[str]:
+    """The messages waiting to be said; none where the session that may
+    hold them cannot be read (the database is down)."""
+    try:
+        return [str(message) for message in get_messages(request)]
+    except DatabaseError:
+        return []
+
+
 class PrivatePagesMiddleware:
     """A signed-in user's pages are theirs alone: kept by no shared cache,
     nor by the browser once left (a run page shows model output as it came)."""
@@ -230,7 +247,11 @@ class PrivatePagesMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         response = self.get_response(request)
-        if request.user.is_authenticated and not response.has_header("Cache-Control"):
+        try:
+            signed_in = request.user.is_authenticated
+        except DatabaseError:  # who it is cannot be read (the database is down): private
+            signed_in = True
+        if signed_in and not response.has_header("Cache-Control"):
             patch_cache_control(response, private=True, no_store=True)
         return response
 

@@ -292,12 +292,15 @@ def _item(line: str) -> str:
 
 
 def _section(line: str) -> tuple[int, str] | None:
-    """The level and name (lower case) of a section heading, or None."""
+    """The level and name (lower case) of a section heading, or None.  A
+    line in bold is one only when it names a section (**Risks**): any other
+    (**Equities**) is a part of the section it is in."""
     if not (match := _SECTION.fullmatch(line)):
         return None
     level = len(match[1]) if match[1] else 2
     named = _EMPHASIS.sub("", (match[2] or match[4]).rstrip(" \t#")).strip().rstrip(":").strip()
-    return level, " ".join(named.lower().split())
+    named = " ".join(named.lower().split())
+    return None if match[3] and named not in SECTIONS else (level, named)
 
 
 def _pair(item: str, line: str, following: list[str]) -> tuple[str, str] | None:
@@ -360,7 +363,8 @@ def shared_terms(sheets: list[FactSheet], limit: int = 8) -> list[str]:
 
 
 _NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?|\.\d+")
-_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+# 1,234 and 12,345,678 (0,450 is a decimal comma: no group begins with 0).
+_THOUSANDS = re.compile(r"[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?")
 _SCALE = re.compile(r"\s*(trillion|billion|million|thousand|tn|bn|mn|m|k)\b", re.I)
 SCALES = {"trillion": 1e12, "billion": 1e9, "million": 1e6, "thousand": 1e3}
 SCALES |= {"tn": 1e12, "bn": 1e9, "mn": 1e6, "m": 1e6, "k": 1e3}
@@ -385,8 +389,9 @@ def figure(value: str) -> float | None:
     number = float(written)
     at = value.index(numbers[0])
     sign = value[:at].rstrip(" $\u20ac\u00a3\u00a5")
-    bracketed = value.strip().startswith("(") and value.strip().endswith(")")
-    if sign.endswith(tuple(MINUS_SIGNS)) or bracketed:
+    # An accountant's negative: the number alone in brackets, (4.1%), ($2 bn).
+    alone = rf"\(\s*[$\u20ac\u00a3\u00a5]?\s*{re.escape(numbers[0])}\s*[a-z]{{0,8}}\s*%?\s*\)"
+    if sign.endswith(tuple(MINUS_SIGNS)) or re.fullmatch(alone, value.strip(), re.I):
         number = -number
     if scale := _SCALE.match(value, at + len(numbers[0])):
         number *= SCALES[scale[1].lower()]

