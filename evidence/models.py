@@ -175,13 +175,14 @@ class LockIncident(models.Model):
 
     class Meta:
         ordering = ["-started_at", "-id"]
-        indexes = [
-            models.Index(fields=["started_at"], name="incident_time_idx"),
-            models.Index(
+        indexes = [models.Index(fields=["started_at"], name="incident_time_idx")]
+        constraints = [
+            models.UniqueConstraint(
                 fields=["report_digest"],
-                name="incident_report_digest_idx",
                 condition=~Q(report_digest=""),
-            ),
+                name="incident_report_once",
+                violation_error_message="this report was imported before",
+            )
         ]
 
     def __str__(self) -> str:

@@ -36,7 +36,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from evidence import locks
@@ -328,17 +328,26 @@ def _distinct(reports: list[Report]) -> list[Report]:
     second has and the first lacks (its statement) is kept.  A server's
     reports, which name their reporter, are each a deadlock of their own."""
     kept: list[Report] = []
-    # The reports that may be printed again, by their edges: each is
-    # compared with those of the same edges only (a log of thousands of
-    # reports took minutes).
-    alike: dict[tuple[Edge, ...], list[Report]] = {}
+    # The reports a client may have printed again, by their edges, then
+    # their time: each is compared with those of its edges and time, and
+    # of no time, only (a log of thousands of reports took minutes).
+    alike: dict[tuple[Edge, ...], dict[dt.datetime | None, list[Report]]] = {}
+    order: dict[int, int] = {}  # id(report) -> its place in `kept`
     for report in reports:
-        printed = report.reporter is None and report.graph.edges
-        bucket = alike.setdefault(tuple(report.graph.edges), []) if printed else []
-        same = next((k for k in bucket if _same_deadlock(k, report)), None)
+        by_time = alike.setdefault(tuple(report.graph.edges), {})
+        if report.reporter is not None or not report.graph.edges:
+            candidates: list[Report] = []
+        elif report.time is None:
+            candidates = [k for times in by_time.values() for k in times]
+        else:
+            candidates = by_time.get(report.time, []) + by_time.get(None, [])
+        matching = (k for k in candidates if _same_deadlock(k, report))
+        same = min(matching, key=lambda k: order[id(k)], default=None)
         if same is None:
+            order[id(report)] = len(kept)
             kept.append(report)
-            bucket.append(report)
+            if report.reporter is None and report.graph.edges:
+                by_time.setdefault(report.time, []).append(report)
             continue
         same.statement = same.statement or report.statement
         same.context = same.context or report.context
@@ -438,6 +447,10 @@ def store(reports: list[Report], origin: str) -> list[tuple[Report, LockIncident
     before (Report.digest): the ones stored."""
     digests = [report.digest for report in reports]
     with transaction.atomic():
+        with connection.cursor() as cursor:
+            # One import at a time looks at what was imported before (two
+            # uploads of one log at once stored it twice).
+            cursor.execute("SELECT pg_advisory_xact_lock(hashtext('rundesk: log import'))")
         seen = set(
             LockIncident.objects.filter(
                 source=IncidentSource.LOG, report_digest__in=set(digests) - {""}

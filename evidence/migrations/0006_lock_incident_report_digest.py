@@ -14,12 +14,13 @@ class Migration(migrations.Migration):
             name="report_digest",
             field=models.CharField(blank=True, db_default="", max_length=64),
         ),
-        migrations.AddIndex(
+        migrations.AddConstraint(
             model_name="lockincident",
-            index=models.Index(
+            constraint=models.UniqueConstraint(
                 condition=models.Q(("report_digest", ""), _negated=True),
-                fields=["report_digest"],
-                name="incident_report_digest_idx",
+                fields=("report_digest",),
+                name="incident_report_once",
+                violation_error_message="this report was imported before",
             ),
         ),
     ]
