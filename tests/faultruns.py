@@ -40,10 +40,13 @@ def events(run: Run, kind: EventKind) -> list[str]:
 
 
 def write_in_flight() -> bool:
-    """A write is stalled after announcing its xid (the fault plan's cut)."""
+    """A write of this database is stalled after announcing its xid (the
+    fault plan's cut): another database's sleep (a suite run beside this
+    one) is none of its writes."""
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep')"
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity"
+            " WHERE wait_event = 'PgSleep' AND datname = current_database())"
         )
         return cursor.fetchone()[0]
 
