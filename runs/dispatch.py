@@ -428,7 +428,10 @@ class Dispatcher:
         if action.state == ActionState.COMPLETED:
             raise NeedsOperator(f"{action.step_key} is completed but its receipt is missing")
         if action.state == ActionState.UNKNOWN:
-            raise NeedsOperator(f"the outcome of {action.step_key} is unknown")
+            # Waits for its item; one an operator settled while this owner
+            # was loading the run puts the run back in the queue at once.
+            item = action.outcome_items.order_by("-id").values_list("pk", flat=True).first()
+            raise NeedsOperator(f"the outcome of {action.step_key} is unknown", item)
         if action.effect_class == EffectClass.READ and action.state == ActionState.FAILED:
             # Known not to have completed, and the run went on without it
             # (a note, a draft, a composition that leave it out): a fact,

@@ -30,6 +30,7 @@ from runs.models import (
     RunStatus,
 )
 from runs.outcomes import xact_status
+from runs.progress import History
 from runs.timeline import EventKind, timeline
 from tests.faultruns import DOCS, KEYS, events, executions, run_with, wait_for
 from tests.receivers import LocalServer, status
@@ -81,6 +82,31 @@ def test_confirmed_happened_completes_the_run_without_sending_again(lost_deliver
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     assert len(receiver.requests) == 1  # never sent again
     assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
+
+
+def test_a_decision_made_while_an_owner_loads_the_run_puts_it_back_in_the_queue(
+    lost_delivery, operator, monkeypatch
+):
+    """Its owner died while the run was about to wait (the run was queued
+    again with its item open); the next owner read the action as unknown
+    just before an operator's decision committed: the run waited, with
+    nothing left to decide."""
+    run, item, receiver = lost_delivery
+    Run.objects.filter(pk=run.pk).update(status=RunStatus.QUEUED)
+    loaded = History.of
+
+    def decided_meanwhile(cls: type[History], of: Run) -> History:
+        history = loaded(of)
+        decide(item.pk, asked(DecisionChoice.RESEND_SAME_IDENTITY, operator, reason="not there"))
+        return history
+
+    monkeypatch.setattr(History, "of", classmethod(decided_meanwhile))
+    assert claim_and_drive(run.pk) == "requeued"
+    monkeypatch.undo()
+    run.refresh_from_db()
+    assert run.status == RunStatus.QUEUED and "was settled while it stopped" in run.status_reason
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    assert len(receiver.requests) == 2  # sent again once, as decided
 
 
 def test_a_read_that_failed_stays_failed_when_the_run_resumes(settings, journal, operator):
