@@ -107,6 +107,15 @@ def _lock_waits(run: Run) -> QuerySet[LockWait]:
     return LockWait.objects.filter(Q(waiter_run=run) | Q(blocker_run=run))
 
 
+def _source_ids() -> ArrayAgg:
+    """The ids of the sources a record links, [] for none: a model record
+    stands without its links when they could not be saved (records.py),
+    and the join's NULL made a bundle no database could open."""
+    return ArrayAgg(
+        "sources__id", order_by="sources__id", filter=Q(sources__isnull=False), default=[]
+    )
+
+
 KINDS: list[Rows] = [
     Rows(
         "actions.jsonl",
@@ -153,18 +162,14 @@ KINDS: list[Rows] = [
         "model_calls.jsonl",
         "the model record of each model call, with the sources it was given",
         lambda run: (
-            ModelCall.objects.filter(run=run)
-            .annotate(source_ids=ArrayAgg("sources__id", order_by="sources__id", default=[]))
-            .order_by("id")
+            ModelCall.objects.filter(run=run).annotate(source_ids=_source_ids()).order_by("id")
         ),
     ),
     Rows(
         "evidence_copies.jsonl",
         "bounded copies of the model calls' inputs and outputs (capture)",
         lambda run: (
-            EvidenceCopy.objects.filter(run=run)
-            .annotate(source_ids=ArrayAgg("sources__id", order_by="sources__id", default=[]))
-            .order_by("id")
+            EvidenceCopy.objects.filter(run=run).annotate(source_ids=_source_ids()).order_by("id")
         ),
         evidence=True,
     ),

@@ -280,6 +280,17 @@ def test_a_bundle_without_evidence_opens_without_it(decided_run, tmp_path):
     assert ModelCall.objects.filter(run=copy).count() == decided_run.model_calls.count() > 0
 
 
+def test_a_model_record_without_its_source_links_opens_without_them(decided_run, tmp_path):
+    """A model record stands without its links when they could not be
+    saved; its bundle named the missing link as a NULL source, and no
+    database could open it."""
+    call = decided_run.model_calls.order_by("id").first()
+    call.sources.clear()
+    copy = Run.objects.get(pk=opened(bundle_of(decided_run, tmp_path))["run_id"])
+    calls = ModelCall.objects.filter(run=copy).order_by("id")
+    assert calls.count() == decided_run.model_calls.count() and not calls[0].sources.exists()
+
+
 def test_opening_a_bundle_twice_gives_the_first_run(decided_run, tmp_path):
     path = bundle_of(decided_run, tmp_path)
     first = opened(path)
