@@ -70,8 +70,10 @@ CHUNK = 2000  # rows fetched per round trip of a server-side cursor
 # A manifest names some sixteen files: one larger than this is no manifest.
 MAX_MANIFEST_BYTES = 1 << 20
 # What reading a damaged member raises: a bad CRC, inflating bytes that are
-# not deflate's, a member cut short.
-UNREADABLE = (zipfile.BadZipFile, zlib.error, EOFError, OSError)
+# not deflate's, a member cut short, one flagged encrypted (RuntimeError) or
+# packed by a method zipfile lacks (NotImplementedError).
+UNREADABLE = (zipfile.BadZipFile, zlib.error, EOFError, OSError, RuntimeError)
+UNREADABLE += (NotImplementedError,)
 
 
 def canonical(value: Any) -> bytes:
@@ -191,6 +193,9 @@ KINDS: list[Rows] = [
         lambda run: _lock_waits(run).order_by("id"),
     ),
 ]
+
+# Every file a bundle may hold; any other name is refused.
+MEMBERS = {"run.json", "report.html", "README.txt", *(kind.name for kind in KINDS)}
 
 # What a row says about who it was, and what this installation keeps to
 # know a log it imported before (an incident's report_digest): no fact of
@@ -386,7 +391,7 @@ def verify(path: str | Path) -> Verification:
             checked.failures.append("not a regular file")
             return checked
         bundle = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile) as error:
+    except (OSError, zipfile.BadZipFile, UnicodeDecodeError) as error:  # a name not UTF-8
         checked.failures.append(f"not a readable zip file: {error}")
         return checked
     with bundle:
@@ -406,6 +411,7 @@ def verify(path: str | Path) -> Verification:
             files = manifest["files"]
             if not isinstance(files, dict) or not all(isinstance(f, dict) for f in files.values()):
                 raise TypeError("its files are not named with their size and hash")
+            seal = seal_of(manifest)  # a lone surrogate cannot be sealed: ValueError
         except (ValueError, KeyError, TypeError, RecursionError, *UNREADABLE) as error:
             checked.failures.append(f"{MANIFEST}: not a bundle manifest ({error})")
             return checked
@@ -414,10 +420,14 @@ def verify(path: str | Path) -> Verification:
             checked.failures.append(
                 f"{MANIFEST}: format {manifest.get('format')!r} is not {FORMAT}"
             )
-        if manifest.get("seal") != seal_of(manifest):
+        if manifest.get("seal") != seal:
             checked.failures.append(f"{MANIFEST}: the seal does not match its content")
         for name in sorted(set(members) - set(files) - {MANIFEST}):
             checked.failures.append(f"{name}: not in the manifest (added)")
+        for name in sorted(set(files) - MEMBERS):
+            # Nothing here reads it, but a recipient who unzips the bundle
+            # would write it (../, an absolute path).
+            checked.failures.append(f"{name}: no file a bundle holds")
         for name, expected in sorted(files.items()):
             if name not in members:
                 checked.failures.append(f"{name}: missing")

@@ -4,6 +4,7 @@ real process where memory is measured."""
 
 from __future__ import annotations
 
+import hashlib
 import html
 import json
 import os
@@ -13,6 +14,7 @@ import uuid
 import zipfile
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import Group, Permission, User
@@ -180,6 +182,55 @@ def test_a_bundle_damaged_or_made_to_harm_is_refused_with_its_failures(decided_r
     fifo = tmp_path / "fifo.zip"
     os.mkfifo(fifo)
     assert bundles.verify(fifo).failures == ["not a regular file"]
+
+
+def test_a_bundle_zipfile_cannot_read_is_refused_never_raised(decided_run, tmp_path):
+    """A member flagged encrypted or packed by a method zipfile lacks, one
+    named in bytes that are no UTF-8, a manifest holding a lone surrogate,
+    a listed file a bundle never holds (../, an absolute path): each was
+    a traceback from verify and open_bundle, or verified."""
+    original = tmp_path / "run.zip"
+    bundles.export(decided_run.pk, original)
+    data = original.read_bytes()
+    with zipfile.ZipFile(original) as bundle:
+        record = bundle.start_dir  # the central directory's first record: run.json's
+    for flags, method in [(0x1, 8), (0x0, 99)]:  # encrypted; a method zipfile lacks
+        path = tmp_path / f"{flags}-{method}.zip"
+        path.write_bytes(
+            data[: record + 8] + struct.pack("<HH", flags, method) + data[record + 12 :]
+        )
+        assert bundles.verify(path).failures == [
+            "run.json: its content does not match the manifest"
+        ]
+
+    named = tmp_path / "named.zip"
+    with zipfile.ZipFile(named, "w") as bundle:
+        bundle.writestr("\u00ff.txt", b"x")
+    named.write_bytes(named.read_bytes().replace("\u00ff".encode(), b"\xff\xbf"))
+    (failure,) = bundles.verify(named).failures
+    assert failure.startswith("not a readable zip file")
+
+    def resealed(files: dict[str, bytes], manifest: dict[str, Any], seal: str) -> Path:
+        files["manifest.json"] = json.dumps({**manifest, "seal": seal}).encode()
+        path = tmp_path / f"{uuid.uuid4().hex}.zip"
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as bundle:
+            for name, content in files.items():
+                bundle.writestr(name, content)
+        return path
+
+    files = entries(original)
+    manifest = json.loads(files["manifest.json"])
+    (failure,) = bundles.verify(
+        resealed(files, {**manifest, "installation": "\ud800"}, "no seal holds it")
+    ).failures
+    assert failure.startswith("manifest.json: not a bundle manifest")
+    for name in ("../evil.txt", "/tmp/abs.txt"):
+        files[name] = b"x"
+        manifest["files"][name] = {"bytes": 1, "sha256": hashlib.sha256(b"x").hexdigest()}
+    assert bundles.verify(resealed(files, manifest, bundles.seal_of(manifest))).failures == [
+        "../evil.txt: no file a bundle holds",
+        "/tmp/abs.txt: no file a bundle holds",
+    ]
 
 
 def test_secrets_never_leave_in_any_byte(journal, tmp_path, settings, monkeypatch):
