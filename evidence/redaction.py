@@ -33,9 +33,12 @@ MIN_SECRET_LENGTH = 8
 # A quote, as written, as JSON inside a string escapes it, or as HTML does.
 QUOTE = "(?:\\\\?[\"']|&quot;|&#x27;|&#39;)"
 # Values a field named like a secret holds that are none: a flag, a number
-# of up to six digits (max_tokens: 4096), a path (PWD=/srv/app), a variable
-# (token=${TOKEN}).
-PLAIN_VALUE = r"(?:true|false|none|null|yes|no|undefined)\b|\d{1,6}\b|[/~$]"
+# of up to six digits (max_tokens: 4096), each whole (no-way-in, 123-456-abc
+# are values), a path (PWD=/srv/app), a variable (token=${TOKEN}, $TOKEN).
+PLAIN_VALUE = (
+    r"(?:true|false|none|null|yes|no|undefined|\d{1,6})(?![\w.-])|[/~]"
+    r"|\$(?-i:\{|[A-Z_][A-Z0-9_]*\b)"
+)
 # Where a key may start: not within a word -- or right after a JSON escape
 # (\n, \t, \u2028), whose letter or digits are not the key's.  A model
 # call's copy holds its messages as JSON text: a document's line starts
@@ -89,7 +92,8 @@ FORMATS: list[tuple[str, re.Pattern[str]]] = [
             # `a_a_a_...` must cost a pass, not a pass from every `_`.
             # ... and a prefix glued to the name (PGPASSWORD, csrftoken).
             r"(?i)(?<![A-Za-z0-9])((?:[a-z0-9]{1,30}[_-]){0,4}[a-z0-9]{0,10}"
-            r"(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?key|private[_-]?key|token)"
+            r"(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?key|private[_-]?key|token"
+            r"|(?:secret|encryption|signing|client|master)[_-]?key)"
             rf"{QUOTE}?\s*[:=]\s*{QUOTE}?)(?!\[REDACTED|{PLAIN_VALUE})"
             rf"(?:(?!{QUOTE})&(?:#?\w+;)?|[^\s\"',;<>}}&\\]){{4,}}"
         ),

@@ -368,6 +368,15 @@ def test_secrets_in_an_answer_are_redacted_before_its_markdown_is_rendered(
         "the header [Bearer SpanBearerToken123456abc]",
         "Bearer: SpanBearerToken123456abc",
         "PGPASSWORD=SpanBearerToken123456abc psql",
+        # Named like a key (Django's own setting, camelCase, what it keys).
+        "SECRET_KEY=SpanBearerToken123456abc",
+        '"secretKey": "SpanBearerToken123456abc"',
+        "encryption_key=SpanBearerToken123456abc",
+        # A value that only begins like a plain one.
+        "password=no-SpanBearerToken123456abc",
+        "secret=true.SpanBearerToken123456abc",
+        "token=123-SpanBearerToken123456abc",
+        "api_key=$SpanBearerToken123456abc",
     ],
 )
 def test_a_secret_in_backquotes_brackets_or_glued_to_its_name_is_redacted(text):
@@ -376,7 +385,15 @@ def test_a_secret_in_backquotes_brackets_or_glued_to_its_name_is_redacted(text):
 
 @pytest.mark.parametrize(
     "text",
-    ["PWD=/srv/app", "secret: true", "Secret: None", "max_tokens: 4096", "token=${TOKEN}"],
+    [
+        "PWD=/srv/app",
+        "secret: true",
+        "Secret: None",
+        "max_tokens: 4096",
+        "token=${TOKEN}",
+        "token=$TOKEN",
+        "api_key_env: OPENAI",
+    ],
 )
 def test_a_field_named_like_a_secret_that_holds_none_is_left_alone(text):
     assert Redactor({}).text(text, "x") == text
