@@ -42,6 +42,7 @@ from django.utils import timezone
 from psycopg.types.json import Jsonb
 
 from runs.models import (
+    UNSTORABLE,
     Action,
     ActionState,
     Checkpoint,
@@ -465,6 +466,8 @@ def _imported(run: Run) -> str:
 
 
 def _check_person(request: Request) -> None:
+    _storable("reason", request.reason)
+    _storable("reference", request.reference)
     user = request.who.user
     if user is None:
         if not request.who.system:
@@ -478,10 +481,18 @@ def _check_person(request: Request) -> None:
         raise DecisionRefused(f"the reference is longer than {REFERENCE_MAX} characters")
 
 
+def _storable(name: str, text: str) -> None:
+    """Refuses text no row can hold: a NUL, or a lone surrogate (what a
+    command line passes for bytes that are no UTF-8)."""
+    if UNSTORABLE.search(text):
+        raise DecisionRefused(f"the {name} holds a character no text can: NUL or a lone surrogate")
+
+
 def _by_token(request: Request, **about: int) -> OperatorDecision | None:
     """The decision taken earlier with this request's token, if any.  A
     person's token may not be one of the system's (`system:item-N`): taken
     first, it would stop the sweep from ever settling that item."""
+    _storable("token", request.token)
     if request.who.user is not None and request.token.startswith(SYSTEM_TOKEN):
         raise DecisionRefused(f"request tokens that start with {SYSTEM_TOKEN!r} are the system's")
     earlier = OperatorDecision.objects.filter(request_token=request.token).first()

@@ -196,6 +196,32 @@ def test_decide_refuses_people_who_may_not_decide(lost_delivery, operator, who, 
     assert not OperatorDecision.objects.exists()
 
 
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        # What a shell passes for bytes that are no UTF-8 ($'a\xffb').
+        ("--reason", "seen \udcff", "the reason holds a character no text can"),
+        ("--reference", "D-\udcff", "the reference holds a character no text can"),
+        ("--token", "t-\udcff", "the token holds a character no text can"),
+        ("--as", "ol\udcffga", "no user 'ol"),
+    ],
+)
+def test_decide_refuses_text_no_row_can_hold_with_a_clear_error(
+    lost_delivery, operator, option, value, message
+):
+    _, item, _ = lost_delivery
+    args = {"--reason": "seen", "--as": "olga", option: value}
+    with pytest.raises(CommandError, match=message):
+        outcomes(
+            "decide",
+            str(item.pk),
+            "--choice",
+            "confirmed_happened",
+            *[part for pair in args.items() for part in pair],
+        )
+    assert not OperatorDecision.objects.exists()
+
+
 def test_decide_needs_a_person_and_a_reason(lost_delivery, operator):
     _, item, _ = lost_delivery
     with pytest.raises(CommandError, match="--as"):

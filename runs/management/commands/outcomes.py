@@ -31,7 +31,14 @@ from runs.decisions import (
     offers,
     run_offers,
 )
-from runs.models import DecisionChoice, OperatorDecision, OutcomeItem, OutcomeState, Run
+from runs.models import (
+    UNSTORABLE,
+    DecisionChoice,
+    OperatorDecision,
+    OutcomeItem,
+    OutcomeState,
+    Run,
+)
 
 HELP = """\
 The operators' inbox on the command line: what the runtime could not settle
@@ -305,7 +312,8 @@ class Command(BaseCommand):
 
     def _operator(self, username: str) -> Any:
         """The person deciding: the audit names them, so there is no default."""
-        user = get_user_model().objects.filter(username=username).first()
+        users = get_user_model().objects.filter(username=username)
+        user = None if UNSTORABLE.search(username) else users.first()
         if user is None:
             raise CommandError(f"no user {username!r}: --as names the person deciding")
         if not user.has_perm(OPERATE):
