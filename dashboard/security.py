@@ -209,9 +209,10 @@ def unavailable(
     (`locked`), for a form (`form`) that did what it was asked (`done`),
     nothing, or what is not known (None), with the messages waiting to be
     said (what was done).  It reads nothing from the database (messages
-    the session holds, where it cannot be read, are not said).  An htmx form gets its words in
-    place of the page it came from (htmx swaps no 503); a region's poll
-    gets the 503, and its region stays as it was until the next poll."""
+    the session holds, where it cannot be read, are not said).  An htmx
+    form gets its words in place of the page it came from (htmx swaps no
+    503); a region's poll gets the 503, and its region stays as it was
+    until the next poll."""
     context = {
         "locked": locked,
         "form": form,

@@ -72,8 +72,14 @@ MAX_MANIFEST_BYTES = 1 << 20
 # What reading a damaged member raises: a bad CRC, inflating bytes that are
 # not deflate's, a member cut short, one flagged encrypted (RuntimeError) or
 # packed by a method zipfile lacks (NotImplementedError).
-UNREADABLE = (zipfile.BadZipFile, zlib.error, EOFError, OSError, RuntimeError)
-UNREADABLE += (NotImplementedError,)
+UNREADABLE = (
+    zipfile.BadZipFile,
+    zlib.error,
+    EOFError,
+    OSError,
+    RuntimeError,
+    NotImplementedError,
+)
 
 
 def canonical(value: Any) -> bytes:

@@ -334,10 +334,9 @@ def _distinct(reports: list[Report]) -> list[Report]:
     alike: dict[tuple[Edge, ...], dict[dt.datetime | None, list[Report]]] = {}
     order: dict[int, int] = {}  # id(report) -> its place in `kept`
     for report in reports:
-        by_time = alike.setdefault(tuple(report.graph.edges), {})
-        if report.reporter is not None or not report.graph.edges:
-            candidates: list[Report] = []
-        elif report.time is None:
+        printed = report.reporter is None and bool(report.graph.edges)
+        by_time = alike.setdefault(tuple(report.graph.edges), {}) if printed else {}
+        if report.time is None:
             candidates = [k for times in by_time.values() for k in times]
         else:
             candidates = by_time.get(report.time, []) + by_time.get(None, [])
@@ -346,8 +345,7 @@ def _distinct(reports: list[Report]) -> list[Report]:
         if same is None:
             order[id(report)] = len(kept)
             kept.append(report)
-            if report.reporter is None and report.graph.edges:
-                by_time.setdefault(report.time, []).append(report)
+            by_time.setdefault(report.time, []).append(report)
             continue
         same.statement = same.statement or report.statement
         same.context = same.context or report.context

@@ -109,26 +109,35 @@ def test_a_decision_made_while_an_owner_loads_the_run_puts_it_back_in_the_queue(
     assert len(receiver.requests) == 2  # sent again once, as decided
 
 
-def test_a_read_that_failed_stays_failed_when_the_run_resumes(settings, journal, operator):
-    """With no checkpoint to resume from (the production cadence), the
-    run steps through its actions again: a failed read was read again,
-    its summary changed the published draft, and the run ended failed
-    after its report had been delivered and confirmed."""
+def delivered_and_confirmed_after_a_failed_read(
+    settings, operator: User, action_budget: int
+) -> tuple[Run, LocalServer]:
+    """A run whose read:0 failed and whose delivery's answer was lost, at
+    the production checkpoint cadence (no checkpoint to resume from): an
+    operator confirms the delivery happened, and the run is driven again."""
     settings.RUNDESK_CHECKPOINT_EVERY = 100
     with LocalServer(status(200)) as receiver:
         settings.RUNDESK_DELIVERY_URL = receiver.url
-        run, outcome = run_with(
-            [{"point": "tool_error", "action": 1}, {"point": "delivery_timeout"}]
+        run = Run.objects.submit(
+            question="Compare these funds",
+            documents=DOCS,
+            action_budget=action_budget,
+            faults=[{"point": "tool_error", "action": 1}, {"point": "delivery_timeout"}],
         )
-        assert outcome == RunStatus.NEEDS_OPERATOR
+        assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
         item = OutcomeItem.objects.get(run=run, kind=OutcomeKind.EFFECT)
-        decide(
-            item.pk,
-            asked(
-                DecisionChoice.CONFIRMED_HAPPENED, operator, reason="in their log", reference="D-8"
-            ),
-        )
+        confirmed = asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="in their log")
+        decide(item.pk, confirmed)
         assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    return run, receiver
+
+
+def test_a_read_that_failed_stays_failed_when_the_run_resumes(settings, journal, operator):
+    """With no checkpoint to resume from, the run steps through its
+    actions again: a failed read was read again, its summary changed the
+    published draft, and the run ended failed after its report had been
+    delivered and confirmed."""
+    run, receiver = delivered_and_confirmed_after_a_failed_read(settings, operator, 40)
     assert len(receiver.requests) == 1
     # The fault failed read:0 before its tool ran: nothing read it, then or after.
     assert not journal.counts().get(f"rundesk:run-{run.pk}:read:0")
@@ -142,24 +151,7 @@ def test_a_read_that_failed_before_research_ended_is_noted_alike_on_resume(
     """The budget ended research after read:0 had failed: resumed, the run
     said "not read" of it (research was over) where its report, already
     delivered, said "not included", and ended failed."""
-    settings.RUNDESK_CHECKPOINT_EVERY = 100
-    with LocalServer(status(200)) as receiver:
-        settings.RUNDESK_DELIVERY_URL = receiver.url
-        run = Run.objects.submit(
-            question="Compare these funds",
-            documents=DOCS,
-            action_budget=6,
-            faults=[{"point": "tool_error", "action": 1}, {"point": "delivery_timeout"}],
-        )
-        assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
-        item = OutcomeItem.objects.get(run=run, kind=OutcomeKind.EFFECT)
-        decide(
-            item.pk,
-            asked(
-                DecisionChoice.CONFIRMED_HAPPENED, operator, reason="in their log", reference="D-9"
-            ),
-        )
-        assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    run, receiver = delivered_and_confirmed_after_a_failed_read(settings, operator, 6)
     assert len(receiver.requests) == 1
     final = AnswerRevision.objects.get(run=run, is_final=True).content
     assert f"{DOCS[0]}: not included (read:0 failed" in final
