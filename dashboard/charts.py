@@ -13,7 +13,7 @@ import html
 import math
 import re
 import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +110,10 @@ class Mark:
 
 
 def timeline(
-    run: Run, actions: Sequence[Action], checkpoints: Sequence[CheckpointRow]
+    run: Run,
+    actions: Sequence[Action],
+    checkpoints: Sequence[CheckpointRow],
+    redact: Callable[[str], str] = str,
 ) -> dict[str, Any]:
     """Each attempt of an action as a bar from its dispatch to how it ended,
     coloured by that; checkpoints (one marker per number, its final outcome)
@@ -159,6 +162,9 @@ def timeline(
     span = (max(moments) - min(moments)) if moments else dt.timedelta(0)
     shortest = max(span.total_seconds() * 1000 * MIN_BAR_FRACTION, 1.0)
 
+    def hover(text: str, limit: int) -> str:
+        return inert(redact(text)[:limit])
+
     figure = go.Figure()
     for how, (colour, name) in ATTEMPTS.items():
         bars = [a for a in attempts if a.how == how]
@@ -176,7 +182,7 @@ def timeline(
                     [
                         a.action.epoch,
                         a.action.input_digest[:12],
-                        inert((a.action.error or "")[:200]),
+                        hover(a.action.error or "", 200),
                         a.number,
                         _duration(a.end - a.start),
                     ]
@@ -197,7 +203,7 @@ def timeline(
                 x=[at.isoformat() for _, at, _ in points],
                 y=[inert(action.step_key) for action, _, _ in points],
                 marker={"color": colour, "size": 11, "symbol": "x"},
-                customdata=[[inert(message[:200])] for _, _, message in points],
+                customdata=[[hover(message, 200)] for _, _, message in points],
                 hovertemplate="%{y}<br>%{customdata[0]}<extra>" + name + "</extra>",
             )
         )
@@ -213,7 +219,7 @@ def timeline(
                 x=[c.at.isoformat() for c in points],
                 y=["checkpoints"] * len(points),
                 marker={"color": colour, "size": 11, "symbol": "diamond"},
-                customdata=[[c.number, c.xid or "—", inert(c.summary[:300])] for c in points],
+                customdata=[[c.number, c.xid or "—", hover(c.summary, 300)] for c in points],
                 hovertemplate=(
                     "checkpoint %{customdata[0]}<br>xid %{customdata[1]}<br>%{customdata[2]}"
                     "<extra>" + name + "</extra>"
@@ -228,7 +234,7 @@ def timeline(
                 x=[g.created_at.isoformat() for g in gaps],
                 y=["capture gaps"] * len(gaps),
                 marker={"color": "#8a5cd1", "size": 10, "symbol": "x"},
-                customdata=[[plain(GapReason, g.reason), inert(g.detail[:200])] for g in gaps],
+                customdata=[[plain(GapReason, g.reason), hover(g.detail, 200)] for g in gaps],
                 hovertemplate="%{customdata[0]}<br>%{customdata[1]}<extra>capture gap</extra>",
             )
         )

@@ -5,6 +5,7 @@ dashboard's run page (dashboard/views.py) and a bundle's report.html
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import markdown
@@ -27,8 +28,11 @@ from runs.models import (
 )
 
 
-def run_facts(run: Run) -> dict[str, Any]:
-    """What changes while a run is active, in an operator's words."""
+def run_facts(run: Run, redact: Callable[[str], str] = str) -> dict[str, Any]:
+    """What changes while a run is active, in an operator's words.  The
+    timeline's hovers are cut short: `redact` is applied to their text
+    before the cut (a bundle's redaction of the page after it would find
+    only part of a secret across the cut)."""
     run.status_label, run.phase_label = status_words(run), plain(Phase, run.phase)
     revisions = list(run.revisions.order_by("number"))
     for revision in revisions:
@@ -60,7 +64,7 @@ def run_facts(run: Run) -> dict[str, Any]:
         .select_related("incident")
         .order_by("-first_seen")[:50],
         "faults": json.dumps(run.faults, indent=1) if run.faults else "",
-        "timeline": charts.timeline(run, actions, checkpoints),
+        "timeline": charts.timeline(run, actions, checkpoints, redact),
     }
 
 

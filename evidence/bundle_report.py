@@ -57,7 +57,7 @@ def report_html(
     the answers' markdown (rendered, a secret could come out split across
     tags: `<code>`, list items), then to the page's body.  Never to the
     page's own CSS and scripts."""
-    context = run_facts(run)
+    context = run_facts(run, redact)
     for revision in context["revisions"]:
         revision.html, revision.unlinked = _offline(answer_html(redact(revision.content)))
     decisions = history(run.decisions.all())

@@ -18,6 +18,7 @@ closing quote with it and turn the text after it into attributes.
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
 from collections import Counter
@@ -134,8 +135,7 @@ class Redactor:
 
     def __init__(self, secrets: dict[str, str] | None = None) -> None:
         secrets = known_secrets() if secrets is None else secrets
-        # A value can also appear HTML-escaped (in report.html).
-        variants = {**secrets, **{html.escape(v): k for v, k in secrets.items()}}
+        variants = {spelt: k for v, k in secrets.items() for spelt in spellings(v)}
         self._kinds = variants
         self._values = (
             re.compile("|".join(re.escape(v) for v in sorted(variants, key=len, reverse=True)))
@@ -179,6 +179,24 @@ class Redactor:
             for where, counts in sorted(self.counts.items())
             if counts
         }
+
+
+# What Django's json_script writes for these characters, so that the JSON
+# it puts in a page never closes its <script> element.
+JSON_SCRIPT = str.maketrans({"<": "\\u003C", ">": "\\u003E", "&": "\\u0026"})
+
+
+def spellings(value: str) -> set[str]:
+    """Every way an export can spell a known secret: as written; as HTML
+    escapes it (report.html, and chart labels, escaped with or without
+    their quotes); inside a JSON string (a model call's request body held
+    as text, a chart's figure), with or without non-ASCII escaped, and as
+    json_script escapes that."""
+    escaped = {value, html.escape(value), html.escape(value, quote=False)}
+    in_json = {
+        json.dumps(spelt, ensure_ascii=ascii)[1:-1] for spelt in escaped for ascii in (True, False)
+    }
+    return escaped | in_json | {spelt.translate(JSON_SCRIPT) for spelt in in_json}
 
 
 def _replacement(kind: str) -> Any:

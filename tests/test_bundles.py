@@ -259,6 +259,42 @@ def test_secrets_never_leave_in_any_byte(journal, tmp_path, settings, monkeypatc
     assert OPENAI_KEY not in json.dumps(exported.manifest)
 
 
+# A known secret with what JSON, HTML and json_script each write otherwise.
+ODD_SECRET = 'pa"ss\\wörd&<x>' + "Z" * 8
+
+
+def escaped_forms(text: str) -> set[str]:
+    """`text` as written, HTML-escaped, and inside JSON up to three deep."""
+    forms = {text, html.escape(text)}
+    for _ in range(3):
+        forms |= {json.dumps(form)[1:-1] for form in forms}
+    return forms
+
+
+def test_a_known_secret_never_leaves_however_it_is_escaped(journal, tmp_path, monkeypatch):
+    """A model call's copy holds the question inside its request's JSON
+    text, and report.html's chart holds it inside json_script's JSON: a
+    known secret with a quote, a backslash, a non-ASCII letter, & or <
+    was spelt otherwise there, and left."""
+    monkeypatch.setenv("ACME_DB_PASSWORD", ODD_SECRET)
+    run = Run.objects.submit(question=f"Compare. Ours is {ODD_SECRET} here.", documents=DOCS[:1])
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    # An error the chart's hover shows cut short, the secret across the cut.
+    assert run.actions.filter(effect_class="read").update(error="x" * 190 + ODD_SECRET)
+    timeline.flush()
+    capture.flush()
+    path = tmp_path / "run.zip"
+    exported = bundles.export(run.pk, path)
+    files = entries(path)
+    assert files["evidence_copies.jsonl"]
+    for name, data in files.items():
+        for part in escaped_forms('pa"ss'):
+            assert part.encode() not in data, f"{part} left in {name}"
+    redacted = exported.manifest["redacted"]
+    assert redacted["evidence_copies.jsonl"]["env:ACME_DB_PASSWORD"] >= 1
+    assert redacted["report.html"]["env:ACME_DB_PASSWORD"] >= 2
+
+
 # Keys as a document may hold them, each at the start of a line.
 LINE_START_KEYS = [
     "AKIAQQQQQQQQQQQQQQQQ",
