@@ -5,9 +5,10 @@ Two sources of secrets: values this installation knows to be secret (the
 settings' keys and passwords, environment variables named like *KEY*,
 *TOKEN*, *SECRET*, *PASSWORD*), replaced wherever they occur; and strings in
 common key formats (provider API keys, bearer tokens, Authorization
-headers, JWTs, private-key blocks, the password in a URL, the value of a
-field named like a password, secret, token or key), replaced wherever they
-occur, whoever they belong to.  Each becomes `[REDACTED:<kind>]`.
+headers, JWTs, private-key blocks, Slack's and Discord's webhook addresses,
+the password in a URL, the value of a field named like a password, secret,
+token or key), replaced wherever they occur, whoever they belong to.
+Each becomes `[REDACTED:<kind>]`.
 
 No format matches a quote, `<` or `>`: the same patterns redact report.html's
 body once it is rendered (after the answers' markdown, before it is
@@ -33,6 +34,8 @@ MIN_SECRET_LENGTH = 8
 
 # A quote, as written, as JSON inside a string escapes it, or as HTML does.
 QUOTE = "(?:\\\\?[\"']|&quot;|&#x27;|&#39;)"
+# Right after one of them (a look-behind is of one width).
+AFTER_QUOTE = "(?:(?<=[\"'])|(?<=&quot;)|(?<=&#x27;)|(?<=&#39;))"
 # Values a field named like a secret holds that are none: a flag, a number
 # of up to six digits (max_tokens: 4096), each whole (no-way-in, 123-456-abc
 # are values), a path (PWD=/srv/app), a variable (token=${TOKEN}, $TOKEN).
@@ -80,6 +83,15 @@ FORMATS: list[tuple[str, re.Pattern[str]]] = [
     ),
     ("google_api_key", re.compile(rf"{START}AIza[0-9A-Za-z_-]{{35}}\b")),
     ("slack_token", re.compile(rf"{START}xox[abposr]-[A-Za-z0-9-]{{10,}}")),
+    # Webhooks whose address is their secret: the host and kind stay.
+    (
+        "webhook_url",
+        re.compile(
+            r"(?i)(\bhttps?://(?:hooks\.slack\.com/(?:services|workflows|triggers)/"
+            r"|(?:(?:ptb|canary)\.)?discord(?:app)?\.com/api/(?:v\d+/)?webhooks/))"
+            r"[A-Za-z0-9/_-]+"
+        ),
+    ),
     # postgres://user:PASSWORD@host, https://user:PASSWORD@host...
     (
         "url_password",
@@ -96,7 +108,10 @@ FORMATS: list[tuple[str, re.Pattern[str]]] = [
             r"(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?key|private[_-]?key|token"
             r"|(?:secret|encryption|signing|client|master)[_-]?key)"
             rf"{QUOTE}?\s*[:=]\s*{QUOTE}?)(?!\[REDACTED|{PLAIN_VALUE})"
-            rf"(?:(?!{QUOTE})&(?:#?\w+;)?|[^\s\"',;<>}}&\\]){{4,}}"
+            # Quoted, the value is all of it to the closing quote, spaces
+            # too ("correct horse battery staple"); else up to a space.
+            rf"(?:{AFTER_QUOTE}[^\"'\n<>&\\]{{4,200}}(?={QUOTE})"
+            rf"|(?:(?!{QUOTE})&(?:#?\w+;)?|[^\s\"',;<>}}&\\]){{4,}})"
         ),
     ),
 ]
@@ -200,7 +215,7 @@ def spellings(value: str) -> set[str]:
 
 
 def _replacement(kind: str) -> Any:
-    if kind in ("authorization_header", "url_password", "credential"):
+    if kind in ("authorization_header", "webhook_url", "url_password", "credential"):
         # The name or the address stays; only the secret goes.
         return lambda match: f"{match.group(1)}[REDACTED:{kind}]"
     return f"[REDACTED:{kind}]"

@@ -247,9 +247,8 @@ def _credentials(url: str) -> tuple[str, str]:
 def _named(url: str) -> str:
     """The receiver's address as a receipt (immutable, shown to staff)
     names it: without its query, where most webhooks carry their secret
-    (?token=, ?sig=).  One kept in the path (Slack's, Discord's) stays:
-    such an address is a secret of its own, kept out of bundles by their
-    redaction, not here."""
+    (?token=, ?sig=).  One kept in the path (Slack's, Discord's) stays, as
+    the receiver's name: bundles' redaction knows those addresses."""
     return urllib.parse.urlunsplit(urllib.parse.urlsplit(url)._replace(query="", fragment=""))
 
 

@@ -422,6 +422,42 @@ def test_a_secret_in_backquotes_brackets_or_glued_to_its_name_is_redacted(text):
 @pytest.mark.parametrize(
     "text",
     [
+        'password: "correct horse battery staple"',
+        "db_password='correct horse battery staple' then",
+        json.dumps({"client_secret": "correct horse battery staple"}),
+        json.dumps(json.dumps({"password": "correct horse battery staple"})),
+        html.escape('password="correct horse battery staple"'),
+    ],
+)
+def test_a_quoted_secret_of_several_words_is_redacted_whole(text):
+    redacted = Redactor({}).text(text, "x")
+    assert not any(word in redacted for word in ("correct", "horse", "battery", "staple"))
+    assert "[REDACTED:credential]" in redacted
+
+
+@pytest.mark.parametrize(
+    ("address", "kept"),
+    [
+        (
+            "https://hooks.slack.com/services/T0AAAAAAA/B0BBBBBBB/WebhookSecret0123456789ab",
+            "https://hooks.slack.com/services/",
+        ),
+        (
+            "https://discord.com/api/webhooks/112233445566778899/WebhookSecret0123456789ab",
+            "https://discord.com/api/webhooks/",
+        ),
+    ],
+)
+def test_a_webhook_whose_address_is_its_secret_keeps_only_its_host(address, kept):
+    """A delivery receipt names its receiver by address (tools._named):
+    Slack's and Discord's hold their secret in the path."""
+    redacted = Redactor({}).text(json.dumps({"delivered_to": address}), "receipts.jsonl")
+    assert "WebhookSecret" not in redacted and f"{kept}[REDACTED:webhook_url]" in redacted
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
         "PWD=/srv/app",
         "secret: true",
         "Secret: None",
