@@ -420,7 +420,8 @@ def waiting_without_item(run_id: int | None) -> list[Run]:
     )
     if run_id is not None:
         runs = runs.filter(pk=run_id)
-    return list(runs.only("status_reason", "updated_at").order_by("updated_at", "id")[:PAGE_SIZE])
+    shown = runs.only("status", "status_reason", "imported_at", "updated_at")
+    return list(shown.order_by("updated_at", "id")[:PAGE_SIZE])
 
 
 def _token() -> str:

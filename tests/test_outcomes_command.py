@@ -114,6 +114,25 @@ def test_list_shows_items_oldest_first_and_open_only_with_open(lost_delivery):
     )
 
 
+def test_list_names_the_runs_that_wait_with_no_item_as_the_inbox_does(journal):
+    cut = {"point": "drop_connection_at_commit", "write": "receipt", "action": 4}
+    run, outcome = run_with(
+        [{**cut, "outcome": "aborted"}] * 2, documents=["crestline-short-treasury.md"]
+    )
+    assert outcome == RunStatus.NEEDS_OPERATOR and not run.outcome_items.exists()
+    listed = outcomes_json("list", "--open")
+    assert listed["items"] == []
+    (waiting,) = listed["waiting_runs"]
+    assert waiting["id"] == run.pk and waiting["age_seconds"] >= 0
+    assert "got no answer 2 times, and was not written" in waiting["status_reason"]
+    assert [offer["choice"] for offer in waiting["offers"]] == ["resume", "abandon"]
+    text = outcomes("list")
+    assert "no outcome items" in text and f"run {run.pk} " in text
+    assert "choices: resume, abandon" in text
+    assert outcomes_json("list", "--run", str(run.pk + 1))["waiting_runs"] == []
+    assert "waiting_runs" not in outcomes_json("list", "--kind", "effect")
+
+
 def test_show_gives_the_evidence_gathered_now_and_the_choices(lost_delivery):
     run, item, _ = lost_delivery
     shown = outcomes_json("show", str(item.pk))

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import uuid
 from typing import Any
@@ -17,6 +18,7 @@ from dashboard.inbox import (
     listing_row,
     panels,
     receipts,
+    waiting_without_item,
     what,
 )
 from runs.decisions import (
@@ -68,7 +70,11 @@ JSON (one document on stdout; keys are stable, new keys may be added):
              "state_after", "request_token", "evidence_digest" (SHA-256 of
              the evidence kept with it), "at" (ISO 8601)}
   OFFER     {"choice", "label", "does"}
-  list        {"items": [ITEM, ...]}  oldest first
+  WAITING   {"id", "status_reason", "waiting_since" (ISO 8601), "age_seconds",
+             "offers": [OFFER, ...]}: a run waiting for an operator with no
+             open item, which only `decide-run` lets go on
+  list        {"items": [ITEM, ...], "waiting_runs": [WAITING, ...]}  oldest
+              first ("waiting_runs" left out with --kind)
   show        {"item": ITEM, "known": [sentence, ...], "evidence": {...} (as
               gathered now: runs.decisions.gather), "offers": [OFFER, ...],
               "run_offers": [OFFER, ...], "decisions": [DECISION, ...]}
@@ -104,6 +110,16 @@ def decision_json(decision: OperatorDecision) -> dict[str, Any]:
         "request_token": decision.request_token,
         "evidence_digest": decision.evidence_digest,
         "at": decision.created_at.isoformat(),
+    }
+
+
+def waiting_json(run: Run, now: dt.datetime) -> dict[str, Any]:
+    return {
+        "id": run.pk,
+        "status_reason": run.status_reason,
+        "waiting_since": run.updated_at.isoformat(),
+        "age_seconds": int((now - run.updated_at).total_seconds()),
+        "offers": [offer_json(offer) for offer in run_offers(run)],
     }
 
 
@@ -205,7 +221,19 @@ class Command(BaseCommand):
             f"{row['what']}  {_age(row['age_seconds'])}  blocks: {row['blocks'].replace('_', ' ')}"
             for row in rows
         ] or ["no outcome items" + (" open" if options["open"] else "")]
-        self.emit(options, {"items": rows}, text)
+        document: dict[str, Any] = {"items": rows}
+        if not options["kind"]:
+            # As the inbox lists them: runs only a decision on the run lets go on.
+            waiting = [waiting_json(run, now) for run in waiting_without_item(options["run"])]
+            document["waiting_runs"] = waiting
+            if waiting:
+                text += ["", "Runs waiting for an operator with no item (outcomes decide-run):"]
+            text += [
+                f"run {row['id']}  {_age(row['age_seconds'])}  {row['status_reason']}  "
+                f"choices: {', '.join(offer['choice'] for offer in row['offers'])}"
+                for row in waiting
+            ]
+        self.emit(options, document, text)
 
     def show(self, options: dict[str, Any]) -> None:
         item = self._item(options["item_id"])
