@@ -66,6 +66,10 @@ logger = logging.getLogger(__name__)
 
 OPERATE = "runs.operate_run"
 REFERENCE_MAX = OperatorDecision._meta.get_field("reference").max_length
+# A reason is read on every page the decision is shown on, and in the
+# status of the run it resumed or ended: a paragraph, not a pasted log
+# (the evidence is kept with the decision).
+REASON_MAX = 4000
 # The longest a decision, a person's or the sweep's, waits for a lock (a
 # PostgreSQL lock_timeout); the sweep's other steps too (runs/sweep.py).
 # Nothing of Rundesk's holds a waiting run or an item longer: a wait beyond
@@ -477,6 +481,9 @@ def _check_person(request: Request) -> None:
         raise DecisionRefused(f"{user.get_username()} may not decide: the operator permission")
     if not request.reason.strip():
         raise DecisionRefused("say why: a reason is required")
+    # As a browser's maxlength counts: a line break is one character.
+    if len(request.reason.strip().replace("\r\n", "\n")) > REASON_MAX:
+        raise DecisionRefused(f"the reason is longer than {REASON_MAX} characters")
     if len(request.reference) > REFERENCE_MAX:
         raise DecisionRefused(f"the reference is longer than {REFERENCE_MAX} characters")
 

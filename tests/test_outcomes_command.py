@@ -259,6 +259,9 @@ def test_decide_needs_a_person_and_a_reason(lost_delivery, operator):
     long = ["--reason", "seen", "--reference", "R" * 301, "--as", "olga"]
     with pytest.raises(CommandError, match="the reference is longer than 300 characters"):
         outcomes("decide", str(item.pk), "--choice", "confirmed_happened", *long)
+    pasted = ["--reason", "a pasted log\r\n" * 400, "--as", "olga"]
+    with pytest.raises(CommandError, match="the reason is longer than 4000 characters"):
+        outcomes("decide", str(item.pk), "--choice", "confirmed_happened", *pasted)
     assert not OperatorDecision.objects.exists()
 
 
