@@ -512,6 +512,9 @@ def _by_token(request: Request, **about: int) -> OperatorDecision | None:
         run_id is not None and (earlier.run_id != run_id or earlier.item_id is not None)
     ):
         raise DecisionRefused("this request token was used for another decision")
+    # A repeat is the same request: the same choice, by the same person.
+    if earlier.choice != request.choice or earlier.decided_by != request.who.name:
+        raise DecisionRefused("this request token was used for another choice", earlier)
     return earlier
 
 

@@ -285,6 +285,27 @@ def test_the_same_token_twice_is_one_decision(lost_delivery, operator):
     assert OperatorDecision.objects.filter(item=item).count() == 1
 
 
+def test_the_same_token_with_another_choice_or_person_is_refused_and_names_what_stands(
+    lost_delivery, operator
+):
+    """A token names one request: a repeat of it with another choice, or by
+    another person, is not that request, and saying "already recorded"
+    would tell them their decision was taken."""
+    _, item, _ = lost_delivery
+    first = decide(item.pk, asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="seen"))
+    other = User.objects.create_user("omar")
+    other.groups.add(Group.objects.get(name="operators"))
+    for choice, user in [
+        (DecisionChoice.CONFIRMED_NOT_HAPPENED, operator),
+        (DecisionChoice.CONFIRMED_HAPPENED, other),
+    ]:
+        request = Request(choice=choice, who=Who(user=user), token=first.request_token, reason="x")
+        with pytest.raises(DecisionRefused, match="token was used for another choice") as refused:
+            decide(item.pk, request)
+        assert refused.value.decision.pk == first.pk
+    assert OperatorDecision.objects.filter(item=item).count() == 1
+
+
 def test_two_operators_at_once_one_decision_settles_the_item(lost_delivery, operator):
     _, item, _ = lost_delivery
     other = User.objects.create_user("omar")
