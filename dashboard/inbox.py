@@ -97,9 +97,11 @@ def blocks(item: OutcomeItem) -> Blocks:
     if run.status in TERMINAL_STATUSES:
         return Blocks("nothing", "nothing", f"the run has ended ({status_words(run)})")
     if run.status == RunStatus.NEEDS_OPERATOR:
-        return Blocks(
-            "whole_run", "the whole run", "the run waits for an operator until this is settled"
-        )
+        waits = "the run waits for an operator until this is settled"
+        if run.is_imported:
+            # As it stood when exported; here nobody can settle it.
+            waits = f"at {run.origin_installation}, {waits} there (imported: read-only here)"
+        return Blocks("whole_run", "the whole run", waits)
     return Blocks(
         "further_effects",
         "further effects",

@@ -25,6 +25,7 @@ from django.db import IntegrityError, connection, transaction
 from django.test import Client
 from django.utils import timezone
 
+from dashboard.inbox import blocks
 from evidence import bundles
 from evidence.imports import ImportRefused, open_bundle
 from evidence.models import CaptureGap, EvidenceCopy, LockIncident, LockWait, ModelCall, Source
@@ -525,6 +526,8 @@ def test_an_imported_waiting_run_cannot_be_cancelled_decided_or_resumed(
     assert (copy.status, item.state) == (RunStatus.NEEDS_OPERATOR, OutcomeState.OPEN)
 
     assert offers(item, gather(item)) == [] and run_offers(copy) == []
+    held = blocks(item)
+    assert held.code == "whole_run" and held.why.endswith("there (imported: read-only here)")
     with pytest.raises(DecisionRefused, match=r"imported from .* read-only"):
         decide(item.pk, asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="seen"))
     for choice in (DecisionChoice.ABANDON, DecisionChoice.RESUME):
