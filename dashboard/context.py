@@ -104,6 +104,7 @@ PLAIN: dict[type[TextChoices], dict[str, str]] = {
         EventKind.OUTCOME_OPEN: "left for an operator",
         EventKind.FAULT_INJECTED: "fault injected",
         EventKind.SOURCE_CHANGED: "document changed since read",
+        EventKind.REVISION_KEPT: "revision kept as published",
         EventKind.CANCEL_REQUESTED: "cancel requested",
         EventKind.RUN_REQUEUED: "back in the queue",
         EventKind.DECISION: "decision taken",

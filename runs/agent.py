@@ -64,7 +64,7 @@ class ResearchAgent:
         final = self._compose(state)
         number = 2 if state.summaries else 1
         used = [*state.receipts, "compose"] if state.summaries else []
-        self.dispatcher.publish(number, final, is_final=True, model_calls=used)
+        final = self.dispatcher.publish(number, final, is_final=True, model_calls=used)
         self.dispatcher.step("deliver", "deliver_report", {"revision": number, "content": final})
 
     def _research(self, index: int, path: str, state: ResearchState) -> None:

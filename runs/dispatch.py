@@ -53,7 +53,14 @@ from django.utils import timezone
 from evidence.capture import RunEvidence
 from runs.checkpoints import Checkpointer
 from runs.faults import FaultPlan, inject_cancel, steal_lease
-from runs.leases import CancelRequested, Lease, LeaseLost, PendingReceipt, WriteRefused
+from runs.leases import (
+    CancelRequested,
+    Lease,
+    LeaseLost,
+    PendingReceipt,
+    RevisionExists,
+    WriteRefused,
+)
 from runs.models import (
     AUTHORISING,
     Action,
@@ -202,10 +209,13 @@ class Dispatcher:
 
     def publish(
         self, number: int, content: str, *, is_final: bool, model_calls: Sequence[str]
-    ) -> None:
+    ) -> str:
         """Commits answer revision `number`, naming the model calls (step
         keys) it used; an unanswered COMMIT is settled by evidence, and
-        what stays unknown waits for an operator."""
+        what stays unknown waits for an operator.  Returns the content that
+        stands: a revision this run published before it resumed, written
+        otherwise now (its code changed while it waited), stays as its
+        readers read it, and is what the run goes on with."""
         used = [self.action_id(step_key) for step_key in model_calls]
         self.write_receipt()
 
@@ -215,19 +225,33 @@ class Dispatcher:
                     number, content, is_final=is_final, model_call_actions=used
                 )
 
-        published = write_settled(
-            write,
-            lambda: AnswerRevision.objects.filter(
-                run_id=self.run.pk, number=number, content_digest=digest(content)
-            ).exists(),
-            what=f"publication of revision {number}",
-            run_id=self.run.pk,
-            kind=OutcomeKind.PUBLICATION,
-            subject=f"publication:run-{self.run.pk}:revision-{number}",
-            lease_epoch=self.lease.epoch,
-            afterwards="the run waits for an operator",
-            revision_number=number,
-        )
+        try:
+            published = write_settled(
+                write,
+                lambda: AnswerRevision.objects.filter(
+                    run_id=self.run.pk, number=number, content_digest=digest(content)
+                ).exists(),
+                what=f"publication of revision {number}",
+                run_id=self.run.pk,
+                kind=OutcomeKind.PUBLICATION,
+                subject=f"publication:run-{self.run.pk}:revision-{number}",
+                lease_epoch=self.lease.epoch,
+                afterwards="the run waits for an operator",
+                revision_number=number,
+            )
+        except RevisionExists:
+            stands = AnswerRevision.objects.get(run_id=self.run.pk, number=number)
+            if stands.is_final != is_final:
+                raise
+            timeline.record(
+                self.run.pk,
+                EventKind.REVISION_KEPT,
+                f"revision {number} stands as published; this run now writes it otherwise",
+                number=number,
+                content_digest=stands.content_digest,
+                not_published_digest=digest(content),
+            )
+            return stands.content
         if published is not False:
             timeline.record(
                 self.run.pk,
@@ -236,6 +260,7 @@ class Dispatcher:
                 number=number,
                 content_digest=digest(content),
             )
+        return content
 
     def checkpoint_due(self, step_key: str) -> bool:
         """Whether a checkpoint is to be saved after the action `step_key`:

@@ -100,6 +100,11 @@ class CancelRequested(WriteRefused):
     as cancelled."""
 
 
+class RevisionExists(ValueError):
+    """An answer revision under this number was published with other
+    content (by this run before it resumed)."""
+
+
 @dataclass(frozen=True)
 class PendingReceipt:
     """The result of an action this owner dispatched, for its receipt
@@ -369,7 +374,9 @@ class Lease:
         if existing is None or not self._changes_rows(OWNED_NOT_CANCELLED):
             raise self._refused(f"publication of revision {number}")
         if existing[0] != digest(content):
-            raise ValueError(f"revision {number} of run {self.run_id} exists with other content")
+            raise RevisionExists(
+                f"revision {number} of run {self.run_id} exists with other content"
+            )
         return False
 
     def save_checkpoint(

@@ -41,6 +41,7 @@ class EventKind(models.TextChoices):
     ACTION_UNKNOWN = "action_unknown"
     WRITE_FENCED = "write_fenced"  # a protected write changed 0 rows
     REVISION_PUBLISHED = "revision_published"
+    REVISION_KEPT = "revision_kept"  # published before, otherwise written now: it stands
     PHASE_CHANGED = "phase_changed"
     NEEDS_OPERATOR = "needs_operator"
     RUN_COMPLETED = "run_completed"

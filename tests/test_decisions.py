@@ -14,6 +14,7 @@ import pytest
 from django.contrib.auth.models import Group, Permission, User
 from django.db import DatabaseError, IntegrityError, connection, transaction
 
+from runs.agent import ResearchAgent
 from runs.decisions import DecisionRefused, Request, Who, decide, decide_run, gather, offers
 from runs.executor import claim_and_drive
 from runs.models import (
@@ -190,6 +191,30 @@ def test_the_database_counts_the_decisions_that_authorise_a_second_dispatch(
     Action.objects.filter(pk=deliver.pk).update(attempts=2)  # one decision: one more
     with pytest.raises(IntegrityError, match="action_effect_dispatched_once"), transaction.atomic():
         Action.objects.filter(pk=deliver.pk).update(attempts=3)
+
+
+def test_a_run_upgraded_while_it_waited_delivers_the_answer_it_published(
+    lost_delivery, operator, monkeypatch
+):
+    """The code that writes the report changed while the run waited (a
+    deploy): the final revision readers read stands, and is what the
+    resent delivery carries.  The run ended failed ("exists with other
+    content")."""
+    run, item, receiver = lost_delivery
+    published = AnswerRevision.objects.get(run=run, is_final=True)
+    compose = ResearchAgent._compose
+    monkeypatch.setattr(ResearchAgent, "_compose", lambda *a: compose(*a) + "\nWritten anew.\n")
+    decide(item.pk, asked(DecisionChoice.CONFIRMED_NOT_HAPPENED, operator, reason="not there"))
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    assert [body for _, body in receiver.requests] == [published.content.encode()] * 2
+    assert list(run.revisions.values_list("number", "content")) == [
+        (1, run.revisions.get(number=1).content),
+        (2, published.content),
+    ]
+    timeline.flush()
+    assert events(run, EventKind.REVISION_KEPT) == [
+        "revision 2 stands as published; this run now writes it otherwise"
+    ]
 
 
 def test_a_resent_delivery_whose_answer_is_lost_again_is_a_new_item(lost_delivery, operator):
