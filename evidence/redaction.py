@@ -209,7 +209,9 @@ def spellings(value: str) -> set[str]:
     json_script escapes that."""
     escaped = {value, html.escape(value), html.escape(value, quote=False)}
     in_json = {
-        json.dumps(spelt, ensure_ascii=ascii)[1:-1] for spelt in escaped for ascii in (True, False)
+        json.dumps(spelt, ensure_ascii=only_ascii)[1:-1]
+        for spelt in escaped
+        for only_ascii in (True, False)
     }
     return escaped | in_json | {spelt.translate(JSON_SCRIPT) for spelt in in_json}
 
