@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -24,6 +25,7 @@ from typing import Protocol
 from django.conf import settings
 
 from runs.html_text import is_page, page_text
+from runs.unredirected import NOT_REDIRECTED
 
 SUMMARIZE_INSTRUCTIONS = (
     "You are a research assistant. Summarise the fact sheet in the document: key figures, "
@@ -515,8 +517,14 @@ class OfflineProvider:
         return "\n\n".join(sheet.to_markdown() for sheet in sheets)
 
 
+# A model's answer is a summary or a report: more than this is no answer
+# (a receipt, a prompt and a page would each carry it whole).
+MAX_ANSWER_BYTES = 2_000_000
+
+
 class OpenAICompatibleProvider:
-    """POST {RUNDESK_MODEL_URL}/chat/completions, with a timeout."""
+    """POST {RUNDESK_MODEL_URL}/chat/completions, with a timeout for the
+    whole call."""
 
     name = "openai"
 
@@ -533,9 +541,11 @@ class OpenAICompatibleProvider:
             headers["Authorization"] = f"Bearer {self.api_key}"
         # S310: settings.env_url allows http(s) URLs only.
         request = urllib.request.Request(self.url, body.encode(), headers, method="POST")  # noqa: S310
+        deadline = time.monotonic() + self.timeout
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310
-                payload = json.load(response)
+            # A redirect is an HTTPError: the key goes nowhere else.
+            with NOT_REDIRECTED.open(request, timeout=self.timeout) as response:
+                payload = json.loads(self._answer(response, deadline))
         except urllib.error.HTTPError as error:
             raise ProviderError(f"model API answered HTTP {error.code}") from error
         except (
@@ -551,10 +561,25 @@ class OpenAICompatibleProvider:
             content = payload["choices"][0]["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise ProviderError("model API answer has no choices[0].message.content") from None
-        if not isinstance(content, str):
-            # null (a refusal, a tool call) or not text: nothing to report.
+        if not isinstance(content, str) or not content.strip():
+            # null (a refusal, a tool call), blank or not text: nothing to report.
             raise ProviderError(f"model API answered with no text (content: {content!r:.80})")
         return content
+
+    def _answer(self, response: http.client.HTTPResponse, deadline: float) -> bytes:
+        """The answer's body, whole within the call's time and size: the
+        socket's timeout bounds each read only, and a server that trickles
+        would hold the run for as long as it likes."""
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := response.read1(64 * 1024):
+            size += len(chunk)
+            if size > MAX_ANSWER_BYTES:
+                raise ProviderError(f"model API answer is larger than {MAX_ANSWER_BYTES} bytes")
+            if time.monotonic() > deadline:
+                raise ProviderError(f"model API too slow: no whole answer in {self.timeout:g} s")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
 
 def get_provider() -> Provider:

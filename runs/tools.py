@@ -31,6 +31,7 @@ from django.conf import settings
 
 from runs.models import UNSTORABLE, EffectClass
 from runs.providers import ProviderError, get_provider
+from runs.unredirected import NOT_REDIRECTED
 
 MAX_DOCUMENT_BYTES = 1_000_000
 # How a file that is no text begins: it is refused, not read as garbage.
@@ -217,19 +218,6 @@ def deliver_report(input: dict[str, Any], identity: str) -> dict[str, Any]:
     return {"delivered_to": str(target), "sha256": sha}
 
 
-class _Unredirected(urllib.request.HTTPRedirectHandler):
-    """A receiver's redirect is its answer, not an address to try: urllib
-    would send a POST's headers (its credentials too) to wherever it points,
-    as a GET without the report, and call that delivered.  It surfaces as
-    an HTTPError of its 3xx status: the outcome is unknown."""
-
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-_NOT_REDIRECTED = urllib.request.build_opener(_Unredirected)
-
-
 def _credentials(url: str) -> tuple[str, str]:
     """The receiver's address without the user and password it may carry
     (https://user:password@host/...: urllib would take them for the host
@@ -260,9 +248,10 @@ def _post(url: str, body: bytes, identity: str, credentials: str = "") -> int:
         url, data=body, method="POST", headers=headers
     )
     try:
-        with _NOT_REDIRECTED.open(request, timeout=settings.RUNDESK_DELIVERY_TIMEOUT) as response:
+        with NOT_REDIRECTED.open(request, timeout=settings.RUNDESK_DELIVERY_TIMEOUT) as response:
             return response.status
     except urllib.error.HTTPError as error:
+        # A 5xx, or a redirect (3xx): the receiver may have taken the report.
         if 400 <= error.code < 500 and error.code not in (408, 409, 429):
             raise ToolFailed(f"receiver refused the report: HTTP {error.code}") from error
         raise OutcomeUnknown(f"receiver answered HTTP {error.code}: delivery unknown") from error

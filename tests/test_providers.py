@@ -16,6 +16,7 @@ from django.conf import settings as django_settings
 from runs.providers import (
     COMPARE_INSTRUCTIONS,
     SUMMARIZE_INSTRUCTIONS,
+    MAX_ANSWER_BYTES,
     FactSheet,
     OfflineProvider,
     OpenAICompatibleProvider,
@@ -533,6 +534,7 @@ def test_openai_provider_sends_the_api_key_as_a_bearer_token(model_api):
         (answer(b'{"choices": [{"text": "legacy"}]}'), "no choices"),
         (answer(b'["not", "an", "object"]'), "no choices"),
         (chat_completion(None), "no text"),
+        (chat_completion(" \n "), "no text"),
     ],
     ids=[
         "500",
@@ -544,6 +546,7 @@ def test_openai_provider_sends_the_api_key_as_a_bearer_token(model_api):
         "no-message",
         "a-list",
         "null",
+        "blank",
     ],
 )
 def test_openai_provider_turns_a_bad_answer_into_a_provider_error(model_api, respond, message):
@@ -561,6 +564,40 @@ def test_openai_provider_slower_than_its_timeout_is_a_provider_error(model_api):
     with pytest.raises(ProviderError, match="too slow"):
         provider(model_api, timeout=0.2).complete(MESSAGES)
     assert time.monotonic() - started < 0.55
+
+
+def test_openai_provider_follows_no_redirect_and_sends_its_key_nowhere_else(model_api):
+    with LocalServer(chat_completion("from elsewhere")) as elsewhere:
+        model_api.respond = status(302, headers={"Location": elsewhere.url + "/v1/chat"})
+        with pytest.raises(ProviderError, match="HTTP 302"):
+            provider(model_api, key="sk-local-test").complete(MESSAGES)
+        assert elsewhere.requests == []
+
+
+def test_openai_provider_refuses_an_answer_too_large_to_be_one(model_api):
+    model_api.respond = chat_completion("x" * (MAX_ANSWER_BYTES + 1))
+    with pytest.raises(ProviderError, match=f"larger than {MAX_ANSWER_BYTES} bytes"):
+        provider(model_api).complete(MESSAGES)
+
+
+def test_openai_provider_that_trickles_its_answer_is_cut_at_its_timeout(model_api):
+    """Each read comes within the socket's timeout; the whole answer does not."""
+    body = json.dumps({"choices": [{"message": {"content": "slow " * 40}}]}).encode()
+
+    def trickle(handler: BaseHTTPRequestHandler, _: bytes) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        for at in range(0, len(body), 8):
+            handler.wfile.write(body[at : at + 8])
+            handler.wfile.flush()
+            time.sleep(0.05)
+
+    model_api.respond = trickle
+    started = time.monotonic()
+    with pytest.raises(ProviderError, match="too slow: no whole answer in 0.3 s"):
+        provider(model_api, timeout=0.3).complete(MESSAGES)
+    assert time.monotonic() - started < 0.9
 
 
 # -- model_call, the tool ---------------------------------------------------------
