@@ -15,8 +15,8 @@ from django.conf import settings as django_settings
 
 from runs.providers import (
     COMPARE_INSTRUCTIONS,
-    SUMMARIZE_INSTRUCTIONS,
     MAX_ANSWER_BYTES,
+    SUMMARIZE_INSTRUCTIONS,
     FactSheet,
     OfflineProvider,
     OpenAICompatibleProvider,
@@ -595,7 +595,7 @@ def test_openai_provider_that_trickles_its_answer_is_cut_at_its_timeout(model_ap
 
     model_api.respond = trickle
     started = time.monotonic()
-    with pytest.raises(ProviderError, match="too slow: no whole answer in 0.3 s"):
+    with pytest.raises(ProviderError, match=r"too slow: no whole answer in 0\.3 s"):
         provider(model_api, timeout=0.3).complete(MESSAGES)
     assert time.monotonic() - started < 0.9
 
