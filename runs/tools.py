@@ -16,6 +16,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import socket
 import stat
 import tempfile
@@ -45,6 +46,10 @@ NOT_TEXT = {
     b"\x1f\x8b": "a gzip archive",
     b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1": "an Office 97-2003 document",
     b"\x7fELF": "a program",
+    b"SQLite format 3\x00": "an SQLite database",
+    b"7z\xbc\xaf\x27\x1c": "a 7-Zip archive",
+    b"\xfd7zXZ\x00": "an xz archive",
+    b"\x28\xb5\x2f\xfd": "a zstd archive",
 }
 
 
@@ -135,13 +140,35 @@ def read_document(input: dict[str, Any], identity: str) -> dict[str, Any]:
         raise ToolRefused(f"{input['path']!r}: larger than {MAX_DOCUMENT_BYTES} bytes")
     if kind := next((kind for head, kind in NOT_TEXT.items() if data.startswith(head)), ""):
         raise ToolRefused(f"{input['path']!r}: {kind}, not text")
+    text = decoded(data)
+    if _unreadable_share(text) > MAX_UNREADABLE:
+        raise ToolRefused(
+            f"{input['path']!r}: not text (binary data, or an encoding other than UTF-8 and UTF-16)"
+        )
     journal("read_document", identity, path=input["path"])
     return {
         "path": input["path"],
         "bytes": len(data),
         "sha256": hashlib.sha256(data).hexdigest(),
-        "text": decoded(data),
+        "text": text,
     }
+
+
+# Past this share of characters no text holds, in the first SAMPLE of a
+# document of at least SAMPLE_MIN characters, a file is no text: an archive,
+# an image, a database, a program (mostly NULs, and bytes no UTF-8 has), or
+# text in another encoding (Shift_JIS: nearly every character lost).  A
+# Latin-1 page loses its accented letters only, far fewer.
+MAX_UNREADABLE = 0.3
+SAMPLE, SAMPLE_MIN = 65_536, 256
+_UNREADABLE = re.compile("[\ufffd\x00-\x08\x0b\x0e-\x1f\x7f]")
+
+
+def _unreadable_share(text: str) -> float:
+    sample = text[:SAMPLE]
+    if len(sample) < SAMPLE_MIN:
+        return 0.0
+    return len(_UNREADABLE.findall(sample)) / len(sample)
 
 
 def decoded(data: bytes) -> str:

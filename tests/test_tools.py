@@ -6,7 +6,9 @@ from __future__ import annotations
 import base64
 import codecs
 import hashlib
+import io
 import socket
+import tarfile
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -142,12 +144,45 @@ def test_read_document_reads_text_of_an_encoding_no_mark_names(corpus, journal, 
     assert read_document({"path": "sheet.txt"}, IDENTITY)["text"] == text
 
 
+def tar_of_text() -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as archive:
+        sheet = b"# Inner fund\n\n- Ticker: INNR\n"
+        member = tarfile.TarInfo("inner.md")
+        member.size = len(sheet)
+        archive.addfile(member, io.BytesIO(sheet))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        tar_of_text(),
+        b"BM" + bytes(range(256)) * 8,  # a bitmap: no mark of its own
+        b"MZ\x90\x00" + b"\x00" * 600 + b"This program cannot be run in DOS mode.",
+        "ファンドの概要\n\n純資産総額 120億円\n".encode("shift_jis") * 20,
+    ],
+    ids=["tar", "bitmap", "windows-program", "shift-jis"],
+)
+def test_read_document_refuses_what_is_mostly_no_text(corpus, journal, data):
+    """No mark names them: most of what they hold is no character of
+    UTF-8 text.  A Latin-1 page (its accented letters lost) is still read."""
+    (corpus / "thing.md").write_bytes(data)
+    with pytest.raises(ToolRefused, match=r"not text \(binary data, or an encoding other than"):
+        read_document({"path": "thing.md"}, IDENTITY)
+    latin = ("Les frais de gestion sont élevés à Genève. " * 20).encode("latin-1")
+    (corpus / "latin.md").write_bytes(latin)
+    assert read_document({"path": "latin.md"}, IDENTITY)["text"].count("\ufffd") == 80
+    assert journal.counts("read_document") == {IDENTITY: 1}
+
+
 @pytest.mark.parametrize(
     ("data", "kind"),
     [
         (b"%PDF-1.4\n%\xe2\xe3\xcf\xd3\n1 0 obj", "a PDF document"),
         (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "a PNG image"),
         (b"PK\x03\x04\x14\x00\x06\x00", "a ZIP archive"),
+        (b"SQLite format 3\x00\x10\x00", "an SQLite database"),
     ],
 )
 def test_read_document_refuses_a_file_that_is_no_text(corpus, journal, data, kind):
