@@ -48,7 +48,7 @@ from runs.leases import CancelRequested, Lease, LeaseLost
 from runs.models import Checkpoint, CheckpointOutcome, OutcomeKind, Receipt
 from runs.outcomes import NeedsOperator, settle_checkpoint, settle_unanswered
 from runs.progress import History, Progress
-from runs.sql import CommitUnanswered
+from runs.sql import CommitUnanswered, bounded_lock_waits, waits_bounded
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
@@ -197,14 +197,17 @@ class Checkpointer:
     def _record(
         self, action_id: int, number: int, outcome: CheckpointOutcome, **fields: Any
     ) -> Checkpoint:
-        return Checkpoint.objects.create(
-            run_id=self.run_id,
-            after_action_id=action_id,
-            number=number,
-            epoch=self.lease.epoch,
-            outcome=outcome,
-            **fields,
-        )
+        """A checkpoint that did not save, recorded; a stranger's lock fails
+        it (DatabaseError) before it holds the run, as it fails the save."""
+        with waits_bounded(bounded_lock_waits()["lock_timeout"]):
+            return Checkpoint.objects.create(
+                run_id=self.run_id,
+                after_action_id=action_id,
+                number=number,
+                epoch=self.lease.epoch,
+                outcome=outcome,
+                **fields,
+            )
 
     def _require_local_conditions(self, step_key: str, action_id: int, what: str) -> None:
         """Local handling only after an action whose receipt verifies under

@@ -29,7 +29,13 @@ from django.db.models import F
 from django.db.models.functions import Coalesce, Now
 
 from runs.models import ActionState, Phase, Run, RunStatus, canonical_json, digest, text_digest
-from runs.sql import commit_asynchronously, server_cursor, unanswered_as
+from runs.sql import (
+    bounded_lock_waits,
+    commit_asynchronously,
+    server_cursor,
+    statements_wait_bounded,
+    unanswered_as,
+)
 
 # The ownership a lease grants: this owner and epoch, the run still running.
 # A claim raises the epoch, so once another owner has the run this matches
@@ -386,8 +392,13 @@ class Lease:
         a receipt's transaction.  A recovery write: it checks the lease but
         does not lock the run row, so a checkpoint whose connection is cut
         while it is in flight cannot hold up the heartbeat or the run's
-        other writes.  A lost connection raises CommitUnanswered."""
-        with unanswered_as(f"checkpoint {number}"):
+        other writes.  Nor can a stranger's lock hold the run: a lock not
+        granted within RUNDESK_CAPTURE_LOCK_TIMEOUT_MS fails it before it
+        writes (55P03).  A lost connection raises CommitUnanswered."""
+        with (
+            statements_wait_bounded(bounded_lock_waits()["lock_timeout"]),
+            unanswered_as(f"checkpoint {number}"),
+        ):
             self._require(
                 f"""INSERT INTO runs_checkpoint (run_id, after_action_id, number, epoch,
                         outcome, state, state_digest, xid, error, resolution, created_at)

@@ -125,6 +125,22 @@ def waits_bounded(timeout: str) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def statements_wait_bounded(timeout: str) -> Iterator[None]:
+    """As waits_bounded, for statements each in a transaction of its own
+    (autocommit: a statement's end is its commit, as a fault cuts it): the
+    bound is the session's while they run, then reset.  Not after a lost
+    connection: the next one starts without it."""
+    with server_cursor() as cursor:
+        cursor.execute("SELECT set_config('lock_timeout', %s, false)", [timeout], prepare=True)
+    try:
+        yield
+    finally:
+        if not connection_lost():
+            with server_cursor() as cursor:
+                cursor.execute("RESET lock_timeout", prepare=True)
+
+
 def unless_locked(work: Callable[[], T], timeout: str | None = None) -> T | None:
     """`work()` in a transaction of its own (a savepoint inside a caller's)
     whose lock waits end after `timeout` (None: the caller's bound holds):

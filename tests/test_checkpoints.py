@@ -10,8 +10,10 @@ decision table (docs/DESIGN.md), with its reverse checks.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import asdict
 
+import psycopg
 import pytest
 from django.db import IntegrityError, connection
 
@@ -34,7 +36,7 @@ from runs.models import (
     RunStatus,
 )
 from runs.outcomes import NeedsOperator, xact_status
-from runs.timeline import EventKind
+from runs.timeline import EventKind, timeline
 from tests.faultruns import (
     DOCS,
     KEYS,
@@ -429,3 +431,24 @@ def test_a_checkpoint_that_disagrees_with_the_receipts_is_ignored(journal):
     assert len(events(run, EventKind.ACTION_REUSED)) == 4
     assert_completed_once_each(journal, run)
     assert run.phase == Phase.DONE
+
+
+def test_a_stranger_holding_the_checkpoint_table_never_holds_the_answer(journal, settings):
+    """A migration, a VACUUM FULL, a session left open on runs_checkpoint:
+    each checkpoint fails before it writes, within its lock bound, and the
+    run delivers.  The executor waited for as long as the lock lasted."""
+    settings.RUNDESK_CHECKPOINT_SECONDS = 0  # one after every action
+    run = Run.objects.submit(question="q", documents=DOCS[:2])
+    with psycopg.connect(**connection.get_connection_params()) as stranger:
+        stranger.execute("LOCK TABLE runs_checkpoint IN SHARE MODE")
+        started = time.monotonic()
+        assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+        took = time.monotonic() - started
+    assert took < 5 and not Checkpoint.objects.filter(run=run).exists()
+    assert executions(journal, run, "deliver") == 1
+    timeline.flush()
+    failed = events(run, EventKind.CHECKPOINT_FAILED)
+    assert len(failed) >= 4 and all("lock timeout" in message for message in failed)
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW lock_timeout")
+        assert cursor.fetchone() == ("0",)  # the bound was the checkpoints' only
