@@ -77,6 +77,7 @@ from runs.models import (
 )
 from runs.outcomes import NeedsOperator, open_item, write_settled
 from runs.progress import History, Progress
+from runs.sql import transient
 from runs.timeline import EventKind, timeline
 from runs.tools import TOOLS, OutcomeUnknown, Tool, ToolFailed, ToolRefused
 
@@ -87,6 +88,10 @@ T = TypeVar("T")
 # How often a read is dispatched without its receipt being written before it
 # fails (Dispatcher._give_up).
 MAX_READ_DISPATCHES = 10
+# How long a fact write refused for its moment (a lock or statement
+# timeout) is tried again before the run is left to its lease
+# (Dispatcher._until_written).
+FACT_RETRY_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -552,9 +557,41 @@ class Dispatcher:
 
     def _record_receipt(self, completed: Completed) -> None:
         """Writes the receipt on its own."""
-        self._settled_receipt(
-            completed, lambda: self.lease.record_receipt(completed.action_id, completed.result)
+        self._until_written(
+            f"receipt of {completed.step_key}",
+            lambda: self._settled_receipt(
+                completed, lambda: self.lease.record_receipt(completed.action_id, completed.result)
+            ),
         )
+
+    def _until_written(self, what: str, write: Callable[[], T]) -> T:
+        """`write()`, again after an error the database answered that says
+        nothing of the write but that it met its moment (sql.transient: a
+        lock or statement timeout, a deadlock): it rolled back, so it is
+        known not written, and what it records is in hand only here (an
+        effect's outcome: left to the next owner, it is unknown).  For up
+        to FACT_RETRY_SECONDS, while the lease is not known lost."""
+        deadline = time.monotonic() + FACT_RETRY_SECONDS
+        pause = 0.1
+        while True:
+            try:
+                return write()
+            except DatabaseError as error:
+                if (
+                    not transient(error)
+                    or self.lease_lost.is_set()
+                    or time.monotonic() + pause > deadline
+                ):
+                    raise
+                logger.warning(
+                    "run %s: %s not written (%s); again in %.1f s",
+                    self.run.pk,
+                    what,
+                    str(error).strip(),
+                    pause,
+                )
+                time.sleep(pause)
+                pause = min(2 * pause, 2.0)
 
     def _settled_receipt(
         self, completed: Completed, write: Callable[[], T], *, fault: tuple[str, int] = ("", 0)
@@ -608,5 +645,8 @@ class Dispatcher:
 
     def _mark(self, action_id: int, state: ActionState, reason: str, kind: EventKind) -> None:
         self.write_receipt()
-        self.lease.record_action_state(action_id, state, reason)
+        self._until_written(
+            f"{state} state of action {action_id}",
+            lambda: self.lease.record_action_state(action_id, state, reason),
+        )
         timeline.record(self.run.pk, kind, reason, action_id=action_id)

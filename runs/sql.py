@@ -104,6 +104,16 @@ def lock_refused(error: BaseException) -> bool:
     return getattr(error.__cause__, "sqlstate", None) == LOCK_NOT_AVAILABLE
 
 
+# Errors that say nothing of the statement but that it met its moment: a
+# lock or statement timeout, a serialization failure, a deadlock.  It rolled
+# back, and the same statement may well succeed again.
+TRANSIENT = {LOCK_NOT_AVAILABLE, "57014", "40001", "40P01"}
+
+
+def transient(error: BaseException) -> bool:
+    return getattr(error.__cause__, "sqlstate", None) in TRANSIENT
+
+
 def bounded_lock_waits() -> dict[str, str]:
     """For an optional write's transaction (`commit_asynchronously(cursor,
     **bounded_lock_waits())`): a lock not granted within

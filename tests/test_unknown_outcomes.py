@@ -5,6 +5,8 @@ An effect whose answer was lost is always an item for an operator."""
 from __future__ import annotations
 
 import datetime as dt
+import threading
+from dataclasses import replace
 
 import psycopg
 import pytest
@@ -25,6 +27,7 @@ from runs.models import (
 from runs.outcomes import find_orphan, settle, xact_status
 from runs.sql import Backend, CommitUnanswered
 from runs.timeline import EventKind
+from runs.tools import TOOLS
 from tests.faultruns import KEYS, dispatched, events, executions, run_with, wait_for
 from tests.receivers import LocalServer, status
 
@@ -192,3 +195,39 @@ def test_delivery_whose_answer_is_lost_is_an_item_and_is_never_sent_again(journa
         assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
         assert len(receiver.requests) == 1
         assert OutcomeItem.objects.filter(run=run).count() == 1
+
+
+@pytest.mark.parametrize("held_for", [0.7, 1.5])
+def test_an_effects_receipt_refused_for_its_moment_is_written_again(journal, monkeypatch, held_for):
+    """The delivery went (its result in hand), then a stranger's lock made
+    its receipt fail with a lock timeout: the database answered, so the
+    receipt is known not written, and it is written again.  Left to the
+    next owner, the delivery was unknown, and the run waited for an
+    operator to find out what this owner had known."""
+    deliver = TOOLS["deliver_report"]
+    released = []
+
+    def delivered_then_locked(input: dict, identity: str) -> dict:
+        result = deliver.run(input, identity)
+        stranger = psycopg.connect(**connection.get_connection_params())
+        stranger.execute("LOCK TABLE runs_receipt IN SHARE MODE")
+        timer = threading.Timer(held_for, stranger.close)
+        timer.start()
+        released.append(timer)
+        with connection.cursor() as cursor:  # the executor's: its receipt comes next
+            cursor.execute("SET lock_timeout = '200ms'")
+        return result
+
+    monkeypatch.setitem(TOOLS, "deliver_report", replace(deliver, run=delivered_then_locked))
+    run = Run.objects.submit(question="q", documents=["crestline-short-treasury.md"])
+    try:
+        assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    finally:
+        for timer in released:
+            timer.join()
+        with connection.cursor() as cursor:
+            cursor.execute("RESET lock_timeout")
+    assert executions(journal, run, "deliver") == 1
+    assert not OutcomeItem.objects.filter(run=run).exists()
+    deliver_action = run.actions.get(step_key="deliver")
+    assert Receipt.objects.filter(action=deliver_action).exists()
