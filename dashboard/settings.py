@@ -349,6 +349,14 @@ RUNDESK_SWEEP_SECONDS = env_float("RUNDESK_SWEEP_SECONDS", 5.0, minimum=0.1)
 # A queued run no worker took for this long is handed out again (its task
 # may have been lost with a worker; a task for a run already taken is a no-op).
 RUNDESK_REDELIVER_SECONDS = env_float("RUNDESK_REDELIVER_SECONDS", 60.0, minimum=1.0)
+# A process started by a fault drill (runs/drills.py) for its lab drives
+# the drill's runs, and nothing else; every other process never drives a
+# drill's run (it would deliver the drill's report to this installation's
+# receiver).  The lab's Celery workers take their tasks from a queue of
+# their own.
+RUNDESK_DRILL_LAB = env_bool("RUNDESK_DRILL_LAB", False)
+RUNDESK_DRILL_QUEUE = "rundesk-drills"
+CELERY_TASK_DEFAULT_QUEUE = RUNDESK_DRILL_QUEUE if RUNDESK_DRILL_LAB else "celery"
 CELERY_BEAT_SCHEDULE = {
     "rundesk-sweep": {"task": "runs.tasks.sweep", "schedule": RUNDESK_SWEEP_SECONDS},
 }

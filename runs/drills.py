@@ -130,6 +130,7 @@ class Lab:
             RUNDESK_DELIVERY_URL="",
             RUNDESK_CORPUS_DIR=ROOT / "runs" / "sample_corpus",
             RUNDESK_MODEL_PROVIDER="offline",
+            RUNDESK_DRILL_LAB=True,
         ):
             yield
 
@@ -163,6 +164,7 @@ class Lab:
             "RUNDESK_MODEL_PROVIDER": "offline",
             "RUNDESK_DELIVERY_URL": "",
             "RUNDESK_VAR_DIR": str(settings.VAR_DIR),
+            "RUNDESK_DRILL_LAB": "1",
             "PYTHONUNBUFFERED": "1",
         }
 
@@ -589,13 +591,15 @@ def celery_worker_killed(lab: Lab) -> Finding:
     beat's sweep (its task, run by a worker) hands the run to another."""
     run = _slow_run(lab)
     worker = _worker(lab)
-    current_app.send_task("runs.tasks.execute_run", args=[run.pk])
+    current_app.send_task(
+        "runs.tasks.execute_run", args=[run.pk], queue=settings.RUNDESK_DRILL_QUEUE
+    )
     wait_for(lambda: _receipts(run) >= 3, "the worker's third receipt")
     os.killpg(worker.pid, signal.SIGKILL)
     worker.wait(timeout=30)
     _worker(lab)
     expire_lease(run)
-    current_app.send_task("runs.tasks.sweep")
+    current_app.send_task("runs.tasks.sweep", queue=settings.RUNDESK_DRILL_QUEUE)
     wait_for(lambda: Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED, "completion")
     timeline.flush()
     run.refresh_from_db()

@@ -183,11 +183,12 @@ class Lease:
     @classmethod
     def claim_next(cls, owner: str) -> Lease | None:
         """Claims the oldest claimable run, skipping runs other executors are
-        claiming at this moment, and drills' runs (each drill drives its own)."""
+        claiming at this moment; of a drill's runs only in its lab's
+        processes, and only those (RUNDESK_DRILL_LAB)."""
         with claiming():
             run = (
                 Run.objects.claimable()
-                .filter(is_drill=False)
+                .filter(is_drill=settings.RUNDESK_DRILL_LAB)
                 .select_for_update(skip_locked=True, no_key=True)
                 .order_by("created_at", "id")
                 .only("id")
@@ -198,12 +199,13 @@ class Lease:
     @classmethod
     def claim(cls, run_id: int, owner: str) -> Lease | None:
         """Claims one run if it is claimable: queued, or its owner's lease
-        expired.  A run another owner holds, or a finished run, gives None."""
+        expired.  A run another owner holds, or a finished run, gives None;
+        so does a drill's run outside its lab, and any other inside it."""
         with claiming():
             run = (
                 Run.objects.claimable()
                 .select_for_update(skip_locked=True, no_key=True)
-                .filter(pk=run_id)
+                .filter(pk=run_id, is_drill=settings.RUNDESK_DRILL_LAB)
                 .only("id")
                 .first()
             )

@@ -66,7 +66,15 @@ def sweep() -> dict[str, int]:
     """Beat's sweep (runs/sweep.py); the runs it leaves waiting for a worker
     get a task each."""
     swept = sweeping.sweep(redeliver_after=settings.RUNDESK_REDELIVER_SECONDS)
-    waiting = swept.to_execute
+    # Only the runs this process's workers may drive (a drill's lab, or
+    # the installation: RUNDESK_DRILL_LAB); the others' own sweep hands
+    # them to their own queue.
+    ours = set(
+        Run.objects.filter(
+            pk__in=swept.to_execute, is_drill=settings.RUNDESK_DRILL_LAB
+        ).values_list("pk", flat=True)
+    )
+    waiting = [run_id for run_id in swept.to_execute if run_id in ours]
     for i, run_id in enumerate(waiting):
         if failed := hand_over(execute_run, run_id):
             # The broker did not take it (each hand-over waits for it up to

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import re
 import subprocess
 import sys
@@ -32,7 +33,8 @@ from runs.drills import (
     run_drill,
     start_drill,
 )
-from runs.models import Drill, DrillResult, DrillState, DrillVerdict, Run
+from runs.leases import Lease
+from runs.models import Drill, DrillResult, DrillState, DrillVerdict, Run, RunStatus
 from tests.conftest import ROOT, database_url
 from tests.processes import Worker, wait_until
 
@@ -244,3 +246,30 @@ def test_drills_runs_are_hidden_from_the_runs_list_unless_asked_for(viewer: Clie
     assert f"/runs/{mine.pk}/" in listed and f"/runs/{drilled.pk}/" not in listed
     drills = viewer.get("/?drills=1").content.decode()
     assert f"/runs/{drilled.pk}/" in drills and f"/runs/{mine.pk}/" not in drills
+
+
+def test_a_drills_run_is_driven_by_its_lab_only_and_the_lab_by_nothing_else(settings) -> None:
+    """A worker of the installation that took a drill's run delivered the
+    drill's report to the installation's receiver; its lab's processes
+    claim its runs, and only those, and take their tasks from a queue of
+    their own."""
+    drilled = Run.objects.submit(question="a drill", documents=["a.md"], drill=True)
+    mine = Run.objects.submit(question="a real question", documents=["a.md"])
+    assert Lease.claim(drilled.pk, "installation") is None
+    claimed = Lease.claim_next("installation")
+    assert claimed is not None and claimed.run_id == mine.pk
+    assert claimed.finish(RunStatus.CANCELLED, "test") == RunStatus.CANCELLED
+
+    settings.RUNDESK_DRILL_LAB = True
+    other = Run.objects.submit(question="another real one", documents=["a.md"])
+    assert Lease.claim(other.pk, "lab") is None and Lease.claim_next("lab").run_id == drilled.pk
+
+    queue = "from django.conf import settings; print(settings.CELERY_TASK_DEFAULT_QUEUE)"
+    for lab, expected in (("1", "rundesk-drills"), ("", "celery")):
+        env = {**os.environ, "DJANGO_SETTINGS_MODULE": "dashboard.settings"}
+        env["RUNDESK_DRILL_LAB"] = lab
+        printed = subprocess.run(
+            [sys.executable, "-c", f"import django; django.setup(); {queue}"],
+            cwd=ROOT, env=env, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert printed.stdout.strip() == expected
