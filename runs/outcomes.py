@@ -31,6 +31,8 @@ from typing import Any, Literal, NamedTuple, TypeVar
 
 from django.conf import settings
 from django.db import DatabaseError, IntegrityError, connection, transaction
+from django.db.models import Exists, OuterRef
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from runs import alerts
@@ -41,6 +43,8 @@ from runs.models import (
     OutcomeItem,
     OutcomeKind,
     Receipt,
+    Run,
+    RunStatus,
 )
 from runs.sql import Backend, CommitUnanswered
 from runs.timeline import EventKind, timeline
@@ -285,6 +289,49 @@ def settle_checkpoint(record: Checkpoint, settlement: Settlement) -> None:
     Checkpoint.objects.filter(pk=record.pk, outcome=CheckpointOutcome.UNKNOWN).update(
         outcome=outcome, resolved_at=timezone.now(), resolution=settlement.describe()
     )
+
+
+def settle_left_checkpoints() -> list[int]:
+    """Settles by their xid the checkpoints left unknown with no item: their
+    owner recorded the unknown row, then died while it asked the evidence
+    (the item comes only if the evidence cannot tell).  Not while that
+    owner may still be asking (its lease held at that epoch), and without
+    waiting: one still in flight is left to the next sweep.  The runs whose
+    checkpoints it settled."""
+    held = Run.objects.filter(
+        pk=OuterRef("run_id"),
+        lease_epoch=OuterRef("epoch"),
+        status=RunStatus.RUNNING,
+        lease_expires_at__gte=Now(),
+    )
+    left = (
+        Checkpoint.objects.filter(
+            outcome=CheckpointOutcome.UNKNOWN, xid__isnull=False, run__imported_at__isnull=True
+        )
+        .exclude(Exists(OutcomeItem.objects.filter(checkpoint=OuterRef("pk"))))
+        .exclude(Exists(held))
+        .order_by("id")[:100]
+    )
+    settled = []
+    for record in left:
+        unanswered = CommitUnanswered(f"checkpoint {record.number}", record.xid, None, record.error)
+        settlement = settle(
+            unanswered,
+            lambda record=record: Checkpoint.objects.filter(
+                run_id=record.run_id, number=record.number, state__isnull=False
+            ).exists(),
+            patience=0,
+        )
+        if settlement.outcome != "unknown":
+            settle_checkpoint(record, settlement)
+            timeline.record(
+                record.run_id,
+                EventKind.OUTCOME_SETTLED,
+                f"checkpoint {record.number}, left unknown by an owner that stopped: "
+                f"{settlement.describe()}",
+            )
+            settled.append(record.run_id)
+    return settled
 
 
 def written(item: OutcomeItem) -> bool:

@@ -11,6 +11,8 @@ run:
 - unknown outcomes are asked about again (runs/outcomes.py); what the
   evidence settles is a system decision (runs/decisions.py), and settling
   the last item a waiting run was held by puts it back in the queue;
+- a checkpoint left unknown, with no item, by an owner that stopped while
+  it asked the evidence is settled by its xid;
 - with `redeliver_after`, queued runs nobody took for that long are handed
   out again (their Celery task may have been lost with a worker).
 
@@ -31,6 +33,7 @@ from django.db import DatabaseError
 
 from runs import decisions
 from runs.models import Run
+from runs.outcomes import settle_left_checkpoints
 from runs.sql import waits_bounded
 from runs.timeline import EventKind, timeline
 
@@ -43,6 +46,7 @@ class Swept:
     requeued: list[int] = field(default_factory=list)
     settled: int = 0
     resumed: list[int] = field(default_factory=list)
+    checkpoints: list[int] = field(default_factory=list)  # runs of those settled
     redelivered: list[int] = field(default_factory=list)
 
     @property
@@ -63,6 +67,7 @@ def sweep(*, redeliver_after: float | None = None) -> Swept:
         )
     settled = decisions.settle_open_items()
     swept.settled, swept.resumed = settled.settled, settled.runs_resumed
+    swept.checkpoints = _step("settling checkpoints left unknown", settle_left_checkpoints)
     if redeliver_after is not None:
         swept.redelivered = _step(
             "handing out queued runs again",

@@ -36,6 +36,7 @@ from runs.models import (
     RunStatus,
 )
 from runs.outcomes import NeedsOperator, xact_status
+from runs.sweep import sweep
 from runs.timeline import EventKind, timeline
 from tests.faultruns import (
     DOCS,
@@ -452,3 +453,39 @@ def test_a_stranger_holding_the_checkpoint_table_never_holds_the_answer(journal,
     with connection.cursor() as cursor:
         cursor.execute("SHOW lock_timeout")
         assert cursor.fetchone() == ("0",)  # the bound was the checkpoints' only
+
+
+@pytest.mark.parametrize("ended", ["committed", "aborted"])
+def test_a_checkpoint_left_unknown_by_an_owner_that_stopped_is_settled_by_its_xid(
+    journal, settings, ended
+):
+    """The owner records the unknown row, then asks the evidence (for a
+    late COMMIT, for seconds): killed meanwhile, it left the row unknown
+    with no item, and nothing ever asked again."""
+    settings.RUNDESK_CHECKPOINT_SECONDS = 0
+    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    saved = Checkpoint.objects.filter(run=run, state__isnull=False).order_by("number").first()
+    xid = saved.xid
+    if ended == "aborted":
+        with psycopg.connect(**connection.get_connection_params()) as other:
+            xid = int(other.execute("SELECT pg_current_xact_id()::text").fetchone()[0])
+            other.rollback()
+    left = Checkpoint.objects.create(
+        run=run,
+        after_action=saved.after_action,
+        number=saved.number,
+        epoch=saved.epoch,
+        outcome=CheckpointOutcome.UNKNOWN,
+        xid=xid,
+        error="COMMIT sent, no answer: the owner was killed",
+    )
+    swept = sweep()
+    left.refresh_from_db()
+    assert swept.checkpoints == [run.pk] and left.resolved_at is not None
+    assert left.outcome == (
+        CheckpointOutcome.RESOLVED_COMMITTED
+        if ended == "committed"
+        else CheckpointOutcome.RESOLVED_NOT_WRITTEN
+    )
+    assert sweep().checkpoints == []
