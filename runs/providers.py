@@ -367,37 +367,77 @@ def shared_terms(sheets: list[FactSheet], limit: int = 8) -> list[str]:
 _NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?|\.\d+")
 # 1,234 and 12,345,678 (0,450 is a decimal comma: no group begins with 0).
 _THOUSANDS = re.compile(r"[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?")
-_SCALE = re.compile(r"\s*(trillion|billion|million|thousand|tn|bn|mn|m|k)\b", re.I)
+# After the number: a scale word (plural too; French and German: Md,
+# Mrd, Mio, milliard), or a Japanese unit (no word boundary after it).
+_SCALE = re.compile(
+    r"\s*\)?\s*(?:(trillions?|billions?|millions?|thousands?|milliards?|mrd|mds?|mio|tn|bn|mn|m|k"
+    r"|b)\b|(\u5146|\u5104|\u4e07))",
+    re.I,
+)
 SCALES = {"trillion": 1e12, "billion": 1e9, "million": 1e6, "thousand": 1e3}
-SCALES |= {"tn": 1e12, "bn": 1e9, "mn": 1e6, "m": 1e6, "k": 1e3}
+SCALES |= {"milliard": 1e9, "mrd": 1e9, "md": 1e9, "mio": 1e6}
+SCALES |= {"tn": 1e12, "bn": 1e9, "mn": 1e6, "m": 1e6, "k": 1e3, "b": 1e9}
+SCALES |= {"\u5146": 1e12, "\u5104": 1e8, "\u4e07": 1e4}  # 兆, 億, 万
+# Basis points: a hundredth of a percent.
+_BASIS_POINTS = re.compile(r"\s*(?:bps?|basis points?)\b", re.I)
 MINUS_SIGNS = "-\u2212\u2013"  # hyphen-minus, minus sign, en dash
+# Triangles: a minus in a Japanese sheet, a rise in many others.
+TRIANGLES = "\u25b2\u25b3\u25bc\u25bd"
+CURRENCY = "$\u20ac\u00a3\u00a5\u5186"  # $ € £ ¥ 円
+_CURRENCY = re.compile(
+    r"(?<![A-Za-z])[A-Z]{1,2}\$|[$\u20ac\u00a3\u00a5\u5186]"
+    r"|(?<![A-Za-z])(?:USD|EUR|GBP|JPY|CHF|CAD|AUD|CNY|HKD|SEK|NOK|DKK|INR|KRW|SGD)\b"
+)
+_SAME_CURRENCY = {"US$": "$", "USD": "$", "EUR": "\u20ac", "GBP": "\u00a3", "JPY": "\u00a5"}
+_SAME_CURRENCY |= {"\u5186": "\u00a5"}
 
 
 def figure(value: str) -> float | None:
-    """'$2.84 billion' -> 2.84e9, '$1.5bn' -> 1.5e9, '0.29%' -> 0.29,
-    '2,914' -> 2914, '0,45 %' -> 0.45, '\u22124.1%' and '(4.1%)' -> -4.1.  None
-    unless the value holds one number, read without doubt: a date, a range,
-    'as of 2024: $2.8 billion' are not compared."""
+    """'$2.84 billion' -> 2.84e9, '$1.5bn' and '$1.5B' -> 1.5e9, '0.29%' ->
+    0.29, '2,914' -> 2914, '0,45 %' -> 0.45, '2,4 Md\u20ac' -> 2.4e9,
+    '35 bps' -> 0.35 (a percent), '\u22124.1%', '(4.1%)' and '(4.1)%' ->
+    -4.1.  None unless the value holds one number, read without doubt: a
+    date, a range, 'as of 2024: $2.8 billion', '1,234 %' (a thousands or a
+    decimal comma?), a triangle (a minus, or a rise?) are not compared."""
     numbers = _NUMBER.findall(value)
     if len(numbers) != 1:
         return None
     written = numbers[0].rstrip(",")
+    at = value.index(numbers[0])
+    end = at + len(numbers[0])
     if _THOUSANDS.fullmatch(written):
+        if "." not in written and value[end:].lstrip().startswith("%"):
+            return None  # 1,234 %: a German sheet's 1.234 %
         written = written.replace(",", "")
     elif written.count(",") == 1 and "." not in written:
         written = written.replace(",", ".")  # a decimal comma
     elif "," in written:
         return None
     number = float(written)
-    at = value.index(numbers[0])
-    sign = value[:at].rstrip(" $\u20ac\u00a3\u00a5")
-    # An accountant's negative: the number alone in brackets, (4.1%), ($2 bn).
-    alone = rf"\(\s*[$\u20ac\u00a3\u00a5]?\s*{re.escape(numbers[0])}\s*[a-z]{{0,8}}\s*%?\s*\)"
+    sign = value[:at].rstrip(" " + CURRENCY).removesuffix("US$").rstrip(" $")
+    if sign.endswith(tuple(TRIANGLES)):
+        return None
+    # An accountant's negative: the number alone in brackets, (4.1%), ($2 bn),
+    # (4.1)%, ($1.2) billion.
+    alone = (
+        rf"\(\s*[{CURRENCY}]?\s*{re.escape(numbers[0])}\s*[a-z]{{0,8}}\s*%?\s*\)"
+        rf"|\(\s*[{CURRENCY}]?\s*{re.escape(numbers[0])}\s*\)\s*(?:%|[a-z]{{1,9}})"
+    )
     if sign.endswith(tuple(MINUS_SIGNS)) or re.fullmatch(alone, value.strip(), re.I):
         number = -number
-    if scale := _SCALE.match(value, at + len(numbers[0])):
-        number *= SCALES[scale[1].lower()]
+    if scale := _SCALE.match(value, end):
+        word = (scale[1] or scale[2]).lower()
+        number *= SCALES[word.removesuffix("s") if word not in SCALES else word]
+    elif _BASIS_POINTS.match(value, end):
+        number /= 100
     return number
+
+
+def currency(value: str) -> str:
+    """The currency a figure is given in, as its symbol where it has one
+    ('$', '\u20ac', 'C$', 'CHF'); '' for none."""
+    found = _CURRENCY.search(value)
+    return _SAME_CURRENCY.get(found[0], found[0]) if found else ""
 
 
 def _cell(text: str) -> str:
@@ -480,6 +520,10 @@ def _extremes(sheets: list[FactSheet]) -> list[str]:
     ]:
         known = [(v, s) for s in sheets if (v := figure(s.value(key))) is not None]
         if len(known) < 2:
+            continue
+        # A sheet that names no currency is taken to use the others' one.
+        if len(given := sorted({currency(s.value(key)) for _, s in known} - {""})) > 1:
+            lines.append(f"- {key}: not compared, given in {', '.join(given)}.")
             continue
         low, high = min(v for v, _ in known), max(v for v, _ in known)
         lowest, highest = _giving(key, low, known), _giving(key, high, known)

@@ -343,10 +343,39 @@ def test_documents_with_the_same_title_are_told_apart_by_their_paths():
         ("As of 2024: $2.8 billion", None),
         ("2019-03-14", None),
         ("n/a", None),
+        # Other ways sheets write them.
+        ("$2.84B", 2.84e9),
+        ("\u20ac 900 millions", 9e8),
+        ("1.2 milliard", 1.2e9),
+        ("2,4 Md\u20ac", 2.4e9),
+        ("3 Mrd. EUR", 3e9),
+        ("1.5 Mio. \u20ac", 1.5e6),
+        ("120\u5104\u5186", 1.2e10),
+        ("35 bps", 0.35),
+        ("(4.1)%", -4.1),
+        ("($1.2) billion", -1.2e9),
+        # A minus in a Japanese sheet, a rise in others; a thousands or a
+        # decimal comma: not read.
+        ("\u25b22.5%", None),
+        ("1,234 %", None),
     ],
 )
 def test_a_figure_is_read_with_its_sign_and_scale_or_not_at_all(written, value):
     assert figure(written) == value
+
+
+def test_figures_in_different_currencies_are_not_ranked():
+    report = compare_texts(
+        "Compare",
+        {
+            "us.md": sheet("US Fund", "USF", net_assets="$1.24 billion", expense_ratio="0.40%"),
+            "jp.md": sheet(
+                "JP Fund", "JPF", net_assets="\u00a5320 billion", expense_ratio="35 bps"
+            ),
+        },
+    )
+    assert "- Net assets: not compared, given in $, \u00a5." in report.splitlines()
+    assert "- Expense ratio: Lowest JPF (35 bps), highest USF (0.40%)." in report.splitlines()
 
 
 def sheet(title: str, ticker: str, **figures: str) -> str:
