@@ -83,7 +83,7 @@ PLAIN: dict[type[TextChoices], dict[str, str]] = {
         EventKind.LEASE_LOST: "lease lost",
         EventKind.RESUMED: "resumed from its receipts",
         EventKind.ACTION_DISPATCHED: "action dispatched",
-        EventKind.ACTION_REDISPATCHED: "read dispatched again",
+        EventKind.ACTION_REDISPATCHED: "dispatched again",
         EventKind.ACTION_REUSED: "receipt reused, not dispatched again",
         EventKind.ACTION_COMPLETED: "action completed",
         EventKind.ACTION_FAILED: "action failed",
@@ -152,7 +152,7 @@ def inbox(request: HttpRequest) -> dict[str, Any]:
         # None (shown as "?") when a stranger holds the table: the page
         # itself may not need it, and its transaction goes on
         # (dashboard.security.PageLockWaitsMiddleware).
-        return unless_locked(OutcomeItem.objects.local().filter(state=OutcomeState.OPEN).count)
+        return unless_locked(OutcomeItem.objects.in_inbox().filter(state=OutcomeState.OPEN).count)
 
     return {"inbox_open": open_items}
 

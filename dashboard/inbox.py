@@ -379,7 +379,7 @@ def inbox(request: HtmxHttpRequest) -> HttpResponse:
     """Open items, oldest first (served by outcome_open_idx), a page at a
     time; the rows refresh while anything is open."""
     filters = _filters(request)
-    items = OutcomeItem.objects.local().filter(state=OutcomeState.OPEN)
+    items = OutcomeItem.objects.in_inbox().filter(state=OutcomeState.OPEN)
     if filters["kind"]:
         items = items.filter(kind=filters["kind"])
     if filters["run"] is not None:
@@ -414,10 +414,11 @@ def inbox(request: HtmxHttpRequest) -> HttpResponse:
 def waiting_without_item(run_id: int | None) -> list[Run]:
     """Runs that wait for an operator with no open item (a fact write known
     not written time after time, a receipt that does not verify...): only a
-    decision on the run itself lets them go on.  Oldest first, a page's worth."""
+    decision on the run itself lets them go on.  Oldest first, a page's worth.
+    Not a drill's: it staged the wait on purpose (the drills page reports it)."""
     runs = (
         Run.objects.local()
-        .filter(status=RunStatus.NEEDS_OPERATOR)
+        .filter(status=RunStatus.NEEDS_OPERATOR, is_drill=False)
         .exclude(Exists(OutcomeItem.objects.filter(run=OuterRef("pk"), state=OutcomeState.OPEN)))
     )
     if run_id is not None:

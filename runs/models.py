@@ -670,6 +670,11 @@ class OutcomeItemQuerySet(models.QuerySet["OutcomeItem"]):
         imported run's items are read, never settled or decided here."""
         return self.filter(run__imported_at__isnull=True)
 
+    def in_inbox(self) -> OutcomeItemQuerySet:
+        """What the operators' inbox lists: this installation's items, but
+        a drill's (it staged them on purpose; the drills page reports it)."""
+        return self.local().filter(run__is_drill=False)
+
     def holding_runs(self) -> OutcomeItemQuerySet:
         """Open items their run must wait for (HOLDING_KINDS)."""
         return self.filter(state=OutcomeState.OPEN, kind__in=HOLDING_KINDS)

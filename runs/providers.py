@@ -494,8 +494,14 @@ def _side_by_side(sheets: list[FactSheet]) -> list[str]:
     for sheet in sheets:
         for key in [*sheet.figures, *sheet.fees]:
             rows.setdefault(key.lower(), key)
+    # Each sheet's figures by name, as value() finds them (the first of a
+    # name), looked up once per row: value() is a scan, and a sheet may
+    # give thousands of figures.
+    named = [
+        {k.lower(): v for k, v in reversed([*s.figures.items(), *s.fees.items()])} for s in sheets
+    ]
     for key in filter(None, rows.values()):
-        values = [s.value(key) for s in sheets]
+        values = [given.get(key.lower(), "") for given in named]
         lines.append(f"| {_cell(key)} | " + " | ".join(map(_cell, values)) + " |")
     lines.append(
         "| Top holdings | " + " | ".join(_cell("; ".join(s.holdings[:3])) for s in sheets) + " |"

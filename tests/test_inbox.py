@@ -513,3 +513,16 @@ def test_a_run_waiting_with_no_item_is_in_the_inbox_with_its_reason(viewer, jour
         "Runs waiting with no item" not in viewer.get(f"/inbox/?run={run.pk + 1}").content.decode()
     )
     assert "Runs waiting with no item" not in viewer.get("/inbox/?kind=effect").content.decode()
+
+
+def test_a_drills_items_and_waiting_runs_stay_out_of_the_inbox(viewer):
+    """A drill stages unknown outcomes and waits on purpose; they were left
+    on the operators' list (and its count) after the drill had ended."""
+    item = item_on(RunStatus.NEEDS_OPERATOR)
+    waiting = Run.objects.submit(question="a drill waiting", documents=["a.md"], drill=True)
+    Run.objects.filter(pk__in=[item.run_id, waiting.pk]).update(
+        is_drill=True, status=RunStatus.NEEDS_OPERATOR
+    )
+    page = viewer.get("/inbox/").content.decode()
+    assert f"/inbox/{item.pk}/" not in page and f"/runs/{waiting.pk}/" not in page
+    assert 'title="0 open outcome items">0</span>' in page
