@@ -12,7 +12,7 @@ inline styles on the SVG it draws, hence 'unsafe-inline' for styles only.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import wraps
 from typing import Any
 
@@ -97,13 +97,18 @@ class PageLockWaitsMiddleware:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        if request.method not in ("GET", "HEAD"):
-            try:
-                # Before anything reads the session (who is signed in):
-                # a database that cannot be reached at all took nothing.
-                connection.ensure_connection()
-            except OperationalError:
-                return unavailable(request, locked=False, form=True)
+        form = request.method not in ("GET", "HEAD")
+        try:
+            # Who is signed in, before anything else reads it (the login
+            # check, the CSRF check), under the same bound: a lock on the
+            # session or the user table (a VACUUM FULL of django_session, a
+            # migration of auth_user) held every page, then answered 500.
+            # A database that cannot be reached at all took nothing.
+            with waits_bounded(PAGE_LOCK_WAIT):
+                _signed_in(request)
+        except OperationalError as error:
+            return unavailable(request, locked=lock_refused(error), form=form)
+        if form:
             return self.get_response(request)
         try:
             with waits_bounded(PAGE_LOCK_WAIT):
@@ -230,11 +235,20 @@ def unavailable(
     return response
 
 
+def _signed_in(request: HttpRequest) -> bool:
+    """Reads the session and the user (request.user is read lazily, once)."""
+    return request.user.is_authenticated
+
+
 def _said(request: HttpRequest) -> list[str]:
     """The messages waiting to be said; none where the session that may
-    hold them cannot be read (the database is down)."""
+    hold them cannot be read (the database is down, the session table is
+    held by a lock: given up on after PAGE_LOCK_WAIT)."""
     try:
-        return [str(message) for message in get_messages(request)]
+        # Within a page's transaction its bound holds (and a savepoint in an
+        # aborted one would fail: a session read already is no query).
+        with nullcontext() if connection.in_atomic_block else waits_bounded(PAGE_LOCK_WAIT):
+            return [str(message) for message in get_messages(request)]
     except DatabaseError:
         return []
 
@@ -249,8 +263,9 @@ class PrivatePagesMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         response = self.get_response(request)
         try:
-            signed_in = request.user.is_authenticated
-        except DatabaseError:  # who it is cannot be read (the database is down): private
+            with waits_bounded(PAGE_LOCK_WAIT):
+                signed_in = _signed_in(request)
+        except DatabaseError:  # who it is cannot be read (down, locked): private
             signed_in = True
         if signed_in and not response.has_header("Cache-Control"):
             patch_cache_control(response, private=True, no_store=True)

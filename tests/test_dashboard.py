@@ -343,6 +343,26 @@ def test_a_page_a_stranger_holds_answers_503_instead_of_hanging(viewer, run, mon
     assert viewer.get("/").status_code == 200
 
 
+@pytest.mark.parametrize("table", ["django_session", "auth_user"])
+def test_a_page_or_form_whose_session_or_user_a_stranger_holds_answers_503(
+    viewer, operator, run, monkeypatch, table
+):
+    """A VACUUM FULL of django_session, a migration of auth_user: who is
+    signed in could not be read, every page waited for the lock, then
+    answered 500."""
+    monkeypatch.setattr("dashboard.security.PAGE_LOCK_WAIT", "300ms")
+    with psycopg.connect(**connection.get_connection_params()) as stranger:
+        stranger.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        page = viewer.get(f"/runs/{run.pk}/")
+        cancel = operator.post(f"/runs/{run.pk}/cancel/")
+        assert time.monotonic() - started < 5
+        assert page.status_code == 503 and cancel.status_code == 503
+        assert "another database session holds locked" in page.content.decode()
+    assert Run.objects.get(pk=run.pk).cancel_requested_at is None
+    assert viewer.get(f"/runs/{run.pk}/").status_code == 200
+
+
 def forms_held(run: Run) -> dict[str, tuple[str, str, dict[str, object]]]:
     """Each form, the lock a stranger holds that its first read or its
     write waits for, and what it posts."""
