@@ -356,12 +356,15 @@ def locks_import(request: HttpRequest) -> HttpResponse:
         )
         return redirect("locks")
     try:
-        text, warning = pglog.decode(upload.read())
+        # Decompressed, no more than the limit either: a small .gz can
+        # hold gigabytes, each read while the page waits.
+        text, warning = pglog.decode(upload.read(), limit=LOG_UPLOAD_LIMIT)
         reports = pglog.parse(text, log_format)
         with form_lock_waits():
             imported = pglog.store(reports, upload.name)
     except pglog.LogFormatError as error:
-        messages.error(request, f"{upload.name}: {error}. Nothing was imported.")
+        larger = " (a larger log: manage.py import_pg_log)" if "decompressed" in str(error) else ""
+        messages.error(request, f"{upload.name}: {error}{larger}. Nothing was imported.")
         return redirect("locks")
     if warning:
         messages.warning(request, f"{upload.name}: {warning}.")

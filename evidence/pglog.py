@@ -36,7 +36,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from django.db import connection, transaction
+from django.db import DataError, connection, transaction
 from django.utils import timezone
 
 from evidence import locks
@@ -459,7 +459,16 @@ def store(reports: list[Report], origin: str) -> list[tuple[Report, LockIncident
             if digest and digest in seen:
                 continue
             seen.add(digest)
-            stored.append((report, record(report, origin, digest)))
+            try:
+                with transaction.atomic():
+                    stored.append((report, record(report, origin, digest)))
+            except (DataError, OverflowError) as error:
+                # A number or a time no column holds (a pid past 2^31, the
+                # year 1): no such server wrote it.  All or none: none.
+                raise LogFormatError(
+                    f"the report at line {report.line} holds a value no incident can: "
+                    f"{str(error).strip()}"
+                ) from None
         return stored
 
 

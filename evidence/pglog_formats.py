@@ -66,18 +66,21 @@ class Record:
     sqlstate: str = ""  # of a message, where the input says (csvlog, jsonlog, verbose stderr)
 
 
-def decode(raw: bytes, encoding: str = "utf-8") -> tuple[str, str]:
+def decode(
+    raw: bytes, encoding: str = "utf-8", *, limit: int = MAX_DECOMPRESSED
+) -> tuple[str, str]:
     """A log's bytes as text (gzip-compressed bytes, as logrotate leaves
-    them, decompressed first), and a warning when some are not `encoding`:
-    each such byte, and NUL (PostgreSQL text cannot hold one), is U+FFFD."""
+    them, decompressed first, up to `limit` bytes: a small file can hold a
+    huge one), and a warning when some are not `encoding`: each such
+    byte, and NUL (PostgreSQL text cannot hold one), is U+FFFD."""
     if raw[:2] == GZIP_MAGIC:
         try:
             with gzip.GzipFile(fileobj=io.BytesIO(raw)) as compressed:
-                raw = compressed.read(MAX_DECOMPRESSED + 1)
+                raw = compressed.read(limit + 1)
         except (OSError, EOFError, zlib.error) as error:
             raise LogFormatError(f"gzip-compressed, but not readable: {error}") from None
-        if len(raw) > MAX_DECOMPRESSED:
-            raise LogFormatError(f"more than {MAX_DECOMPRESSED} bytes once decompressed")
+        if len(raw) > limit:
+            raise LogFormatError(f"more than {limit} bytes once decompressed")
     try:
         text, warning = raw.decode(encoding), ""
     except LookupError:

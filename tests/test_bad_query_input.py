@@ -4,6 +4,9 @@ it."""
 
 from __future__ import annotations
 
+import gzip
+import time
+
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
@@ -130,3 +133,51 @@ def test_nul_inside_an_uploaded_log_is_imported_not_a_500(operator):
     assert response.status_code == 200
     assert "1 deadlock reports imported from pg.log" in response.content.decode()
     assert LockIncident.objects.filter(source=IncidentSource.LOG).count() == 1
+
+
+def test_a_small_gz_upload_that_holds_a_huge_log_is_refused_at_once(operator):
+    """A few hundred KB of gzip held 200 MB of log: the page decompressed
+    and read it all while it waited (minutes, gigabytes)."""
+    huge = gzip.compress(THREE_WAY.encode() + b"\n" * (6 * 1024 * 1024), mtime=0)
+    assert len(huge) < 100_000
+    started = time.monotonic()
+    response = operator.post(
+        "/locks/import/", {"log": SimpleUploadedFile("pg.log.gz", huge)}, follow=True
+    )
+    assert time.monotonic() - started < 5 and response.status_code == 200
+    said = response.content.decode()
+    assert "more than 5242880 bytes once decompressed" in said
+    assert "manage.py import_pg_log" in said and "Nothing was imported." in said
+    assert not LockIncident.objects.exists()
+
+
+# A wait logged before the report, in the year 1: how long before it no
+# date can say.
+YEAR_ONE = """\
+0001-01-01 00:00:00.100 UTC [21971] LOG:  process 21971 still waiting for ShareLock on \
+transaction 767 after 1000.000 ms
+0001-01-01 00:00:00.100 UTC [21971] DETAIL:  Process holding the lock: 21972. Wait queue: 21971.
+0001-01-01 00:00:00.620 UTC [21972] ERROR:  deadlock detected
+0001-01-01 00:00:00.620 UTC [21972] DETAIL:  Process 21972 waits for ShareLock on transaction \
+766; blocked by process 21971.
+\tProcess 21971 waits for ShareLock on transaction 767; blocked by process 21972.
+\tProcess 21972: UPDATE t SET v = 1
+\tProcess 21971: UPDATE t SET v = 2
+"""
+
+
+@pytest.mark.parametrize(
+    ("log", "why"),
+    [
+        (THREE_WAY.replace("by process 4103.", "by process 99999999999."), "integer out of range"),
+        (YEAR_ONE, "date value out of range"),
+    ],
+    ids=["pid-past-2^31", "year-one"],
+)
+def test_a_log_holding_a_value_no_row_can_is_refused_not_a_500(operator, log, why):
+    response = operator.post(
+        "/locks/import/", {"log": SimpleUploadedFile("pg.log", log.encode())}, follow=True
+    )
+    said = response.content.decode()
+    assert response.status_code == 200 and why in said and "Nothing was imported." in said
+    assert not LockIncident.objects.exists()
