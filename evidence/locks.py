@@ -108,9 +108,12 @@ def describe_application(name: str) -> tuple[str, int | None]:
 
 def role_of(application_name: str, query: str) -> tuple[str, int | None]:
     """The role a process plays in a wait: its connection's role, made
-    precise by its statement (an executor publishing is "publication")."""
+    precise by its statement (an executor publishing is "publication") --
+    for Rundesk's connections, and those a log names no application for.
+    A stranger keeps its own name (psql taking runs_receipt is psql)."""
     role, run_id = describe_application(application_name)
-    if role != "capture":
+    ours = not application_name or APPLICATION.match(application_name)
+    if ours and role != "capture":
         for marker, statement_role in STATEMENT_ROLES:
             if marker in (query or ""):
                 return statement_role, run_id
@@ -127,15 +130,29 @@ WAITING = """
 
 # For the waiting sessions only: who blocks them, and on what.
 BLOCKERS = """
-    SELECT w.pid, w.application_name, w.query, b.pid, b.application_name, b.query,
+    SELECT w.pid, w.application_name, w.query, blocker.pid,
+           -- pid 0: a prepared transaction (PREPARE TRANSACTION), no session's.
+           CASE WHEN blocker.pid = 0 THEN 'prepared transaction' ELSE b.application_name END,
+           CASE WHEN blocker.pid = 0 THEN (
+               SELECT string_agg(format('%%s (owner %%s, prepared %%s)', gid, owner, prepared),
+                                 '; ' ORDER BY prepared)
+               FROM pg_prepared_xacts WHERE database = current_database())
+           ELSE b.query END,
            l.locktype, l.mode,
+           -- As the server's own messages name them (DescribeLockTag).
            concat_ws(' ', l.relation::regclass::text,
                CASE WHEN l.transactionid IS NOT NULL THEN 'transaction ' || l.transactionid END,
                CASE WHEN l.tuple IS NOT NULL THEN 'tuple (' || l.page || ',' || l.tuple || ')' END,
-               CASE WHEN l.locktype = 'advisory' THEN 'advisory ' || l.objid END)
+               CASE WHEN l.locktype = 'page' THEN 'page ' || l.page END,
+               CASE WHEN l.locktype = 'virtualxid' THEN 'virtual transaction ' || l.virtualxid END,
+               CASE WHEN l.locktype = 'object' THEN
+                   format('object %%s of class %%s of database %%s', l.objid, l.classid, l.database)
+               END,
+               CASE WHEN l.locktype = 'advisory' THEN format('advisory lock [%%s,%%s,%%s,%%s]',
+                   l.database, l.classid, l.objid, l.objsubid) END)
     FROM pg_stat_activity w
-    CROSS JOIN LATERAL unnest(pg_blocking_pids(w.pid)) AS blocker(pid)
-    JOIN pg_stat_activity b ON b.pid = blocker.pid
+    CROSS JOIN LATERAL (SELECT DISTINCT unnest(pg_blocking_pids(w.pid))) AS blocker(pid)
+    LEFT JOIN pg_stat_activity b ON b.pid = blocker.pid
     LEFT JOIN LATERAL (
         SELECT * FROM pg_locks WHERE pid = w.pid AND NOT granted LIMIT 1
     ) l ON true
@@ -247,7 +264,24 @@ class LockSampler:
                         logger.warning("lock sampler: %s", error)
                         connection.close()
         finally:
+            self._close_incident()
             connection.close()
+
+    def _close_incident(self) -> None:
+        """The incident open when the sampler stops ends there: nobody
+        would end it (when its waits ended is not known after; ended_at
+        says when they were last watched).  Best effort, its lock waits
+        bounded."""
+        if self.incident is None:
+            return
+        try:
+            with bounded():
+                LockIncident.objects.filter(pk=self.incident.pk, ended_at__isnull=True).update(
+                    ended_at=timezone.now()
+                )
+        except DatabaseError as error:
+            logger.warning("lock sampler: incident %s left open: %s", self.incident.pk, error)
+        self.incident, self.seen = None, {}
 
     def tick(self) -> None:
         """One sample, stored as evidence is (evidence.records.bounded): in

@@ -83,6 +83,74 @@ def test_sampler_records_a_wait_with_roles_runs_and_the_lock_then_closes_it():
     waiter.close()
 
 
+def test_a_sampler_that_stops_during_a_wait_ends_its_incident():
+    """Its executor stopped: the incident stayed open for good ("—")."""
+    holder = session("psql")
+    waiter = session("rundesk:executor:run-7")
+    holder.execute("LOCK TABLE runs_receipt IN SHARE MODE")
+    blocked = threading.Thread(
+        target=lambda: waiter.execute("INSERT INTO runs_receipt SELECT * FROM runs_receipt")
+    )
+    blocked.start()
+    stop = threading.Event()
+    sampler = LockSampler(active=lambda: True, interval=0.05)
+    serving = threading.Thread(target=sampler.serve, args=(stop,))
+    try:
+        wait_for(lambda: waiting(1))
+        serving.start()
+        wait_for(lambda: LockIncident.objects.filter(source=IncidentSource.SAMPLER).exists())
+        stop.set()
+        serving.join(10)
+        incident = LockIncident.objects.get(source=IncidentSource.SAMPLER)
+        assert incident.ended_at is not None and sampler.incident is None
+    finally:
+        stop.set()
+        holder.close()
+        blocked.join(10)
+        waiter.close()
+
+
+@pytest.mark.parametrize(
+    ("held_by", "waits", "locked"),
+    [
+        (
+            "LOCK TABLE runs_receipt IN SHARE MODE",
+            "INSERT INTO runs_receipt SELECT * FROM runs_receipt WHERE false",
+            "runs_receipt",
+        ),
+        (
+            "SELECT pg_advisory_lock(9876543210123)",
+            "SELECT pg_advisory_lock(9876543210123)",
+            "advisory lock [{db},2299,2413396619,1]",
+        ),
+    ],
+    ids=["table", "advisory-bigint"],
+)
+def test_a_stranger_keeps_its_own_name_and_the_lock_is_named_as_the_server_does(
+    held_by, waits, locked
+):
+    """psql holding runs_receipt was shown as Rundesk's receipt writer, and
+    a bigint advisory key by its low 32 bits alone."""
+    stranger = psycopg.connect(database_url(), application_name="psql")
+    waiter = session("rundesk:executor:run-7")
+    stranger.execute(held_by)
+    blocked = threading.Thread(target=lambda: waiter.execute(waits))
+    blocked.start()
+    try:
+        wait_for(lambda: waiting(1))
+        graph = sample()
+    finally:
+        stranger.close()
+        blocked.join(10)
+        waiter.close()
+    (edge,) = graph.edges
+    assert graph.processes[edge.blocker].role == "psql"
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT oid FROM pg_database WHERE datname = current_database()")
+        (db,) = cursor.fetchone()
+    assert edge.locked == locked.format(db=db)
+
+
 def test_a_sample_bounds_its_own_lock_waits_and_a_failed_one_leaves_the_incident_as_it_was(
     settings,
 ):
