@@ -128,6 +128,14 @@ _HEADING = re.compile(r"#{1,6}(?:\s|$)")
 # are no part of its name), or a line in bold alone.
 _SECTION = re.compile(r"(#{2,6})\s+(.*)|(\*\*|__)(.+?)\3:?")
 SECTIONS = ("key figures", "fees", "top holdings", "risks", "key points")
+# Other names sheets give those sections, whatever follows ("Key figures
+# (as of 30 June 2025)", "Fees and expenses", "Top 10 holdings", "Key risks").
+_SECTION_NAMES = [
+    ("key figures", re.compile(r"key (?:figures|facts)\b")),
+    ("fees", re.compile(r"(?:fees|costs|charges)\b")),
+    ("top holdings", re.compile(r"(?:top(?: \d+| ten)?|largest|main) holdings\b")),
+    ("risks", re.compile(r"(?:(?:key|main|principal) )?risks\b|risk factors\b")),
+]
 # A fenced code block opens with three or more ` or ~; the same, at least as
 # many, close it.
 _FENCE = re.compile(r"`{3,}|~{3,}")
@@ -302,6 +310,7 @@ def _section(line: str) -> tuple[int, str] | None:
     level = len(match[1]) if match[1] else 2
     named = _EMPHASIS.sub("", (match[2] or match[4]).rstrip(" \t#")).strip().rstrip(":").strip()
     named = " ".join(named.lower().split())
+    named = next((section for section, said in _SECTION_NAMES if said.match(named)), named)
     return None if match[3] and named not in SECTIONS else (level, named)
 
 

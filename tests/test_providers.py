@@ -694,3 +694,16 @@ def test_model_call_offline_summarises_without_any_network(settings, journal):
     assert result["provider"] == "offline"
     assert "- Expense ratio: 0.45%" in result["text"]
     assert journal.counts("model_call") == {"id-offline": 1}
+
+
+def test_sections_named_other_ways_are_read_as_theirs():
+    text = (
+        "# Real Fund\n\n## Key figures (as of 30 June 2025)\n- Ticker: REAL\n"
+        "- Net assets: $2 billion\n"
+        "\n## Fees and expenses\n- Expense ratio: 0.20%\n\n## Top 10 holdings\n1. Apple — 5%\n"
+        "\n## Key risks\n- Rates rise.\n"
+    )
+    sheet = FactSheet.parse(text, "real.md")
+    assert sheet.figures == {"Ticker": "REAL", "Net assets": "$2 billion"}
+    assert sheet.fees == {"Expense ratio": "0.20%"}
+    assert (sheet.holdings, sheet.risks) == (["Apple — 5%"], ["Rates rise."])
