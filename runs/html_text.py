@@ -30,37 +30,54 @@ BLOCKS = {
 
 def is_page(text: str) -> bool:
     at = _BLANKS.match(text).end()
-    while text.startswith("<!--", at):
-        end = text.find("-->", at + 4)
+    # Comments, and an XHTML page's XML declaration, come before it.
+    while text.startswith(("<!--", "<?xml"), at):
+        closing = "-->" if text.startswith("<!--", at) else "?>"
+        end = text.find(closing, at + 4)
         if end < 0:
             return False
-        at = _BLANKS.match(text, end + 3).end()
+        at = _BLANKS.match(text, end + len(closing)).end()
     return bool(_PAGE.match(text, at))
 
 
 def page_text(page: str) -> str:
-    """The text of an HTML page, one line per heading, item, row or paragraph."""
-    reader = _Reader()
+    """The text of an HTML page, one line per heading, item, row or paragraph.
+    A page whose only text is preformatted (a filing, a plain-text report
+    wrapped in <pre>) is read as that text, line by line."""
+    lines = _read(page, HIDDEN)
+    if not any(_WORDS.search(line) for line in lines[1:]):
+        lines = _read(page, HIDDEN - {"pre"})
+    title = lines.pop(0)
+    if title and not any(line.startswith("# ") for line in lines):
+        lines.insert(0, f"# {title}")
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
+
+
+_WORDS = re.compile(r"[^\W_]")
+
+
+def _read(page: str, hidden: set[str]) -> list[str]:
+    """The page's title, then its lines, with the `hidden` elements left out."""
+    reader = _Reader(hidden)
     reader.feed(page)
     reader.close()
     reader.end_row()
     lines = ["".join(parts).strip() for parts in reader.lines]
-    title = " ".join("".join(reader.title).split())
-    if title and not any(line.startswith("# ") for line in lines):
-        lines.insert(0, f"# {title}")
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip() + "\n"
+    return [" ".join("".join(reader.title).split()), *lines]
 
 
 class _Reader(HTMLParser):
     """Each line a list of parts, joined once at the end (a string grown
     in place is copied at each addition)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: set[str]) -> None:
         super().__init__(convert_charrefs=True)
+        self.hidden_tags = hidden
         self.lines: list[list[str]] = [[]]
         self.title: list[str] = []
         self.in_head = self.in_title = False
         self.hidden = 0
+        self.preformatted = 0
         self.cells: list[str] = []  # the tags of the open table row's cells
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -70,10 +87,13 @@ class _Reader(HTMLParser):
             self.in_head = False
         if tag == "title" and self.in_head and not self.hidden:
             self.in_title = True
-        elif tag in HIDDEN:
+        elif tag in self.hidden_tags:
             self.hidden += 1
         elif self.hidden or self.in_head:
             return
+        elif tag == "pre":
+            self._paragraph()
+            self.preformatted += 1
         elif tag in HEADINGS:
             self._paragraph()
             self.lines[-1].append("#" * HEADINGS[tag] + " ")
@@ -97,10 +117,13 @@ class _Reader(HTMLParser):
             self.in_head = False
         elif tag == "title":
             self.in_title = False
-        elif tag in HIDDEN:
+        elif tag in self.hidden_tags:
             self.hidden = max(0, self.hidden - 1)
         elif self.hidden or self.in_head:
             return
+        elif tag == "pre":
+            self.preformatted = max(0, self.preformatted - 1)
+            self._paragraph()
         elif tag in ("td", "th"):
             self._space()
         elif tag in ("tr", "table"):
@@ -113,6 +136,17 @@ class _Reader(HTMLParser):
     def handle_data(self, data: str) -> None:
         if self.in_title:
             self.title.append(data)
+        elif self.preformatted and not self.hidden and not self.in_head:
+            # Its own lines, a blank one between paragraphs.
+            for line in data.splitlines(keepends=True):
+                if words := " ".join(line.split()):
+                    self.lines[-1].append(words)
+                if not line.endswith(("\n", "\r")):
+                    continue
+                if words:
+                    self._line()
+                else:
+                    self._paragraph()
         elif not self.hidden and not self.in_head and (words := " ".join(data.split())):
             if data[:1].isspace():
                 self._space()

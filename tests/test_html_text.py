@@ -48,3 +48,24 @@ def test_scripts_styles_navigation_and_code_are_no_text():
         "<ul><li>one <b>two</b> three<li>four</ul><p>A &amp; B</p></body></html>"
     )
     assert page_text(page) == "- one two three\n- four\n\nA & B\n"
+
+
+def test_an_xhtml_page_with_its_xml_declaration_is_a_page():
+    page = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        '<!DOCTYPE html PUBLIC "-//W3C//DTD XHTML 1.0//EN">\n'
+        '<html xmlns="http://www.w3.org/1999/xhtml"><head><title>X</title>'
+        "<script>secret()</script></head><body><h1>Fund X</h1><p>It holds bonds.</p></body></html>"
+    )
+    assert is_page(page)
+    assert page_text(page) == "# Fund X\n\nIt holds bonds.\n"
+
+
+def test_a_page_whose_only_text_is_preformatted_is_read_line_by_line():
+    page = (
+        "<html><head><title>10-K</title></head><body><pre>\nANNUAL REPORT\n\n"
+        "Net sales rose 4%.\nCosts fell.\n</pre></body></html>"
+    )
+    assert page_text(page) == "# 10-K\nANNUAL REPORT\n\nNet sales rose 4%.\nCosts fell.\n"
+    # Beside other text, code stays out, as a markdown document's does.
+    assert "print" not in page_text("<html><body><p>Text.</p><pre>print(1)</pre></body></html>")
