@@ -15,13 +15,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from functools import wraps
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from django.conf import settings
+from django.contrib.auth.middleware import LoginRequiredMiddleware
+from django.contrib.auth.views import redirect_to_login
 from django.contrib.messages import get_messages
 from django.core.exceptions import BadRequest
 from django.db import DatabaseError, OperationalError, connection, transaction
 from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
 from django.middleware import csrf
+from django.shortcuts import resolve_url
 from django.template.loader import render_to_string
 from django.utils.cache import patch_cache_control
 from django.utils.http import url_has_allowed_host_and_scheme
@@ -74,6 +78,36 @@ class ContentSecurityPolicyMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         response = self.get_response(request)
         response.setdefault("Content-Security-Policy", POLICY)
+        return response
+
+
+class SignInMiddleware(LoginRequiredMiddleware):
+    """Every page needs a login (Django's LoginRequiredMiddleware), and a
+    browser whose session ended comes back where it was once signed in
+    again: a region's poll (htmx) takes the whole window to the sign-in
+    page (HX-Redirect), where it swapped that page into the region it
+    refreshes, and stopped; a form sent after the session ended comes back
+    to the page it was sent from, not to its POST-only address (a GET there
+    is refused)."""
+
+    def handle_no_permission(self, request: HttpRequest, view_func: Any) -> HttpResponse:
+        if request.headers.get("HX-Request"):
+            came_from = request.headers.get("HX-Current-URL", "")
+        elif request.method not in ("GET", "HEAD"):
+            came_from = request.headers.get("Referer", "")
+        else:
+            return super().handle_no_permission(request, view_func)
+        parts = urlsplit(_this_site(request, came_from))
+        page = urlunsplit(("", "", parts.path or "/", parts.query, ""))
+        login = redirect_to_login(
+            page,
+            resolve_url(self.get_login_url(view_func)),
+            self.get_redirect_field_name(view_func),
+        )
+        if not request.headers.get("HX-Request"):
+            return login
+        response = HttpResponse(status=401)
+        response["HX-Redirect"] = login.url
         return response
 
 

@@ -74,6 +74,25 @@ def test_anonymous_is_sent_to_sign_in(client, path):
     assert response["Location"].startswith(("/login/", "/admin/login/"))
 
 
+def test_a_session_that_ended_sends_the_window_back_to_the_page_it_was_on(client, run):
+    """A region's poll swapped the sign-in page into the region, and a
+    form sent after the session ended came back, once signed in, to its
+    POST-only address: a blank 405."""
+    page = f"http://testserver/runs/{run.pk}/?events=2"
+    poll = client.get(
+        f"/runs/{run.pk}/live/", headers={"HX-Request": "true", "HX-Current-URL": page}
+    )
+    assert poll.status_code == 401
+    assert poll["HX-Redirect"] == f"/login/?next=/runs/{run.pk}/%3Fevents%3D2"
+    form = client.post(f"/runs/{run.pk}/cancel/", headers={"Referer": page})
+    assert form.status_code == 302
+    assert form["Location"] == f"/login/?next=/runs/{run.pk}/%3Fevents%3D2"
+    # Another site's page is no page to come back to.
+    elsewhere = client.post(f"/runs/{run.pk}/cancel/", headers={"Referer": "https://evil.test/x"})
+    assert elsewhere["Location"] == "/login/?next=/"
+    assert Run.objects.get(pk=run.pk).cancel_requested_at is None
+
+
 def test_sign_in_enforces_csrf():
     client = Client(enforce_csrf_checks=True)
     make_user("viewer")
