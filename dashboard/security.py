@@ -71,6 +71,25 @@ class RequestSizeLimitMiddleware:
         return self.get_response(request)
 
 
+class FormAddressMiddleware:
+    """A form's address opened as a page (a bookmark of /logout/, a link
+    to a form's action) says what it is: Django's require_POST answers 405
+    with an empty body, a blank page."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        response = self.get_response(request)
+        if response.status_code != 405 or response.content or request.method != "GET":
+            return response
+        allowed = response.get("Allow", "POST")
+        page = render_to_string("405.html", {"allowed": allowed}, request=request)
+        answer = HttpResponse(page, status=405)
+        answer["Allow"] = allowed
+        return answer
+
+
 class ContentSecurityPolicyMiddleware:
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response

@@ -184,6 +184,7 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
     "dashboard.security.ContentSecurityPolicyMiddleware",
+    "dashboard.security.FormAddressMiddleware",
     "dashboard.security.PrivatePagesMiddleware",
     # Innermost: around the view alone.
     "dashboard.security.PageLockWaitsMiddleware",

@@ -93,6 +93,15 @@ def test_a_session_that_ended_sends_the_window_back_to_the_page_it_was_on(client
     assert Run.objects.get(pk=run.pk).cancel_requested_at is None
 
 
+def test_a_forms_address_opened_as_a_page_says_so(viewer, run):
+    for address in ("/logout/", f"/runs/{run.pk}/cancel/"):
+        response = viewer.get(address)
+        assert response.status_code == 405 and "POST" in response["Allow"]
+        page = response.content.decode()
+        assert "This address takes a form" in page and "nothing was changed" in page
+    assert viewer.get("/").status_code == 200  # still signed in
+
+
 def test_sign_in_enforces_csrf():
     client = Client(enforce_csrf_checks=True)
     make_user("viewer")
