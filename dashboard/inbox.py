@@ -326,15 +326,18 @@ def receipts(item: OutcomeItem, shown: dict[str, Any]) -> dict[str, list[dict[st
 
 
 def afterwards(item: OutcomeItem) -> list[dict[str, str]]:
-    """What the run did after the item was opened: its timeline from then."""
-    events = item.run.events.filter(created_at__gte=item.created_at).order_by("created_at", "id")
+    """What the run did after the item was opened: its timeline from then,
+    the newest EVENTS_AFTER (how it ended, or the decision and what came
+    of it, last), oldest first."""
+    events = item.run.events.filter(created_at__gte=item.created_at)
+    newest = list(events.order_by("-created_at", "-id")[:EVENTS_AFTER])
     return [
         {
             "at": timezone.localtime(event.created_at).strftime("%H:%M:%S.%f")[:-3],
             "what": plain(EventKind, event.kind),
             "detail": event.message,
         }
-        for event in events[:EVENTS_AFTER]
+        for event in reversed(newest)
     ]
 
 
