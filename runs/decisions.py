@@ -346,8 +346,10 @@ def _decided(item_id: int, request: Request) -> tuple[OutcomeItem | None, Operat
         return None, earlier
     if item.state != OutcomeState.OPEN:
         first = item.decisions.filter(state_after=OutcomeState.RESOLVED).first()
-        by = f" by {first.decided_by} ({first.get_choice_display()})" if first else ""
-        raise DecisionRefused(f"already settled{by}: {item.resolution}", first)
+        if first is None:
+            raise DecisionRefused(f"already settled: {item.resolution}")
+        # Its choice and reason are said with the decision that stands.
+        raise DecisionRefused(f"already settled by {first.decided_by}", first)
     outcome = _outcome(item, request.choice, settlement)
     decision = _record(item.run_id, item, item.action_id, request, shown, outcome)
     decision.repeated = False
