@@ -483,8 +483,13 @@ def compare_report(question: str, sheets: list[FactSheet]) -> str:
 
 
 def _distinct(sheets: list[FactSheet]) -> list[FactSheet]:
-    """The sheets, each labelled with its document's path where another
+    """The sheets, a document listed twice once (it is not compared with
+    itself), each labelled with its document's path where another
     document has the same label (two notes titled "Summary")."""
+    by_name: dict[object, FactSheet] = {}
+    for sheet in sheets:
+        by_name.setdefault(sheet.name or id(sheet), sheet)
+    sheets = list(by_name.values())
     paths: dict[str, set[str]] = {}
     for sheet in sheets:
         paths.setdefault(sheet.label, set()).add(sheet.name)

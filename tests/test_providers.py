@@ -21,6 +21,7 @@ from runs.providers import (
     OfflineProvider,
     OpenAICompatibleProvider,
     ProviderError,
+    compare_report,
     document_block,
     document_blocks,
     figure,
@@ -707,3 +708,12 @@ def test_sections_named_other_ways_are_read_as_theirs():
     assert sheet.figures == {"Ticker": "REAL", "Net assets": "$2 billion"}
     assert sheet.fees == {"Expense ratio": "0.20%"}
     assert (sheet.holdings, sheet.risks) == (["Apple — 5%"], ["Rates rise."])
+
+
+def test_a_document_listed_twice_is_compared_once_not_with_itself():
+    text = sheet("Small", "SMLC", net_assets="$5 billion", one_year_return="3.0%")
+    twice = [FactSheet.parse(text, "dup.md"), FactSheet.parse(text, "dup.md")]
+    other = FactSheet.parse(sheet("Big", "BIGC", net_assets="$9 billion"), "big.md")
+    lines = compare_report("Compare", [*twice, other]).splitlines()
+    assert "Funds compared: SMLC, BIGC." in lines
+    assert "- Net assets: Smallest SMLC ($5 billion), largest BIGC ($9 billion)." in lines
