@@ -95,7 +95,7 @@ def blocks(item: OutcomeItem) -> Blocks:
     if item.kind == OutcomeKind.CHECKPOINT:
         return Blocks("nothing", "nothing", "a checkpoint: the run went on with independent work")
     if run.status in TERMINAL_STATUSES:
-        return Blocks("nothing", "nothing", f"the run has ended ({status_words(run)})")
+        return Blocks("nothing", "nothing", f"the run has ended: {status_words(run)}")
     if run.status == RunStatus.NEEDS_OPERATOR:
         waits = "the run waits for an operator until this is settled"
         if run.is_imported:
