@@ -289,8 +289,10 @@ def unavailable(
 
 
 def _signed_in(request: HttpRequest) -> bool:
-    """Reads the session and the user (request.user is read lazily, once)."""
-    return request.user.is_authenticated
+    """Reads the session and the user (request.user is read lazily, once),
+    and keeps the answer for PrivatePagesMiddleware."""
+    request.signed_in = request.user.is_authenticated
+    return request.signed_in
 
 
 def _said(request: HttpRequest) -> list[str]:
@@ -315,11 +317,10 @@ class PrivatePagesMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         response = self.get_response(request)
-        try:
-            with waits_bounded(PAGE_LOCK_WAIT):
-                signed_in = _signed_in(request)
-        except DatabaseError:  # who it is cannot be read (down, locked): private
-            signed_in = True
+        # Read already by PageLockWaitsMiddleware (no query: a sign-in on
+        # the way sets it anew); where it could not be read (the database
+        # down, the session locked), private.
+        signed_in = request.user.is_authenticated if hasattr(request, "signed_in") else True
         if signed_in and not response.has_header("Cache-Control"):
             patch_cache_control(response, private=True, no_store=True)
         return response

@@ -642,6 +642,13 @@ class Checkpoint(models.Model):
                 name="checkpoint_state_only_if_written",
             ),
         ]
+        indexes = [
+            # The sweep looks for checkpoints left unknown every few seconds
+            # (outcomes.settle_left_checkpoints): few rows of a large table.
+            models.Index(
+                fields=["id"], condition=Q(outcome="unknown"), name="checkpoint_unknown_idx"
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"run {self.run_id} checkpoint {self.number} ({self.outcome})"
