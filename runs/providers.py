@@ -117,6 +117,9 @@ KEY_POINTS = 5
 POINT_CHARS = 300
 TITLE_CHARS = 120
 NO_TEXT = "The document holds no text."
+# Observations when no figure is given by two documents, and no two
+# documents' terms can be compared (a single document, say).
+NOTHING_COMPARED = "- Nothing to compare: no figure is given by two or more documents."
 # Ends of sentences: . ! ? before a blank; the ideographic full stop, ! and ?
 # (which no blank follows).
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[\u3002\uff01\uff1f])\s*")
@@ -471,14 +474,15 @@ def compare_report(question: str, sheets: list[FactSheet]) -> str:
         for sheet in others:
             points = [f"- {point}" for point in sheet.points or [NO_TEXT]]
             lines += [f"### {sheet.label}", "", *points, ""]
-    lines += ["## Observations", "", *_extremes(funds)]
+    observations = _extremes(funds)
     if len(others) >= 2:
         terms = shared_terms(others)
-        lines.append(
+        observations.append(
             f"- Terms every document uses: {', '.join(terms)}."
             if terms
             else "- The documents share no term beyond the commonest words."
         )
+    lines += ["## Observations", "", *(observations or [NOTHING_COMPARED])]
     return "\n".join(lines) + "\n"
 
 

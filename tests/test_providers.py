@@ -717,3 +717,10 @@ def test_a_document_listed_twice_is_compared_once_not_with_itself():
     lines = compare_report("Compare", [*twice, other]).splitlines()
     assert "Funds compared: SMLC, BIGC." in lines
     assert "- Net assets: Smallest SMLC ($5 billion), largest BIGC ($9 billion)." in lines
+
+
+def test_observations_with_nothing_to_compare_say_so():
+    one = FactSheet.parse(sheet("Solo", "SOLO", net_assets="$5 billion"), "solo.md")
+    report = compare_report("Compare", [one])
+    observations = report.split("## Observations", 1)[1].strip().splitlines()
+    assert observations == ["- Nothing to compare: no figure is given by two or more documents."]
