@@ -1,7 +1,7 @@
 """The Celery app: `celery -A dashboard worker`.
 
 Broker from CELERY_BROKER_URL (Redis or RabbitMQ in production), kombu's
-filesystem transport under var/ otherwise (settings.py).
+filesystem transport under var/ otherwise (settings.py, dashboard/broker.py).
 """
 
 from __future__ import annotations
@@ -9,8 +9,13 @@ from __future__ import annotations
 import os
 
 from celery import Celery
+from kombu.transport import TRANSPORT_ALIASES
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
+
+# `filesystem://` in every process of the project (web, worker, beat, a
+# benchmark's sender): kombu's transport with messages that appear whole.
+TRANSPORT_ALIASES["filesystem"] = "dashboard.broker:Transport"
 
 app = Celery("rundesk")
 app.config_from_object("django.conf:settings", namespace="CELERY")
