@@ -158,9 +158,10 @@ def read_document(input: dict[str, Any], identity: str) -> dict[str, Any]:
 # document of at least SAMPLE_MIN characters, a file is no text: an archive,
 # an image, a database, a program (mostly NULs, and bytes no UTF-8 has), or
 # text in another encoding (Shift_JIS: nearly every character lost).  A
-# Latin-1 page loses its accented letters only, far fewer.
+# Latin-1 page loses its accented letters only, far fewer.  Below SAMPLE_MIN
+# a share says nothing (one accented letter in a word of three).
 MAX_UNREADABLE = 0.3
-SAMPLE, SAMPLE_MIN = 65_536, 256
+SAMPLE, SAMPLE_MIN = 65_536, 16
 _UNREADABLE = re.compile("[\ufffd\x00-\x08\x0b\x0e-\x1f\x7f]")
 
 

@@ -161,8 +161,9 @@ def tar_of_text() -> bytes:
         b"BM" + bytes(range(256)) * 8,  # a bitmap: no mark of its own
         b"MZ\x90\x00" + b"\x00" * 600 + b"This program cannot be run in DOS mode.",
         "ファンドの概要\n\n純資産総額 120億円\n".encode("shift_jis") * 20,
+        bytes(range(256))[::5],  # 52 bytes: short is no text either
     ],
-    ids=["tar", "bitmap", "windows-program", "shift-jis"],
+    ids=["tar", "bitmap", "windows-program", "shift-jis", "tiny-binary"],
 )
 def test_read_document_refuses_what_is_mostly_no_text(corpus, journal, data):
     """No mark names them: most of what they hold is no character of
