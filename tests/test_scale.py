@@ -228,7 +228,12 @@ def test_celery_workers_and_an_executor_share_one_queue_of_runs(
         # The executor is polling the queue before the runs come.
         wait_until(lambda: backends("rundesk:executor") > 0, 60, "executor not polling", *nodes)
         run_ids = submit(60, TWO_DOCS)
-        tasks = dict(zip(celery_broker.send(run_ids), run_ids, strict=True))
+        # The executor takes the oldest run first; the tasks go newest first,
+        # so the two meet in the middle.  Sent oldest first, the workers
+        # (two tasks every 50 ms) could trail the executor over every run
+        # and find each taken.
+        newest_first = run_ids[::-1]
+        tasks = dict(zip(celery_broker.send(newest_first), newest_first, strict=True))
         wait_until(lambda: not active(run_ids), 120, "runs still active", *nodes)
     finally:
         executor.send_signal(signal.SIGTERM)
