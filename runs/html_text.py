@@ -20,6 +20,11 @@ HIDDEN |= {"nav", "pre"}
 # may be left out).
 HEAD = {"base", "link", "meta", "noscript", "script", "style", "template", "title"}
 HEADINGS = {"h1": 1, "h2": 2, "h3": 3, "h4": 4, "h5": 5, "h6": 6}
+# A page's own text that markdown would read as markup at the start of a
+# line: a heading, a code fence (the rest of the page hidden), a table row, a
+# line in bold (a section).  Such text is escaped with a backslash, as
+# markdown escapes it.
+MARKDOWN_START = re.compile(r"#|`{3}|~{3}|\||\*\*|__")
 # Elements that begin and end a paragraph of their own.
 BLOCKS = {
     "address", "article", "aside", "blockquote", "body", "caption", "dd", "details", "dialog",
@@ -150,6 +155,8 @@ class _Reader(HTMLParser):
         elif not self.hidden and not self.in_head and (words := " ".join(data.split())):
             if data[:1].isspace():
                 self._space()
+            if not any(part.strip() for part in self.lines[-1]) and MARKDOWN_START.match(words):
+                words = "\\" + words
             self.lines[-1].append(words)
             if data[-1:].isspace():
                 self.lines[-1].append(" ")

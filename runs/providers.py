@@ -124,7 +124,8 @@ NOTHING_COMPARED = "- Nothing to compare: no figure is given by two or more docu
 # (which no blank follows).
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[\u3002\uff01\uff1f])\s*")
 _LIST_ITEM = re.compile(r"^(?:[-*+]|\d+[.)])\s+")
-_MARKUP = re.compile(r"^(?:#+\s+|>\s*|[-*+]\s+|\d+[.)]\s+)")
+# A line's markup, or the backslash that says it has none (runs/html_text.py).
+_MARKUP = re.compile(r"^(?:#+\s+|>\s*|[-*+]\s+|\d+[.)]\s+|\\(?=[#`~|*_]))")
 # A markdown heading: one to six #, then a blank (`#hashtag` is text).
 _HEADING = re.compile(r"#{1,6}(?:\s|$)")
 # A fact sheet's section: a heading of level 2 to 6 (closing #s and a colon

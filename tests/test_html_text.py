@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from runs.html_text import is_page, page_text
+from runs.providers import FactSheet
 
 
 @pytest.mark.parametrize(
@@ -69,3 +70,24 @@ def test_a_page_whose_only_text_is_preformatted_is_read_line_by_line():
     assert page_text(page) == "# 10-K\nANNUAL REPORT\n\nNet sales rose 4%.\nCosts fell.\n"
     # Beside other text, code stays out, as a markdown document's does.
     assert "print" not in page_text("<html><body><p>Text.</p><pre>print(1)</pre></body></html>")
+
+
+def test_a_pages_text_that_looks_like_markdown_is_read_as_text():
+    """A paragraph that begins with '#', a fence, a pipe or bold markers is
+    the page's text: no heading, no code block hiding what follows."""
+    page = (
+        "<!doctype html><head><title>Notes</title></head><h1>Notes</h1>"
+        "<p># 1 choice of advisers</p><p>```</p><p>Fees fell in 2025.</p>"
+        "<p>| not | a table |</p><p>**Risks**</p><p>Markets may fall.</p>"
+    )
+    text = page_text(page)
+    assert text.splitlines()[:3] == ["# Notes", "", "\\# 1 choice of advisers"]
+    sheet = FactSheet.parse(page, "notes.html")
+    assert sheet.title == "Notes"
+    assert sheet.points == [
+        "# 1 choice of advisers",
+        "Fees fell in 2025.",
+        "| not | a table |",
+        "**Risks**",
+        "Markets may fall.",
+    ]
