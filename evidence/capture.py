@@ -7,17 +7,18 @@ model call with a bounded copy of it, a check of its sources on resume) to
 a bounded in-process queue and never waits: no statement of the main path
 reads, writes or locks an evidence table.  A background writer
 (runs/background.py) drains the queue on its own connection
-(application_name `rundesk:capture`), one short transaction per record,
-its statements prepared once per connection, every lock bounded by
-`SET LOCAL lock_timeout`.  A copy takes its locks in
-one fixed order: the copy's sources, then its model record, the second with
-NOWAIT under the `nowait` policy (the one production uses; NOWAIT alone
-would still wait behind a table lock).  A lock
-that is not available at once rolls the transaction back, which releases
-what it held, and leaves a CaptureGap; it is never retried, so the wait
-cannot come back.  A full queue, an oversized copy, a database error and
-shutdown each leave a gap with their reason.  A gap is never reported as a
-save.
+(application_name `rundesk:capture`): what was queued while it wrote the
+last records, a run's records in one short transaction (one commit, not
+one a record), each record in savepoints of its own, its statements
+prepared once per connection, every lock bounded by `SET LOCAL
+lock_timeout`.  A copy takes its locks in one fixed order: the copy's
+sources, then its model record, the second with NOWAIT under the `nowait`
+policy (the one production uses; NOWAIT alone would still wait behind a
+table lock).  A lock that is not available at once rolls the record back
+and ends its transaction there, which releases what it held, and leaves a
+CaptureGap; it is never retried, so the wait cannot come back.  A full
+queue, an oversized copy, a database error and shutdown each leave a gap
+with their reason.  A gap is never reported as a save.
 
 The `wait` policy is the old behaviour (wait for the model-record lock),
 kept only so `reproduce_contention` can show what it did.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,7 @@ from evidence.models import GapReason
 from evidence.records import bounded, record_model_call, record_source
 from evidence.sources import SourceRefresh
 from runs.background import GAP_INTERVAL as GAP_INTERVAL  # how soon a gap is written
-from runs.background import BackgroundWriter
+from runs.background import SHUTDOWN, BackgroundWriter
 from runs.models import digest
 from runs.sql import (
     application_name,
@@ -57,6 +58,10 @@ POLICIES = ("nowait", "wait")
 # locked) are counted per (run, model call, reason, detail) up to this many
 # keys, then per (run, reason); what does not fit either is only counted.
 PENDING_GAP_KEYS = 10_000
+# Records the writer takes at a time: what was queued while it wrote the
+# last ones.  A run's records of a batch share a commit (one a step, not
+# two: the commits a shared server runs out of first).
+BATCH = 100
 DETAIL_DROPPED = "(detail dropped: too many gaps waiting to be written)"
 
 
@@ -314,15 +319,17 @@ def record_gaps(gaps: Counter[tuple[int, int | None, str, str]]) -> None:
 
 
 class Capture(BackgroundWriter[Record, GapKey]):
-    """Records saved off the main path (runs/background.py), one a batch,
-    each in its own transaction: a record that fails takes no other with it.
+    """Records saved off the main path (runs/background.py): what is queued
+    when the writer gets to it (up to BATCH records), a run's records in one
+    transaction, each record in savepoints of its own (its statements'
+    atomic blocks nest), so a record that fails takes no other with it.
     Lost records are counted per (run, model call, reason, detail), bounded
     (PENDING_GAP_KEYS), and become CaptureGaps."""
 
     role = "capture"
 
     def __init__(self, capacity: int | None = None) -> None:
-        super().__init__(capacity or settings.RUNDESK_CAPTURE_QUEUE)
+        super().__init__(capacity or settings.RUNDESK_CAPTURE_QUEUE, batch=BATCH)
         # Gaps that fitted nowhere while they could not be written (and how
         # many of those the log has told of).
         self.dropped = 0
@@ -363,15 +370,56 @@ class Capture(BackgroundWriter[Record, GapKey]):
                 self._lost[key] += count
 
     def _write(self, batch: list[Record]) -> None:
-        (record,) = batch  # one a batch (the base's default): see _failed
-        record.save()
+        """Each run's records of the batch in order, in as few transactions
+        as their failures allow; what is left when the writer is told to
+        stop is lost to the shutdown."""
+        runs: dict[int, deque[Record]] = {}
+        for record in batch:
+            runs.setdefault(record.run_id, deque()).append(record)
+        for pending in runs.values():
+            while pending and not self._told_to_stop():
+                self._save_some(pending)
+            self._lose(pending, SHUTDOWN, "stopping")
+
+    def _save_some(self, pending: deque[Record]) -> None:
+        """Saves records from the head of `pending` (one run's) in one
+        transaction, which commits asynchronously, until one fails: that
+        one is a gap, its savepoints rolled back (and the locks it took
+        released), and the transaction ends there, so what it holds is
+        released too; the rest wait for the next one.  A failure that
+        takes the transaction with it (the connection lost) makes a gap of
+        every record of it (one at least: the one it was for)."""
+        saved: list[Record] = []
+        try:
+            with transaction.atomic(), server_cursor() as cursor:
+                commit_asynchronously(
+                    cursor, application_name=application_name(self.role, pending[0].run_id)
+                )
+                # A record's foreign keys are checked as it is saved, not at
+                # COMMIT: a record that breaks one fails alone.
+                cursor.execute("SET CONSTRAINTS ALL IMMEDIATE", prepare=True)
+                while pending and not self._told_to_stop():
+                    saved.append(pending.popleft())
+                    try:
+                        saved[-1].save()
+                    except Exception as error:
+                        if connection.needs_rollback:
+                            raise
+                        self._lost_to([saved.pop()], error)
+                        break
+        except Exception as error:  # the transaction is lost, with what it saved
+            self._failed(saved or [pending.popleft()], error)
+
+    def _lost_to(self, records: list[Record], error: Exception) -> None:
+        """Records that raised `error`: gaps, never a crash."""
+        if not isinstance(error, DatabaseError):
+            logger.exception("capture: %s failed", records[-1].describe())
+        self._lose(records, gap_reason(error), str(error).strip())
 
     def _failed(self, batch: list[Record], error: Exception) -> None:
-        """The record raised: a gap, never a crash.  Its transaction was
-        rolled back, and the batch is that record alone."""
-        if not isinstance(error, DatabaseError):
-            logger.exception("capture: %s failed", batch[0].describe())
-        self._lose(batch, gap_reason(error), str(error).strip())
+        """A transaction of the batch was lost: what it saved is a gap.  A
+        lost connection is closed, and the next statement opens another."""
+        self._lost_to(batch, error)
         if isinstance(error, OperationalError):
             connection.close_if_unusable_or_obsolete()
 

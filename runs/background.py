@@ -79,6 +79,7 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
         # a writer still stuck in a statement when stop() gives up on it
         # ends when it can, whatever writer comes after it.
         self._writer: tuple[threading.Thread, threading.Event] | None = None
+        self._thread = threading.local()  # in a writer thread: its stop event
         self._logger = logging.getLogger(type(self).__module__)
 
     def flush(self, timeout: float = 5.0) -> bool:
@@ -165,10 +166,16 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
     # -- the writer thread ---------------------------------------------------------
 
     def _run(self, stopping: threading.Event) -> None:
+        self._thread.stopping = stopping
         try:
             self._drain(stopping)
         finally:
             connection.close()
+
+    def _told_to_stop(self) -> bool:
+        """In the writer thread: whether it was told to stop (a `_write`
+        that saves its batch item by item stops between items)."""
+        return self._thread.stopping.is_set()
 
     def _set_up(self, session: object) -> object:
         """This thread's connection, named once per session (a lost one is

@@ -14,7 +14,7 @@ import pytest
 from django.db import DatabaseError, connection
 
 from evidence import capture as capture_module
-from evidence.capture import Capture, Copy, CopyTransaction
+from evidence.capture import Capture, Copy, CopyTransaction, SourceRecord
 from evidence.capture import capture as process_capture
 from evidence.models import CaptureGap, CaptureStats, EvidenceCopy, GapReason, ModelCall, Source
 from evidence.records import record_model_call, record_source
@@ -96,6 +96,48 @@ def test_locked_model_record_gives_a_gap_and_a_later_capture_succeeds(evidence, 
     assert EvidenceCopy.objects.filter(run=run).count() == 1
     stats = CaptureStats.objects.get(run=run)
     assert (stats.captured, stats.lost) == (1, 1)
+
+
+def test_what_queues_while_capture_writes_shares_a_commit_and_a_failure_takes_no_other(
+    evidence, writer, settings
+):
+    settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS = 30_000
+    run, lease, copy = evidence
+    reads = []
+    for i in range(1, 4):
+        read = lease.record_boundary(
+            step_key=f"read:{i}", kind="read_document", effect_class="read", input={"i": i}
+        )
+        lease.record_receipt(read, {"ok": i})
+        reads.append(read)
+
+    def source(read: int, path: str) -> SourceRecord:
+        return SourceRecord(run.pk, read, path, "cd" * 32, 3)
+
+    # Another session is inserting the first record's row: capture waits
+    # for it while the others queue.
+    with holding(
+        "INSERT INTO evidence_source (run_id, path, read_action_id, digest, bytes, created_at,"
+        " changed) VALUES (%s, 'a.md', %s, '', 0, now(), false)",
+        run.pk,
+        reads[0],
+    ):
+        assert writer.submit(source(reads[0], "a.md"))
+        wait_for(lambda: _waiting("rundesk:capture"))
+        # A copy of a model call that does not exist breaks a foreign key.
+        queued = [
+            source(reads[1], "b.md"),
+            source(reads[2], "c.md"),
+            Copy(run.pk, 987_654, "i", "o"),
+        ]
+        assert all(writer.submit(record) for record in [*queued, copy])
+    assert writer.flush()
+    saved = dict(Source.objects.filter(run=run).values_list("path", "created_at"))
+    # One transaction for what queued (now() is its start), after the first.
+    assert saved["b.md"] == saved["c.md"] > saved["a.md"]
+    assert gaps(run) == [(GapReason.DB_ERROR, 1)]
+    assert EvidenceCopy.objects.filter(run=run).count() == 1
+    assert CaptureStats.objects.get(run=run).lost == 1
 
 
 def test_capture_fails_fast_behind_an_access_exclusive_table_lock(evidence, settings):
