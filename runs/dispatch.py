@@ -56,6 +56,7 @@ from runs.faults import FaultPlan, inject_cancel, steal_lease
 from runs.leases import (
     CancelRequested,
     Lease,
+    LeaseExpired,
     LeaseLost,
     PendingReceipt,
     RevisionExists,
@@ -398,7 +399,7 @@ class Dispatcher:
                     lambda: write(completed.receipt),
                     fault=("boundary", self.progress.steps),
                 )
-            except CancelRequested:
+            except (CancelRequested, LeaseExpired):
                 self._receipt_written(completed)  # the receipt went; the boundary did not
                 raise
             except LeaseLost as lost:

@@ -44,8 +44,9 @@ from runs.sql import (
 # until someone claims the run, this owner is still its only one.
 OWNER = """id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
     AND status = 'running'"""
-# What every write of the run's work requires: the ownership, and a lease
-# that has not expired (a run whose lease expired may be claimed any moment).
+# What every write that starts or shapes the run's work requires: the
+# ownership, and a lease that has not expired (a run whose lease expired may
+# be claimed any moment).  A receipt needs only OWNER (RECEIPT_CTES).
 HELD = f"{OWNER} AND lease_expires_at > clock_timestamp()"
 # ... and no cancel requested: for the writes that start new work.  A
 # receipt is written even after a cancel request: the action did complete,
@@ -57,15 +58,20 @@ OWNED_NOT_CANCELLED = f"SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED} FOR SH
 # The receipt of an action this owner dispatched (%(receipt_action)s; NULL:
 # none), as CTEs to put in front of another write of the run, so that both
 # commit together: the action's state becomes completed and the receipt
-# copies its identity from its row.  `held` is the run row, locked FOR
-# SHARE, with whether new work may start; the receipt needs only the lease.
-RECEIPT_CTES = f"""held AS (
-        SELECT cancel_requested_at IS NULL AS may_start FROM runs_run
-        WHERE {HELD} FOR SHARE),
+# copies its identity from its row.  `owned` is the run row, locked FOR
+# SHARE, with whether new work may start (no cancel asked, `may_start`;
+# the lease not expired, `live`).  The receipt needs only the ownership:
+# the action completed, and until another owner claims the run (the claim
+# waits for this row lock, then sees the receipt) nobody else can have
+# written or decided anything about it.
+RECEIPT_CTES = f"""owned AS (
+        SELECT cancel_requested_at IS NULL AS may_start,
+            lease_expires_at > clock_timestamp() AS live
+        FROM runs_run WHERE {OWNER} FOR SHARE),
     completed AS (
         UPDATE runs_action SET state = 'completed', finished_at = now()
         WHERE id = %(receipt_action)s AND run_id = %(run)s AND epoch = %(epoch)s
-          AND state = 'dispatched' AND EXISTS (SELECT 1 FROM held)
+          AND state = 'dispatched' AND EXISTS (SELECT 1 FROM owned)
         RETURNING id, run_id, step_key),
     receipt AS (
         INSERT INTO runs_receipt (action_id, run_id, step_key, result, result_digest, epoch,
@@ -99,6 +105,11 @@ class WriteRefused(Exception):
 class LeaseLost(WriteRefused):
     """... because this owner no longer holds the run: another owner took it,
     or the lease expired (it is fenced out)."""
+
+
+class LeaseExpired(LeaseLost):
+    """... because the lease expired: no new work starts, though nobody has
+    claimed the run yet.  A receipt written with the refused write stands."""
 
 
 class CancelRequested(WriteRefused):
@@ -271,8 +282,9 @@ class Lease:
         action completed before it (`receipt`), if any, in the same
         statement.  Returns the action id, or None when the identity already
         exists (the caller looks at it).  Refused, it says why: fenced out
-        (LeaseLost: nothing is written), or a cancel (CancelRequested: the
-        receipt is written, the boundary is not).  With a receipt, a lost
+        (LeaseLost: nothing is written), a cancel (CancelRequested) or the
+        lease expired, the run not claimed yet (LeaseExpired): in these two
+        the receipt is written, the boundary is not.  With a receipt, a lost
         connection raises CommitUnanswered (both or neither committed)."""
         params = (receipt or PendingReceipt.NONE).params()
         input_json = canonical_json(input)
@@ -286,12 +298,13 @@ class Lease:
                             dispatched_at)
                         SELECT %(run)s, %(step_key)s, %(kind)s, %(effect_class)s, %(input)s::jsonb,
                             %(input_digest)s, 'dispatched', %(epoch)s, 1, '', now(), now()
-                        FROM held WHERE may_start AND (%(receipt_action)s::bigint IS NULL
-                            OR EXISTS (SELECT 1 FROM receipt))
+                        FROM owned WHERE may_start AND live
+                            AND (%(receipt_action)s::bigint IS NULL
+                                 OR EXISTS (SELECT 1 FROM receipt))
                         ON CONFLICT (run_id, step_key) DO NOTHING
                         RETURNING id)
-                    SELECT (SELECT may_start FROM held), EXISTS (SELECT 1 FROM receipt),
-                        (SELECT id FROM boundary)""",
+                    SELECT (SELECT may_start FROM owned), (SELECT live FROM owned),
+                        EXISTS (SELECT 1 FROM receipt), (SELECT id FROM boundary)""",
                 step_key=step_key,
                 kind=kind,
                 effect_class=effect_class,
@@ -300,11 +313,13 @@ class Lease:
                 **params,
             )
         assert row is not None
-        may_start, receipt_written, action_id = row
+        may_start, live, receipt_written, action_id = row
         if may_start is None or (receipt is not None and not receipt_written):
             raise LeaseLost(f"{what} refused")
         if not may_start:
             raise CancelRequested(f"{what} refused: a cancel was asked")
+        if not live:
+            raise LeaseExpired(f"{what} refused: the lease expired")
         return action_id
 
     def redispatch_boundary(self, action_id: int) -> None:
@@ -328,8 +343,10 @@ class Lease:
 
     def record_receipt(self, action_id: int, result: dict[str, Any]) -> str:
         """The fact that the action completed, with the action's state, in one
-        statement.  Returns the result's digest.  A lost connection raises
-        CommitUnanswered: the caller settles it (runs/outcomes.py)."""
+        statement: written while this owner has the run, past its lease's
+        expiry too (RECEIPT_CTES).  Returns the result's digest.  A lost
+        connection raises CommitUnanswered: the caller settles it
+        (runs/outcomes.py)."""
         receipt = PendingReceipt(action_id, result)
         with unanswered_as(f"receipt of action {action_id}"):
             row = self._fetch_one(

@@ -10,8 +10,16 @@ from django.db import connection, transaction
 from django.utils import timezone
 
 from runs.executor import drive
-from runs.leases import Lease, LeaseLost, claiming
-from runs.models import Action, ActionState, AnswerRevision, Receipt, Run, RunStatus
+from runs.leases import Lease, LeaseExpired, LeaseLost, PendingReceipt, claiming
+from runs.models import (
+    Action,
+    ActionState,
+    AnswerRevision,
+    OutcomeItem,
+    Receipt,
+    Run,
+    RunStatus,
+)
 from tests.faultruns import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -106,6 +114,60 @@ def test_stale_epoch_write_changes_nothing():
     assert not Receipt.objects.exists() and not AnswerRevision.objects.exists()
     run.refresh_from_db()
     assert (run.status, run.lease_epoch, run.lease_owner) == ("running", 2, current.owner)
+
+
+def test_past_its_lease_expiry_an_owner_writes_its_receipts_but_starts_nothing():
+    # Nobody has claimed the run: what completed is a fact, and the claim
+    # that comes next sees it.  New work waits for a live lease.
+    run = Run.objects.submit(question="q", documents=DOCS)
+    lease = Lease.claim(run.pk, "owner")
+    effect = lease.record_boundary(
+        step_key="deliver", kind="deliver_report", effect_class="effect", input={"to": "x"}
+    )
+    read = lease.record_boundary(
+        step_key="read:0", kind="read_document", effect_class="read", input={"path": DOCS[0]}
+    )
+    expire(run)
+    lease.record_receipt(effect, {"delivered": True})
+    with pytest.raises(LeaseExpired):
+        lease.record_boundary(
+            step_key="read:1",
+            kind="read_document",
+            effect_class="read",
+            input={"path": DOCS[1]},
+            receipt=PendingReceipt(read, {"text": "x"}),
+        )
+    assert sorted(Receipt.objects.filter(run=run).values_list("step_key", flat=True)) == [
+        "deliver",
+        "read:0",
+    ]
+    assert not Action.objects.filter(run=run, step_key="read:1").exists()
+    assert lease.finish(RunStatus.COMPLETED) == RunStatus.COMPLETED
+
+
+def test_an_action_that_completes_after_the_lease_expired_is_not_sent_again(journal, settings):
+    # The second action (summarize:0) is slow, and the lease expires
+    # meanwhile (no heartbeat comes in time); nobody claims the run.  Its
+    # receipt goes with the next boundary, which is refused; the next owner
+    # takes the summary from the receipt.
+    settings.RUNDESK_LEASE_SECONDS = 60
+    run = Run.objects.submit(
+        question="q", documents=DOCS, faults=[{"point": "tool_delay", "action": 2, "ms": 1500}]
+    )
+    first = Lease.claim(run.pk, "first-owner")
+    thread, out = in_thread(drive, first, threading.Event())
+    wait_for(lambda: Action.objects.filter(run=run, step_key="summarize:0").exists())
+    expire(run)
+    thread.join()
+    assert out == ["lease_lost"]
+    assert Receipt.objects.filter(run=run, step_key="summarize:0").exists()
+    assert not Action.objects.filter(run=run, step_key="read:1").exists()
+
+    Run.objects.filter(pk=run.pk).update(faults=[])
+    second = Lease.claim(run.pk, "second-owner")
+    assert second is not None and drive(second, threading.Event()) == RunStatus.COMPLETED
+    assert journal.counts()[f"rundesk:run-{run.pk}:summarize:0"] == 1
+    assert not OutcomeItem.objects.filter(run=run).exists()
 
 
 def test_stale_owner_dispatches_nothing_more_and_the_new_owner_completes(journal):
