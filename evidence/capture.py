@@ -9,7 +9,8 @@ reads, writes or locks an evidence table.  A background writer
 (runs/background.py) drains the queue on its own connection
 (application_name `rundesk:capture`): what was queued while it wrote the
 last records, a run's records in one short transaction (one commit, not
-one a record), each record in savepoints of its own, its statements
+one a record; new records join it for half the lock timeout at most),
+each record in savepoints of its own, its statements
 prepared once per connection, every lock bounded by `SET LOCAL
 lock_timeout`.  A copy takes its locks in one fixed order: the copy's
 sources, then its model record, the second with NOWAIT under the `nowait`
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +48,7 @@ from runs.sql import (
     application_name,
     bounded_lock_waits,
     commit_asynchronously,
+    connection_lost,
     lock_refused,
     server_cursor,
 )
@@ -62,6 +65,10 @@ PENDING_GAP_KEYS = 10_000
 # last ones.  A run's records of a batch share a commit (one a step, not
 # two: the commits a shared server runs out of first).
 BATCH = 100
+# A transaction of them takes no new record once this share of the lock
+# timeout is gone: another writer waiting for its rows (a run handed over,
+# its evidence handed again) is answered before it gives up.
+TRANSACTION_SHARE = 0.5
 DETAIL_DROPPED = "(detail dropped: too many gaps waiting to be written)"
 
 
@@ -80,6 +87,8 @@ class Copy:
     @property
     def size(self) -> int:
         return len(self.input.encode()) + len(self.output.encode())
+
+    alone = False
 
     def describe(self) -> str:
         return f"copy of model call {self.model_call_id}"
@@ -100,6 +109,7 @@ class SourceRecord:
 
     model_call_id = None
     size = 0
+    alone = False
 
     def describe(self) -> str:
         return f"source {self.path}"
@@ -123,6 +133,7 @@ class ModelCallRecord:
     output: str
 
     model_call_id = None
+    alone = False
 
     @classmethod
     def of(
@@ -166,12 +177,15 @@ class ModelCallRecord:
 @dataclass(frozen=True)
 class SourceCheck:
     """Are a resumed run's documents still what it read?  The timeline says
-    which changed (evidence/sources.py)."""
+    which changed (evidence/sources.py).  Saved alone, in a transaction of
+    its own: it reads the files before it, and the timeline hears of a
+    change only once it is committed."""
 
     run_id: int
 
     model_call_id = None
     size = 0
+    alone = True
 
     def describe(self) -> str:
         return "check of the sources against the corpus"
@@ -371,25 +385,40 @@ class Capture(BackgroundWriter[Record, GapKey]):
 
     def _write(self, batch: list[Record]) -> None:
         """Each run's records of the batch in order, in as few transactions
-        as their failures allow; what is left when the writer is told to
-        stop is lost to the shutdown."""
+        as their failures and TRANSACTION_SHARE allow; what is left when
+        the writer's grace to stop is over is lost to the shutdown."""
         runs: dict[int, deque[Record]] = {}
         for record in batch:
             runs.setdefault(record.run_id, deque()).append(record)
         for pending in runs.values():
-            while pending and not self._told_to_stop():
-                self._save_some(pending)
+            while pending and not self._out_of_time():
+                if pending[0].alone:
+                    self._save_alone(pending.popleft())
+                else:
+                    self._save_some(pending)
             self._lose(pending, SHUTDOWN, "stopping")
+
+    def _save_alone(self, record: Record) -> None:
+        try:
+            record.save()
+        except Exception as error:
+            self._failed([record], error)
 
     def _save_some(self, pending: deque[Record]) -> None:
         """Saves records from the head of `pending` (one run's) in one
         transaction, which commits asynchronously, until one fails: that
         one is a gap, its savepoints rolled back (and the locks it took
         released), and the transaction ends there, so what it holds is
-        released too; the rest wait for the next one.  A failure that
-        takes the transaction with it (the connection lost) makes a gap of
-        every record of it (one at least: the one it was for)."""
+        released too; the rest wait for the next one.  It takes no more
+        records once TRANSACTION_SHARE of the lock timeout is gone, nor one
+        that is saved `alone`.  A failure that takes the transaction with
+        it (the connection lost, the COMMIT refused) makes a gap of every
+        record it saved (of the first it was for, when it failed before)."""
         saved: list[Record] = []
+        failed: Record | None = None
+        until = time.monotonic() + (
+            TRANSACTION_SHARE * settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS / 1000
+        )
         try:
             with transaction.atomic(), server_cursor() as cursor:
                 commit_asynchronously(
@@ -398,17 +427,24 @@ class Capture(BackgroundWriter[Record, GapKey]):
                 # A record's foreign keys are checked as it is saved, not at
                 # COMMIT: a record that breaks one fails alone.
                 cursor.execute("SET CONSTRAINTS ALL IMMEDIATE", prepare=True)
-                while pending and not self._told_to_stop():
-                    saved.append(pending.popleft())
+                while pending and not pending[0].alone and not self._out_of_time():
+                    record = pending.popleft()
                     try:
-                        saved[-1].save()
+                        record.save()
                     except Exception as error:
-                        if connection.needs_rollback:
+                        if connection.needs_rollback or connection_lost():
+                            saved.append(record)
                             raise
-                        self._lost_to([saved.pop()], error)
+                        failed = record
+                        self._lost_to([record], error)
+                        break
+                    saved.append(record)
+                    if time.monotonic() >= until:
                         break
         except Exception as error:  # the transaction is lost, with what it saved
-            self._failed(saved or [pending.popleft()], error)
+            if not saved and failed is None:
+                saved.append(pending.popleft())
+            self._failed(saved, error)
 
     def _lost_to(self, records: list[Record], error: Exception) -> None:
         """Records that raised `error`: gaps, never a crash."""

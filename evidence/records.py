@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 @contextmanager
 def bounded() -> Iterator[Any]:
-    """An evidence write's transaction: it can fail, never hold anyone up.
+    """An evidence write's transaction (in capture's, a savepoint of it):
+    it can fail, never hold anyone up.
     Its cursor can prepare its statements (`execute(..., prepare=True)`):
     the capture writer runs the same few statements for every record, and
     planning them each time cost it more than running them."""

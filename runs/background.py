@@ -20,11 +20,12 @@ is written.  The contract they share, kept here:
   it cannot write is kept until the database answers again.
 - `flush()` waits until everything handed over before it is written or
   counted as lost, and that count written.
-- `stop(grace)` lets the writer empty the queue for `grace` seconds, then
-  tells it to stop through its own stop event: a writer stuck in a
-  statement when stop() gives up on it ends when it can, whatever writer
-  comes after it.  What is still queued then is lost to the shutdown.  It
-  never waits on a full queue, nor more than `grace` + STOP_WAIT seconds.
+- `stop(grace)` lets the writer empty the queue, and finish the batch it
+  took, for `grace` seconds, then tells it to stop through its own stop
+  event (`Stopping`): a writer stuck in a statement when stop() gives up
+  on it ends when it can, whatever writer comes after it.  What is still
+  queued then is lost to the shutdown.  It never waits on a full queue,
+  nor more than `grace` + STOP_WAIT seconds.
 
 Nothing here imports runs.models, runs.timeline or evidence: both writers
 import this module.
@@ -54,6 +55,13 @@ QUEUE_FULL = "queue_full"
 SHUTDOWN = "shutdown"
 WRITER_ERROR = "writer_error"
 
+
+class Stopping(threading.Event):
+    """What tells a writer thread to stop, with the moment its grace ends."""
+
+    deadline = 0.0
+
+
 Item = TypeVar("Item")  # what is handed over
 Key = TypeVar("Key", bound=Hashable)  # what lost items are counted by
 
@@ -78,7 +86,7 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
         # The writer thread, and the event that tells it to stop: its own, so
         # a writer still stuck in a statement when stop() gives up on it
         # ends when it can, whatever writer comes after it.
-        self._writer: tuple[threading.Thread, threading.Event] | None = None
+        self._writer: tuple[threading.Thread, Stopping] | None = None
         self._thread = threading.local()  # in a writer thread: its stop event
         self._logger = logging.getLogger(type(self).__module__)
 
@@ -110,8 +118,8 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
         if writer is None or not writer[0].is_alive():
             return
         thread, stopping = writer
-        deadline = time.monotonic() + grace
-        while not self._queue.empty() and time.monotonic() < deadline:
+        stopping.deadline = time.monotonic() + grace
+        while not self._queue.empty() and time.monotonic() < stopping.deadline:
             time.sleep(0.01)
         stopping.set()
         with contextlib.suppress(queue.Full):
@@ -156,7 +164,7 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
     def _ensure_thread(self) -> None:
         with self._lock:
             if self._writer is None or not self._writer[0].is_alive():
-                stopping = threading.Event()
+                stopping = Stopping()
                 thread = threading.Thread(
                     target=self._run, args=(stopping,), name=self.role, daemon=True
                 )
@@ -165,17 +173,19 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
 
     # -- the writer thread ---------------------------------------------------------
 
-    def _run(self, stopping: threading.Event) -> None:
+    def _run(self, stopping: Stopping) -> None:
         self._thread.stopping = stopping
         try:
             self._drain(stopping)
         finally:
             connection.close()
 
-    def _told_to_stop(self) -> bool:
-        """In the writer thread: whether it was told to stop (a `_write`
-        that saves its batch item by item stops between items)."""
-        return self._thread.stopping.is_set()
+    def _out_of_time(self) -> bool:
+        """In the writer thread: whether it was told to stop and its grace
+        is over (a `_write` that saves its batch item by item stops between
+        items then; within the grace it finishes the batch it took)."""
+        stopping = self._thread.stopping
+        return stopping.is_set() and time.monotonic() >= stopping.deadline
 
     def _set_up(self, session: object) -> object:
         """This thread's connection, named once per session (a lost one is
@@ -190,7 +200,7 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
             return None
         return connection.connection
 
-    def _drain(self, stopping: threading.Event) -> None:
+    def _drain(self, stopping: Stopping) -> None:
         written_at = time.monotonic()
         session = self._set_up(None)
         while not stopping.is_set():

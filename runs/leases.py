@@ -61,9 +61,10 @@ OWNED_NOT_CANCELLED = f"SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED} FOR SH
 # copies its identity from its row.  `owned` is the run row, locked FOR
 # SHARE, with whether new work may start (no cancel asked, `may_start`;
 # the lease not expired, `live`).  The receipt needs only the ownership:
-# the action completed, and until another owner claims the run (the claim
-# waits for this row lock, then sees the receipt) nobody else can have
-# written or decided anything about it.
+# the action completed, and until another owner claims the run (a claim
+# skips the run while this statement holds its row, and then sees the
+# receipt) or a sweep ends or requeues it, nobody else can have written or
+# decided anything about it.
 RECEIPT_CTES = f"""owned AS (
         SELECT cancel_requested_at IS NULL AS may_start,
             lease_expires_at > clock_timestamp() AS live

@@ -14,13 +14,14 @@ import pytest
 from django.db import DatabaseError, connection
 
 from evidence import capture as capture_module
-from evidence.capture import Capture, Copy, CopyTransaction, SourceRecord
+from evidence.capture import Capture, Copy, CopyTransaction, SourceCheck, SourceRecord
 from evidence.capture import capture as process_capture
 from evidence.models import CaptureGap, CaptureStats, EvidenceCopy, GapReason, ModelCall, Source
 from evidence.records import record_model_call, record_source
 from runs.executor import claim_and_drive
 from runs.leases import Lease
-from runs.models import AnswerRevision, Run, RunStatus, digest
+from runs.models import AnswerRevision, Run, RunEvent, RunStatus, digest
+from runs.timeline import timeline
 from tests.conftest import database_url
 from tests.faultruns import DOCS, executions, wait_for
 
@@ -138,6 +139,54 @@ def test_what_queues_while_capture_writes_shares_a_commit_and_a_failure_takes_no
     assert gaps(run) == [(GapReason.DB_ERROR, 1)]
     assert EvidenceCopy.objects.filter(run=run).count() == 1
     assert CaptureStats.objects.get(run=run).lost == 1
+
+
+def test_a_stop_within_its_grace_saves_the_batch_the_writer_took(evidence, settings):
+    settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS = 30_000
+    run, lease, _ = evidence
+    writer = Capture(capacity=200)
+    paths = [f"doc-{i}.md" for i in range(151)]
+    reads = []
+    for path in paths:
+        read = lease.record_boundary(
+            step_key=f"read:{path}", kind="read_document", effect_class="read", input={"p": path}
+        )
+        lease.record_receipt(read, {"ok": path})
+        reads.append(read)
+    records = [SourceRecord(run.pk, read, path, "ef" * 32, 1) for read, path in zip(reads, paths)]
+    with holding(
+        "INSERT INTO evidence_source (run_id, path, read_action_id, digest, bytes, created_at,"
+        " changed) VALUES (%s, %s, %s, '', 0, now(), false)",
+        run.pk,
+        paths[0],
+        reads[0],
+    ):
+        assert writer.submit(records[0])
+        wait_for(lambda: _waiting("rundesk:capture"))
+        assert all(writer.submit(record) for record in records[1:])
+        # The stop waits for the queue; once the first is saved, the writer
+        # takes the rest in two batches, and finishes the last one it took
+        # within the grace.
+        stopper = threading.Thread(target=writer.stop, kwargs={"grace": 10})
+        stopper.start()
+    stopper.join(20)
+    assert sorted(
+        Source.objects.filter(run=run, path__in=paths).values_list("path", flat=True)
+    ) == (sorted(paths))
+    assert gaps(run) == []
+
+
+def test_a_check_of_the_sources_between_other_records_marks_what_changed(evidence, writer):
+    # The fixture's source was read with a digest the file does not have.
+    run, _, copy = evidence
+    assert all(writer.submit(record) for record in (copy, SourceCheck(run.pk), copy))
+    assert writer.flush() and timeline.flush()
+    source = Source.objects.get(run=run, path=DOCS[0])
+    assert source.changed and source.checked_at is not None
+    assert list(
+        RunEvent.objects.filter(run=run, kind="source_changed").values_list("message", flat=True)
+    ) == [f"{DOCS[0]} changed since read"]
+    assert EvidenceCopy.objects.filter(run=run).count() == 1 and gaps(run) == []
 
 
 def test_capture_fails_fast_behind_an_access_exclusive_table_lock(evidence, settings):
