@@ -453,8 +453,9 @@ class Capture(BackgroundWriter[Record, GapKey]):
         self._lose(records, gap_reason(error), str(error).strip())
 
     def _failed(self, batch: list[Record], error: Exception) -> None:
-        """A transaction of the batch was lost: what it saved is a gap.  A
-        lost connection is closed, and the next statement opens another."""
+        """Records whose transaction was lost (what it saved), or a record
+        saved alone that raised: gaps.  A lost connection is closed, and
+        the next statement opens another."""
         self._lost_to(batch, error)
         if isinstance(error, OperationalError):
             connection.close_if_unusable_or_obsolete()
