@@ -25,7 +25,14 @@ from evidence.locks import LockSampler
 from runs import decisions, sweep
 from runs.agent import ResearchAgent
 from runs.dispatch import ActionFailed, Dispatcher, Stopping
-from runs.leases import CancelRequested, Lease, LeaseLost, WriteRefused, new_owner_name
+from runs.leases import (
+    CancelRequested,
+    Lease,
+    LeaseExpired,
+    LeaseLost,
+    WriteRefused,
+    new_owner_name,
+)
 from runs.models import RunStatus
 from runs.outcomes import NeedsOperator
 from runs.sql import name_connection
@@ -158,9 +165,10 @@ def _end(
     return Ending(status)
 
 
-def _release(lease: Lease) -> Ending:
-    """The executor stops: the run goes back to the queue, or ends if a
-    cancel was asked meanwhile."""
+def _release(lease: Lease, why: str = "executor stopping: run requeued") -> Ending:
+    """The executor stops (or this owner's lease expired before it could go
+    on, `why`): the run goes back to the queue, or ends if a cancel was
+    asked meanwhile."""
     released = lease.release()
     if released == RunStatus.CANCELLED:
         timeline.record(
@@ -170,14 +178,16 @@ def _release(lease: Lease) -> Ending:
     if released is None:
         timeline.record(lease.run_id, EventKind.LEASE_LOST, f"epoch {lease.epoch} stops here")
         return Ending.LEASE_LOST
-    timeline.record(lease.run_id, EventKind.LEASE_RELEASED, "executor stopping: run requeued")
+    timeline.record(lease.run_id, EventKind.LEASE_RELEASED, why)
     return Ending.RELEASED
 
 
 def _after_refused_write(lease: Lease, refused: WriteRefused) -> Ending:
     """A protected write changed 0 rows.  If the run was cancelled and we
-    still own it, it ends as cancelled; otherwise another owner has it (the
-    write was fenced out), and this one stops without another write."""
+    still own it, it ends as cancelled; if only the lease expired (nobody
+    claimed the run yet), it goes back to the queue at once; otherwise
+    another owner has it (the write was fenced out), and this one stops
+    without another write."""
     if not isinstance(refused, CancelRequested):
         timeline.record(lease.run_id, EventKind.WRITE_FENCED, str(refused), epoch=lease.epoch)
     if lease.cancel_requested():
@@ -192,6 +202,8 @@ def _after_refused_write(lease: Lease, refused: WriteRefused) -> Ending:
                 f"cancelled: nothing new dispatched ({refused})",
             )
             return Ending.CANCELLED
+    if isinstance(refused, LeaseExpired):
+        return _release(lease, "the lease expired before this owner went on: run requeued")
     timeline.record(lease.run_id, EventKind.LEASE_LOST, f"epoch {lease.epoch} stops here")
     return Ending.LEASE_LOST
 

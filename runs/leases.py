@@ -498,8 +498,15 @@ class Lease:
 
     def _refused(self, what: str, detail: str = "") -> WriteRefused:
         """Why a write changed 0 rows: a cancel, if the run is still held
-        (the write was one that starts new work); else the lease is lost."""
-        row = self._fetch_one(f"SELECT cancel_requested_at IS NOT NULL FROM runs_run WHERE {HELD}")
-        if row is not None and row[0]:
+        (the write was one that starts new work); the lease expired, if the
+        run is still this owner's; else the lease is lost."""
+        row = self._fetch_one(
+            "SELECT cancel_requested_at IS NOT NULL, lease_expires_at > clock_timestamp()"
+            f" FROM runs_run WHERE {OWNER}"
+        )
+        cancelled, live = row or (False, True)
+        if live and cancelled:
             return CancelRequested(f"{what} refused: a cancel was asked")
+        if not live:
+            return LeaseExpired(f"{what} refused: the lease expired")
         return LeaseLost(f"{what} refused{detail}")
