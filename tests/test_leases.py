@@ -46,6 +46,17 @@ def in_thread(target, *args):
     return thread, out
 
 
+def slow_summary_under_way(owner: str):
+    """A run whose second action (summarize:0) takes 1.5 s, driven by
+    `owner` on its own thread, once that action is dispatched."""
+    run = Run.objects.submit(
+        question="q", documents=DOCS, faults=[{"point": "tool_delay", "action": 2, "ms": 1500}]
+    )
+    thread, out = in_thread(drive, Lease.claim(run.pk, owner), threading.Event())
+    wait_for(lambda: Action.objects.filter(run=run, step_key="summarize:0").exists())
+    return run, thread, out
+
+
 def test_two_executors_race_for_one_run_and_exactly_one_owns_it():
     run = Run.objects.submit(question="q", documents=DOCS)
     barrier = threading.Barrier(8)
@@ -152,12 +163,7 @@ def test_an_action_that_completes_after_the_lease_expired_is_not_sent_again(jour
     # and the run is given back; the next owner takes the summary from the
     # receipt.
     settings.RUNDESK_LEASE_SECONDS = 60
-    run = Run.objects.submit(
-        question="q", documents=DOCS, faults=[{"point": "tool_delay", "action": 2, "ms": 1500}]
-    )
-    first = Lease.claim(run.pk, "first-owner")
-    thread, out = in_thread(drive, first, threading.Event())
-    wait_for(lambda: Action.objects.filter(run=run, step_key="summarize:0").exists())
+    run, thread, out = slow_summary_under_way("first-owner")
     expire(run)
     thread.join()
     # Still its owner, it gave the run back: nothing waits for the sweep.
@@ -175,12 +181,7 @@ def test_an_action_that_completes_after_the_lease_expired_is_not_sent_again(jour
 
 def test_stale_owner_dispatches_nothing_more_and_the_new_owner_completes(journal):
     # The second action (summarize:0) is slow: the lease is taken meanwhile.
-    run = Run.objects.submit(
-        question="q", documents=DOCS, faults=[{"point": "tool_delay", "action": 2, "ms": 1500}]
-    )
-    stale = Lease.claim(run.pk, "old-owner")
-    thread, out = in_thread(drive, stale, threading.Event())
-    wait_for(lambda: Action.objects.filter(run=run, step_key="summarize:0").exists())
+    run, thread, out = slow_summary_under_way("old-owner")
     expire(run)
     Run.objects.filter(pk=run.pk).update(faults=[])
     new = Lease.claim(run.pk, "new-owner")
