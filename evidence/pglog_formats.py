@@ -42,10 +42,15 @@ MAX_LINE = 10_000
 # A compressed log is read up to this size once decompressed.
 MAX_DECOMPRESSED = 256 * 1024 * 1024
 GZIP_MAGIC = b"\x1f\x8b"
+# What an editor, or a Windows tool, may put before a log's first line.
+BOM = "\ufeff"
+# A log read from the middle starts inside a record of at most this many
+# characters (a csvlog record's longest field, a whole query).
+CUT_HEAD = 4 * 1024 * 1024
 # Nested quoting is unwrapped this many times at most.
 MAX_DEPTH = 3
 # A csvlog field holds a whole query (track_activity_query_size is at most 1 MB).
-csv.field_size_limit(max(csv.field_size_limit(), 4 * 1024 * 1024))
+csv.field_size_limit(max(csv.field_size_limit(), CUT_HEAD))
 
 
 class LogFormatError(ValueError):
@@ -105,6 +110,7 @@ def read(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> Iter
     """The records of `text`, read as `format` (auto: as its content says).
     `zone`: the server's log_timezone, for the times a log writes with an
     abbreviation that names several zones (CST, IST, PST), or with none."""
+    text = text.removeprefix(BOM)
     if format == "auto":
         format = detect(text)
     if format == "csvlog":
@@ -117,23 +123,26 @@ def read(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> Iter
 
 
 def detect(text: str) -> str:
-    """csvlog or jsonlog when the first line is one of their records, else
-    stderr (which also reads what applications print)."""
-    first = next((line for line in lines(text) if line.strip()), "")
-    if first.lstrip().startswith("{"):
-        try:
-            entry = json.loads(first)
-        except (ValueError, RecursionError):  # nested deeper than the parser goes
-            return "stderr"
-        return "jsonlog" if _is_server_entry(entry) else "stderr"
-    if CSV_START.match(first):
-        try:
-            row = next(csv.reader(io.StringIO(text)), [])
-        except csv.Error:
-            return "stderr"
-        if len(row) >= CSV_MIN_FIELDS and _severity(row[11]):
-            return "csvlog"
-    return "stderr"
+    """csvlog or jsonlog when the log's first record is one of theirs, else
+    stderr (which also reads what applications print).  A log read from
+    the middle (`tail -c`, a collector that cuts at a size) starts inside a
+    record: then the record after it says."""
+    text = text.removeprefix(BOM)
+    first, second, *_ = [line for line in lines(text[:CUT_HEAD]) if line.strip()] + ["", ""]
+    entry = _json_line(first)
+    if _is_server_entry(entry) or (entry is None and _is_server_entry(_json_line(second))):
+        return "jsonlog"
+    return "csvlog" if _csv_start(text) is not None else "stderr"
+
+
+def _json_line(line: str) -> object:
+    """The JSON object `line` holds; None when it holds none."""
+    if not line.lstrip().startswith("{"):
+        return None
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):  # nested deeper than the parser goes
+        return None
 
 
 # -- csvlog and jsonlog ----------------------------------------------------------------
@@ -185,7 +194,10 @@ def _csv_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
     """The records of a csvlog.  A short or broken last record is one the
     server is still writing (a log read while in use) when the input ends
     inside it -- within a quoted field's lines, or with no newline after it:
-    left out.  Any other short record is refused."""
+    left out; so is the rest of a record the input starts inside of (a log
+    read from the middle).  Any other short record is refused."""
+    offset, skipped = _csv_start(text) or (0, 0)
+    text = text[offset:]
     lines_read = sum(1 for _ in io.StringIO(text, newline=""))  # as csv counts them
     reader = csv.reader(io.StringIO(text, newline=""))
     ended = 0  # the line the record before ended on
@@ -196,16 +208,37 @@ def _csv_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
                 if start == lines_read and _cut_short(text, ended):
                     return
                 raise LogFormatError(
-                    f"csvlog record ending on line {start} has {len(row)} fields; "
+                    f"csvlog record ending on line {skipped + start} has {len(row)} fields; "
                     f"csvlog records have {CSV_MIN_FIELDS} to {len(CSV_COLUMNS)}"
                 )
             if row:
-                yield from _entry_records(dict(zip(CSV_COLUMNS, row, strict=False)), start, zone)
+                entry = dict(zip(CSV_COLUMNS, row, strict=False))
+                yield from _entry_records(entry, skipped + start, zone)
             ended = start
     except csv.Error as error:
         if reader.line_num == lines_read:
             return
-        raise LogFormatError(f"csvlog line {reader.line_num}: {error}") from None
+        raise LogFormatError(f"csvlog line {skipped + reader.line_num}: {error}") from None
+
+
+def _csv_start(text: str) -> tuple[int, int] | None:
+    """(where, after how many lines) the first csvlog record starts: on the
+    first line; or, when the input starts inside a record, on the first
+    line after it that looks like the start of one.  None: no csvlog
+    record starts there."""
+    offset = 0
+    for skipped, line in enumerate(io.StringIO(text[:CUT_HEAD], newline="")):
+        if CSV_START.match(line):
+            try:
+                row = next(csv.reader(io.StringIO(text[offset:], newline="")), [])
+            except csv.Error:
+                row = []
+            if len(row) >= CSV_MIN_FIELDS and _severity(row[11]):
+                return offset, skipped
+            if skipped:
+                return None
+        offset += len(line)
+    return None
 
 
 def _cut_short(text: str, ended: int) -> bool:
@@ -219,7 +252,7 @@ def _cut_short(text: str, ended: int) -> bool:
 
 def _json_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
     """The records of a jsonlog; an unfinished last line is left out, as
-    in a csvlog."""
+    in a csvlog, and so is a first line the input starts inside of."""
     entries = lines(text)
     for number, line in enumerate(entries, start=1):
         if not line.strip():
@@ -229,6 +262,8 @@ def _json_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
         except (ValueError, RecursionError) as error:
             if number == len(entries) and not text.endswith("\n"):
                 return
+            if number == 1 and detect(text) == "jsonlog":
+                continue  # the rest of an entry the input starts inside of
             raise LogFormatError(f"jsonlog line {number} is not JSON: {error}") from None
         if not _is_server_entry(entry):
             raise LogFormatError(

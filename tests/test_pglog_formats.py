@@ -276,3 +276,55 @@ def test_csvlog_of_an_older_server_and_a_broken_record():
     cut = row[: row.index(',"See server')] + "\n"
     with pytest.raises(pglog.LogFormatError, match="has 15 fields; csvlog records have 23 to 26"):
         pglog.parse(row + cut, "csvlog")
+
+
+@pytest.mark.parametrize("name", ["three_way.csv", "three_way.json", "three_way.log"])
+def test_a_byte_order_mark_before_the_first_line_is_not_part_of_the_log(name):
+    """An editor, or a Windows tool that copied the log, may start it with
+    a UTF-8 byte order mark: the format is still found from the content."""
+    raw = (FIXTURES / name).read_bytes()
+    text, warning = pglog.decode(b"\xef\xbb\xbf" + raw)
+    assert warning == ""
+    assert pglog_formats.detect(text) == pglog_formats.detect(raw.decode())
+    (report,) = pglog.parse(text)
+    (plain,) = pglog.parse(raw.decode())
+    assert report.as_json() == plain.as_json()
+
+
+# A record before the report, spread over two lines by its quoted field.
+CUT_CSV = (
+    "2026-11-29 09:59:59.000 UTC,rundesk,app,4105,[local],6769a1b0.1009,1,SELECT,"
+    '2026-11-29 09:59:00 UTC,3/11,0,LOG,00000,"statement: SELECT 1,\n  2",,,,,,,,,psql,'
+    "client backend,,0\n"
+)
+CUT_JSON = (
+    '{"timestamp": "2026-11-29 09:59:59.000 UTC", "pid": 4105, "error_severity": "LOG", '
+    '"message": "statement: SELECT \'{1}\'"}\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "format", "before", "refused"),
+    [
+        ("three_way.csv", "csvlog", CUT_CSV, "record ending on line 1 has 5 fields"),
+        ("three_way.json", "jsonlog", CUT_JSON, "jsonlog line 1 is not JSON"),
+    ],
+)
+def test_a_log_read_from_the_middle_of_a_record_is_read_from_the_next(
+    name, format, before, refused
+):
+    """`tail -c`, or a collector that cuts at a size, starts a log inside a
+    record -- at any character of it, in a timestamp field or a quoted
+    one: the rest of that record is left out (as a record the input ends
+    inside of is), and the log is read from the next, in its own format."""
+    log = (FIXTURES / name).read_text()
+    (whole,) = pglog.parse(log)
+    for cut in range(1, len(before) - 1):
+        text = before[cut:] + log
+        assert pglog_formats.detect(text) == format, cut
+        (report,) = pglog.parse(text)
+        assert three_way_facts(report) == three_way_facts(whole), cut
+        assert report.line == whole.line + before[cut:].count("\n"), cut
+    # Where no record follows the cut, the input is not in that format.
+    with pytest.raises(pglog.LogFormatError, match=refused):
+        pglog.parse('  2",,,,psql\nnot a record\n', format)
