@@ -18,6 +18,7 @@ does with them does not depend on where they came from:
 
 from __future__ import annotations
 
+import collections
 import csv
 import datetime as dt
 import gzip
@@ -362,6 +363,8 @@ STACK_FRAME = re.compile(
 LEFTOVER = re.compile(r"^[\s'\"`+,;:()\[\]{}]*$")
 ESCAPED_NEWLINE = re.compile(r"\\n")
 SHIPPER_TAB = re.compile(r"\t|#011")
+# Lines after a message's last one that may still bring it a shipped line.
+SHIPPED_WINDOW = 1000
 DIGITS = re.compile(r"\d+")
 SQLSTATE = re.compile(r"^(?P<code>[0-9A-Z]{5}):\s+")
 # %e in log_line_prefix: a whole word of five digits and capitals with at
@@ -396,6 +399,7 @@ class _Pending:
     time_problem: str = ""
     pid: int | None = None
     sqlstate: str = ""
+    last: int = 0  # the input line its last line came from
 
     def record(self) -> Record:
         text = "\n".join(self.lines).strip("\n")
@@ -413,9 +417,19 @@ class _Pending:
 
 
 class _TextReader:
+    """Reads lines into records.  A server writes each message whole, but a
+    log shipper sends each line on its own, and other processes' lines may
+    come between them: until SHIPPED_WINDOW lines later, or until its
+    process starts another, a message a prefix names the process of takes
+    a shipped line of that process.  Records are yielded in the order
+    their messages start."""
+
     def __init__(self, zone: dt.tzinfo | None) -> None:
         self.zone = zone
-        self.pending: _Pending | None = None
+        self.pending: _Pending | None = None  # the message read last
+        # The messages not yielded yet, and by process the one it may continue.
+        self.unyielded: collections.deque[_Pending] = collections.deque()
+        self.open: dict[int, _Pending] = {}
 
     def read(self, text: str) -> Iterator[Record]:
         for number, line in enumerate(lines(text), start=1):
@@ -464,15 +478,22 @@ class _TextReader:
             and (quoted is None or found.start() <= quoted)
         )
 
-    def _further(self, line: str) -> str | None:
-        """The rest of `line` where it is a further line of the message being
-        read, as the server writes them: after a tab (not a stack frame's),
-        or after a log shipper's prefix and a tab (`... [3-2] #011`)."""
-        if self.pending is None:
+    def _further(self, line: str) -> tuple[_Pending, str] | None:
+        """(the message, the rest of `line`) where `line` is a further line
+        of a message being read, as the server writes them: after a tab
+        (not a stack frame's), continuing the message read last; or after a
+        log shipper's prefix shaped like the message's first line's, then a
+        tab (`... postgres[4102]: [3-2] #011`), continuing the message of
+        the process it names (the one read last where it names none)."""
+        if self.pending is not None and line[:1] == "\t" and not STACK_FRAME.match(line):
+            return self.pending, line[1:]
+        if not (tab := SHIPPER_TAB.search(line)) or not (head := line[: tab.start()]):
             return None
-        if line[:1] == "\t" and not STACK_FRAME.match(line):
-            return line[1:]
-        return _shipped(line, self.pending.prefix)
+        pid = _pid(head)
+        message = self.pending if pid is None else self.open.get(pid)
+        if message and DIGITS.sub("0", message.prefix).startswith(DIGITS.sub("0", head)):
+            return message, line[tab.end() :]
+        return None
 
     def _object(
         self, entry: dict[str, Any], number: int, depth: int, time: tuple[dt.datetime | None, str]
@@ -497,20 +518,26 @@ class _TextReader:
     def _text_line(
         self, line: str, number: int, time: tuple[dt.datetime | None, str]
     ) -> Iterator[Record]:
-        if self.pending is not None and (rest := self._further(line)) is not None:
+        if (further := self._further(line)) is not None:
             # The server indents a message's further lines by a tab: what
             # they say (a query's "ERROR:  " or "deadlock detected") is text,
             # after a log shipper's prefix too.
-            self.pending.lines.append(rest)
+            message, rest = further
+            message.lines.append(rest)
+            message.last = number
             return
         start = _start(line)
         if start is not None:
-            yield from self._flush()
+            yield from self._flush(number)
             prefix, label, severity, text, sqlstate = start
             when, problem = self._time(prefix) if _has_time(prefix) else time
+            pid = _pid(prefix)
             self.pending = _Pending(
-                label, severity, prefix, number, [text], when, problem, _pid(prefix), sqlstate
+                label, severity, prefix, number, [text], when, problem, pid, sqlstate, number
             )
+            self.unyielded.append(self.pending)
+            if pid is not None:
+                self.open[pid] = self.pending
             return
         pending = self.pending
         if pending is None:
@@ -520,15 +547,24 @@ class _TextReader:
         elif LEFTOVER.match(line):
             pending.lines.append("")
         else:
-            yield from self._flush()
+            yield from self._flush(number)
 
     def _time(self, value: object) -> tuple[dt.datetime | None, str]:
         return read_time(value, self.zone)
 
-    def _flush(self) -> Iterator[Record]:
-        if self.pending is not None:
-            yield self.pending.record()
-            self.pending = None
+    def _flush(self, number: int | None = None) -> Iterator[Record]:
+        """Ends the message read last, and yields the messages no line
+        after line `number` can continue (None: every message)."""
+        self.pending = None
+        while self.unyielded:
+            first = self.unyielded[0]
+            still_open = first.pid is not None and self.open.get(first.pid) is first
+            if still_open and number is not None and number - first.last <= SHIPPED_WINDOW:
+                return
+            self.unyielded.popleft()
+            if still_open:
+                del self.open[first.pid]
+            yield first.record()
 
 
 def _start(line: str) -> tuple[str, str, str, str, str] | None:
@@ -612,17 +648,6 @@ def _continuation(line: str, prefix: str) -> str | None:
         return line
     if prefix and line.strip() and DIGITS.sub("0", prefix).startswith(DIGITS.sub("0", line)):
         return ""
-    return None
-
-
-def _shipped(line: str, prefix: str) -> str | None:
-    """The rest of a message's further line a log shipper prefixed again
-    (`host postgres[4102]: [3-2] #011...`): its prefix shaped like the
-    message's first line's, then a tab."""
-    if prefix and (tab := SHIPPER_TAB.search(line)):
-        shipped = DIGITS.sub("0", line[: tab.start()])
-        if shipped and DIGITS.sub("0", prefix).startswith(shipped):
-            return line[tab.end() :]
     return None
 
 

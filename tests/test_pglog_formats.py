@@ -328,3 +328,31 @@ def test_a_log_read_from_the_middle_of_a_record_is_read_from_the_next(
     # Where no record follows the cut, the input is not in that format.
     with pytest.raises(pglog.LogFormatError, match=refused):
         pglog.parse('  2",,,,psql\nnot a record\n', format)
+
+
+def test_a_shippers_lines_of_other_processes_between_a_messages_lines_are_not_its_own():
+    """syslog sends each line of a message on its own: another process's
+    lines may come between them, its new message and its message's further
+    lines alike.  Each further line continues the message of the process
+    its prefix names."""
+    head = "Nov 29 10:00:01 db1 postgres[{pid}]: [{seq}-{chunk}] "
+    text = stderr(lambda c, p: f"Nov 29 {c[:8]} db1 postgres[{p}]: [7-1] ", syslog_next)
+    (alone,) = pglog.parse(text)
+    lines = text.splitlines()
+    detail = next(n for n, line in enumerate(lines) if "DETAIL" in line)
+    other = [
+        head.format(pid=4106, seq=3, chunk=1) + "LOG:  statement: SELECT 1,",
+        head.format(pid=4106, seq=3, chunk=2) + "#011  2 FROM accounts",
+    ]
+    # 4106's message starts after the DETAIL's first line, and goes on
+    # after its second; the report's lines go on after both.
+    lines[detail + 1 : detail + 1] = other[:1]
+    lines[detail + 3 : detail + 3] = other[1:]
+    records = list(pglog_formats.read("\n".join(lines) + "\n"))
+    (statement,) = [r for r in records if r.pid == 4106]
+    assert statement.text == "statement: SELECT 1,\n  2 FROM accounts"
+    (report,) = pglog.parse("\n".join(lines) + "\n")
+    assert report.as_json() == alone.as_json()
+    assert report.graph.cycle() == [4102, 4103] and report.unread == []
+    # The records come in the order their messages start.
+    assert [r.line for r in records] == sorted(r.line for r in records)
