@@ -79,6 +79,14 @@ WAITING = {
     "lock_wait:detected deadlock",
     "lock_wait:avoided deadlock",
 }
+# The severities of a message that may end a lock wait the server logs no
+# end for (a lock or statement timeout, a cancel: ERROR; a terminated
+# backend: FATAL; a crash: PANIC), and "" where the log does not say.
+MAY_END_WAIT = ("", "ERROR", "FATAL", "PANIC")
+# The lock mode that conflicts with every mode (lock.c's conflict table), as
+# the server writes it (it does not translate lock modes): each process
+# holding a lock waited for in it blocks the wait.
+CONFLICTS_WITH_ALL = "AccessExclusiveLock"
 # LockWait.waited_ms is an int4.
 MAX_WAITED_MS = 2**31 - 1
 
@@ -168,6 +176,11 @@ def parse(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> lis
     # DETAIL, HINT... belongs to, and the waits it has logged and not ended.
     latest: dict[int | None, Report | LoggedWait | None] = {}
     waiting: dict[int, LoggedWait] = {}
+    # Where lines name no process (log_line_prefix without %p), a message
+    # that may end a wait may be any process's: the waits so logged since the
+    # last such message, and (by id) the line of the first after each.
+    unnamed: list[LoggedWait] = []
+    doubted: dict[int, int] = {}
     # Per process, the application name the log gives it (csvlog, jsonlog;
     # stderr where %a names a Rundesk connection).
     applications: dict[int, str] = {}
@@ -187,6 +200,8 @@ def parse(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> lis
             if name in WAITING:
                 waiting[wait.waiter] = wait
                 latest[key] = wait
+                if key is None:
+                    unnamed.append(wait)
             else:  # acquired, or failed: that wait is over
                 waiting.pop(wait.waiter, None)
                 latest[key] = None
@@ -200,6 +215,9 @@ def parse(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> lis
             latest[key] = report
         else:
             latest[key] = None
+            if key is None and item.severity in MAY_END_WAIT:
+                doubted.update((id(wait), item.line) for wait in unnamed)
+                unnamed.clear()
         # A process that logs anything else waits no more: its statement went
         # on, or ended (a lock or statement timeout, a cancel, this deadlock),
         # which the server logs no wait message for.
@@ -210,18 +228,32 @@ def parse(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> lis
     reports = _distinct(reports)
     used: set[int] = set()
     for report in reports:
-        report.lead_up = [
+        taken = [
             wait
             for wait in report.earlier
             if wait.waiter in report.graph.processes and id(wait) not in used
         ]
-        used.update(id(wait) for wait in report.lead_up)
-        report.unread.extend(
-            f"process {wait.waiter}'s lock wait (line {wait.line}) names no process holding "
-            "the lock: it is not stored"
-            for wait in report.lead_up
-            if not set(wait.holders) - {wait.waiter}
-        )
+        used.update(id(wait) for wait in taken)
+        for wait in taken:
+            said = f"process {wait.waiter}'s lock wait (line {wait.line})"
+            # Doubted by a message before the report (records come in their lines' order).
+            if (ended := doubted.get(id(wait), report.line)) < report.line:
+                report.unread.append(
+                    f"{said} may have ended at line {ended}, whose message names no process "
+                    "(log_line_prefix has no %p): whether it still waited at the report cannot "
+                    "be told, so it is not stored"
+                )
+                continue
+            report.lead_up.append(wait)
+            holders = set(wait.holders) - {wait.waiter}
+            if not holders:
+                report.unread.append(f"{said} names no process holding the lock: it is not stored")
+            # The server lists every process holding the lock, in any mode.
+            elif len(holders) > 1 and wait.mode != CONFLICTS_WITH_ALL:
+                report.unread.append(
+                    f"{said} names {len(holders)} processes holding the lock in modes the log "
+                    "does not give: not each of them need have blocked it"
+                )
     return reports
 
 

@@ -319,3 +319,79 @@ NO_PID_DETAIL = (
     "blocked by process 201.\n"
     "Process 201 waits for ExclusiveLock on advisory lock [16384,0,42,1]; blocked by process 200."
 )
+
+
+# log_line_prefix = '%m ' (no pid): 101's first wait ended in its lock
+# timeout, which names no process; later 101 deadlocks with 103 and 104,
+# its new wait too short to be logged.  103's wait goes on to the report,
+# past a checkpoint and 104's wait.
+NO_PID_ENDED_WAIT = """\
+2026-11-29 13:00:01.000 UTC LOG:  process 101 still waiting for ShareLock on transaction 7001 \
+after 1000.100 ms
+2026-11-29 13:00:01.000 UTC DETAIL:  Process holding the lock: 102. Wait queue: 101.
+2026-11-29 13:00:02.000 UTC ERROR:  canceling statement due to lock timeout
+2026-11-29 13:00:02.000 UTC CONTEXT:  while updating tuple (0,1) in relation "a"
+2026-11-29 13:00:02.000 UTC STATEMENT:  UPDATE a SET x = 1 WHERE id = 1
+2026-11-29 13:05:01.000 UTC LOG:  process 103 still waiting for ShareLock on transaction 7012 \
+after 1000.200 ms
+2026-11-29 13:05:01.000 UTC DETAIL:  Process holding the lock: 104. Wait queue: 103.
+2026-11-29 13:05:01.200 UTC LOG:  checkpoint starting: time
+2026-11-29 13:05:01.800 UTC LOG:  process 104 detected deadlock while waiting for ShareLock on \
+transaction 7010 after 1000.300 ms
+2026-11-29 13:05:01.800 UTC DETAIL:  Process holding the lock: 101. Wait queue: 104.
+2026-11-29 13:05:01.800 UTC ERROR:  deadlock detected
+2026-11-29 13:05:01.800 UTC DETAIL:  Process 104 waits for ShareLock on transaction 7010; \
+blocked by process 101.
+\tProcess 101 waits for ShareLock on transaction 7011; blocked by process 103.
+\tProcess 103 waits for ShareLock on transaction 7012; blocked by process 104.
+\tProcess 104: UPDATE a SET x = 4 WHERE id = 3
+\tProcess 101: UPDATE a SET x = 1 WHERE id = 1
+\tProcess 103: UPDATE a SET x = 3 WHERE id = 2
+"""
+
+
+def test_a_wait_a_message_naming_no_process_may_have_ended_is_no_lead_up_and_said():
+    ((report, incident),) = pglog.import_log(NO_PID_ENDED_WAIT, "no-pid.log")
+    assert [(w.waiter, w.holders) for w in report.lead_up] == [(103, [104]), (104, [101])]
+    assert report.unread == [
+        "process 101's lock wait (line 1) may have ended at line 3, whose message names no "
+        "process (log_line_prefix has no %p): whether it still waited at the report cannot be "
+        "told, so it is not stored"
+    ]
+    rows = incident.waits.filter(lead_up=True).order_by("id")
+    assert [(w.waiter_pid, w.blocker_pid) for w in rows] == [(103, 104), (104, 101)]
+
+
+# 201 waits for ShareLock on a table 200 writes (RowExclusiveLock) and 202
+# reads (AccessShareLock, no conflict); 200 waits for AccessExclusiveLock,
+# which every holder blocks.
+SEVERAL_HOLDERS = """\
+2026-11-29 14:00:01.000 UTC [201] LOG:  process 201 still waiting for ShareLock on relation \
+16390 of database 16384 after 1000.000 ms
+2026-11-29 14:00:01.000 UTC [201] DETAIL:  Processes holding the lock: 200, 202. Wait queue: 201.
+2026-11-29 14:00:01.500 UTC [200] LOG:  process 200 detected deadlock while waiting for \
+AccessExclusiveLock on relation 16391 of database 16384 after 1000.000 ms
+2026-11-29 14:00:01.500 UTC [200] DETAIL:  Processes holding the lock: 201, 203. Wait queue: 200.
+2026-11-29 14:00:01.500 UTC [200] ERROR:  deadlock detected
+2026-11-29 14:00:01.500 UTC [200] DETAIL:  Process 200 waits for AccessExclusiveLock on relation \
+16391 of database 16384; blocked by process 201.
+\tProcess 201 waits for ShareLock on relation 16390 of database 16384; blocked by process 200.
+\tProcess 200: LOCK TABLE b IN ACCESS EXCLUSIVE MODE
+\tProcess 201: LOCK TABLE a IN SHARE MODE
+"""
+
+
+def test_a_wait_whose_holders_need_not_each_block_it_is_stored_and_said():
+    ((report, incident),) = pglog.import_log(SEVERAL_HOLDERS, "holders.log")
+    # Each holds the lock, and is stored; which of 201's blocked it the log does not say.
+    assert report.unread == [
+        "process 201's lock wait (line 1) names 2 processes holding the lock in modes the log "
+        "does not give: not each of them need have blocked it"
+    ]
+    rows = incident.waits.filter(lead_up=True).order_by("id")
+    assert [(w.waiter_pid, w.blocker_pid, w.mode) for w in rows] == [
+        (201, 200, "ShareLock"),
+        (201, 202, "ShareLock"),
+        (200, 201, "AccessExclusiveLock"),
+        (200, 203, "AccessExclusiveLock"),
+    ]
