@@ -358,8 +358,10 @@ def locks_import(request: HttpRequest) -> HttpResponse:
     try:
         # Decompressed, no more than the limit either: a small .gz can
         # hold gigabytes, each read while the page waits.
-        text, warning = pglog.decode(upload.read(), limit=LOG_UPLOAD_LIMIT)
-        reports = pglog.parse(text, log_format)
+        zone = pglog.log_timezone(request.POST.get("log_timezone", ""))
+        encoding = request.POST.get("encoding", "").strip() or "utf-8"
+        text, warning = pglog.decode(upload.read(), encoding, limit=LOG_UPLOAD_LIMIT)
+        reports = pglog.parse(text, log_format, zone)
         with form_lock_waits():
             imported = pglog.store(reports, upload.name)
     except pglog.LogFormatError as error:

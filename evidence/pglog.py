@@ -50,6 +50,7 @@ from evidence.pglog_formats import (
     LogFormatError,
     Record,
     decode,
+    log_timezone,
     read,
 )
 from runs.models import canonical_json, text_digest
@@ -64,6 +65,7 @@ __all__ = [
     "Report",
     "decode",
     "import_log",
+    "log_timezone",
     "parse",
     "record",
     "store",

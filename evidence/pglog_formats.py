@@ -95,10 +95,23 @@ def decode(
         text = raw.decode(encoding, errors="replace")
         warning = (
             f"some bytes are not {encoding} (the first at byte {error.start}) and were read as "
-            "U+FFFD: a server writes its log in its database's encoding; import_pg_log "
-            "--encoding names it"
+            "U+FFFD: a server writes its log in its database's encoding; name it (import_pg_log "
+            "--encoding, the import form's Encoding)"
         )
     return text.replace("\x00", "\ufffd"), warning
+
+
+def log_timezone(name: str) -> dt.tzinfo | None:
+    """The server's log_timezone named `name` (None: not given)."""
+    if not name.strip():
+        return None
+    try:
+        return zoneinfo.ZoneInfo(name.strip())
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise LogFormatError(
+            f"log_timezone {name[:100]!r} is not a time zone this server knows "
+            "(a name such as Europe/Berlin)"
+        ) from None
 
 
 def lines(text: str) -> list[str]:

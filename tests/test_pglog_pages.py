@@ -5,6 +5,7 @@ cover no arrow and no other label."""
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import json
 import math
@@ -43,6 +44,41 @@ def test_upload_reads_the_format_its_content_says_or_the_one_chosen(operator):
     form = operator.get("/locks/").content.decode()
     assert '<option value="auto" selected>as its content says</option>' in form
     assert '<option value="jsonlog">jsonlog</option>' in form
+
+
+def test_upload_reads_a_log_in_its_servers_encoding_and_log_timezone(operator):
+    """What import_pg_log's --encoding and --log-timezone say, the form
+    says: a LATIN1 server's French log; a log whose times say PST, written
+    by a server in Asia/Manila."""
+    servers = FIXTURES / "servers"
+    latin1 = (servers / "fr_latin1.log").read_bytes()
+
+    def send(name, raw, **fields):
+        file = SimpleUploadedFile(name, raw)
+        return operator.post("/locks/import/", {"log": file, **fields}, follow=True)
+
+    page = send("fr.log", latin1).content.decode()
+    assert "some bytes are not utf-8 (the first at byte 70)" in page
+    assert "the import form&#x27;s Encoding" in page
+    page = send("fr.log", latin1, encoding="latin-1").content.decode()
+    assert "1 deadlock reports imported from fr.log." in page and "U+FFFD" not in page
+    assert LockIncident.objects.get().cycle == [20628, 20629]
+
+    verbose = (servers / "verbose.log").read_bytes()
+    page = send("pst.log", verbose, log_timezone="Asia/Manila").content.decode()
+    assert "1 deadlock reports imported from pst.log." in page
+    incident = LockIncident.objects.latest("id")
+    assert incident.time_known and incident.unread == []
+    assert incident.started_at == dt.datetime(2026, 12, 1, 13, 49, 53, tzinfo=dt.UTC)
+    for fields, said in [
+        ({"log_timezone": "Mars/Olympus"}, "not a time zone this server knows"),
+        ({"encoding": "klingon"}, "not an encoding Python knows"),
+    ]:
+        page = send("azure.log", (servers / "azure.log").read_bytes(), **fields).content.decode()
+        assert said in page and "Nothing was imported." in page
+    assert LockIncident.objects.count() == 2
+    form = operator.get("/locks/").content.decode()
+    assert 'name="encoding" value="utf-8"' in form and 'name="log_timezone"' in form
 
 
 def test_a_report_without_a_time_says_time_unknown_and_what_was_not_read(operator):

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import json
 import sys
-import zoneinfo
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +46,10 @@ class Command(BaseCommand):
             raw = sys.stdin.buffer.read() if name == "-" else Path(name).read_bytes()
         except OSError as error:
             raise CommandError(f"cannot read {name}: {error.strerror}") from None
-        zone = None
-        if options["log_timezone"]:
-            try:
-                zone = zoneinfo.ZoneInfo(options["log_timezone"])
-            except (zoneinfo.ZoneInfoNotFoundError, ValueError):
-                raise CommandError(
-                    f"--log-timezone {options['log_timezone']!r}: not a time zone this server "
-                    "knows (a name such as Europe/Berlin)"
-                ) from None
+        try:
+            zone = pglog.log_timezone(options["log_timezone"] or "")
+        except pglog.LogFormatError as error:
+            raise CommandError(f"--log-timezone: {error}") from None
         try:
             text, warning = pglog.decode(raw, options["encoding"])
             reports = pglog.parse(text, options["format"], zone)
