@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import re
 import time
 import urllib.error
@@ -20,6 +21,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from email.message import Message
 from typing import Protocol
 
 from django.conf import settings
@@ -591,9 +593,30 @@ class OfflineProvider:
 MAX_ANSWER_BYTES = 2_000_000
 
 
+# Answers a model API gives when busy, or when it failed before it
+# answered: asked again after a pause (as the vendors' own clients do), up
+# to MODEL_RETRIES times, within the call's time.  A model call is a read:
+# asked twice, it has no effect but its cost.
+RETRIED_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+MODEL_RETRIES = 2
+# The pause before asking again: the answer's Retry-After (seconds), at
+# most MAX_RETRY_AFTER, else FIRST_PAUSE, doubled each time.
+FIRST_PAUSE = 0.5
+MAX_RETRY_AFTER = 30.0
+
+
+class _Busy(ProviderError):
+    """An answer worth asking again for, after `pause` seconds (None: as
+    the backoff says)."""
+
+    def __init__(self, message: str, pause: float | None = None) -> None:
+        super().__init__(message)
+        self.pause = pause
+
+
 class OpenAICompatibleProvider:
     """POST {RUNDESK_MODEL_URL}/chat/completions, with a timeout for the
-    whole call."""
+    whole call, its retries included."""
 
     name = "openai"
 
@@ -611,18 +634,35 @@ class OpenAICompatibleProvider:
         # S310: settings.env_url allows http(s) URLs only.
         request = urllib.request.Request(self.url, body.encode(), headers, method="POST")  # noqa: S310
         deadline = time.monotonic() + self.timeout
+        attempt = 1
+        while True:
+            try:
+                return self._ask(request, deadline)
+            except _Busy as busy:
+                pause = FIRST_PAUSE * 2 ** (attempt - 1) if busy.pause is None else busy.pause
+                if attempt > MODEL_RETRIES or time.monotonic() + pause >= deadline:
+                    tries = f" ({attempt} attempts in {self.timeout:g} s)" if attempt > 1 else ""
+                    raise ProviderError(f"{busy}{tries}") from busy
+                time.sleep(pause)
+                attempt += 1
+
+    def _ask(self, request: urllib.request.Request, deadline: float) -> str:
+        """One request, within what is left of the call's time."""
         try:
             # A redirect is an HTTPError: the key goes nowhere else.
-            with NOT_REDIRECTED.open(request, timeout=self.timeout) as response:
+            left = max(deadline - time.monotonic(), 0.001)
+            with NOT_REDIRECTED.open(request, timeout=left) as response:
                 payload = json.loads(self._answer(response, deadline))
         except urllib.error.HTTPError as error:
+            if error.code in RETRIED_STATUS:
+                raise _Busy(
+                    f"model API answered HTTP {error.code}", _retry_after(error.headers)
+                ) from error
             raise ProviderError(f"model API answered HTTP {error.code}") from error
-        except (
-            urllib.error.URLError,
-            TimeoutError,
-            ConnectionError,
-            http.client.HTTPException,
-        ) as error:
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as error:
+            # Refused, reset or closed before an answer: nothing was answered.
+            raise _Busy(f"model API unreachable or too slow: {error}") from error
+        except TimeoutError as error:
             raise ProviderError(f"model API unreachable or too slow: {error}") from error
         except (ValueError, RecursionError) as error:  # not JSON (or nested too deep), not UTF-8
             raise ProviderError("model API answered with something other than JSON") from error
@@ -649,6 +689,16 @@ class OpenAICompatibleProvider:
                 raise ProviderError(f"model API too slow: no whole answer in {self.timeout:g} s")
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def _retry_after(headers: Message | None) -> float | None:
+    """The seconds a Retry-After header asks to wait (at most
+    MAX_RETRY_AFTER); None where it gives none as a number."""
+    try:
+        seconds = float(headers.get("Retry-After", "") if headers else "")
+    except ValueError:
+        return None
+    return None if math.isnan(seconds) else min(max(seconds, 0.0), MAX_RETRY_AFTER)
 
 
 def get_provider() -> Provider:

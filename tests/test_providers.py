@@ -555,8 +555,8 @@ def test_openai_provider_sends_the_api_key_as_a_bearer_token(model_api):
 @pytest.mark.parametrize(
     ("respond", "message"),
     [
-        (status(500), "HTTP 500"),
-        (status(429), "HTTP 429"),
+        (status(400), "HTTP 400"),
+        (status(401), "HTTP 401"),
         (answer(b"<html>not json</html>"), "other than JSON"),
         (answer(b"[" * 100_000), "other than JSON"),
         (answer(b'{"error": "overloaded"}'), "no choices"),
@@ -567,8 +567,8 @@ def test_openai_provider_sends_the_api_key_as_a_bearer_token(model_api):
         (chat_completion(" \n "), "no text"),
     ],
     ids=[
-        "500",
-        "429",
+        "400",
+        "401",
         "not-json",
         "nested-too-deep",
         "no-choices",
@@ -585,6 +585,52 @@ def test_openai_provider_turns_a_bad_answer_into_a_provider_error(model_api, res
     with pytest.raises(ProviderError, match=message):
         provider(model_api).complete(MESSAGES)
     assert len(model_api.requests) == 1
+
+
+def in_turn(*responders: Callable) -> Callable:
+    """Answers each request as the next of `responders` does (the last again)."""
+    answered = iter(responders)
+    last: list[Callable] = []
+
+    def respond(handler: BaseHTTPRequestHandler, body: bytes) -> None:
+        last[:] = [next(answered, *last)]
+        last[0](handler, body)
+
+    return respond
+
+
+def hang_up(handler: BaseHTTPRequestHandler, _: bytes) -> None:
+    """Closes the connection before any answer (a proxy restarting)."""
+    handler.close_connection = True
+
+
+@pytest.mark.parametrize(
+    "busy",
+    [status(429, headers={"Retry-After": "0.2"}), status(503), hang_up],
+    ids=["429-retry-after", "503", "hung-up"],
+)
+def test_openai_provider_asks_again_after_a_pause_when_the_api_was_busy(model_api, busy):
+    model_api.respond = in_turn(busy, chat_completion("second time"))
+
+    started = time.monotonic()
+    assert provider(model_api).complete(MESSAGES) == "second time"
+    assert len(model_api.requests) == 2
+    assert time.monotonic() - started >= 0.2  # Retry-After, or the first pause (0.5 s)
+
+
+def test_openai_provider_asks_no_more_than_twice_again_nor_past_its_timeout(model_api):
+    model_api.respond = status(503, headers={"Retry-After": "0"})
+    with pytest.raises(ProviderError, match=r"HTTP 503 \(3 attempts in 2 s\)"):
+        provider(model_api).complete(MESSAGES)
+    assert len(model_api.requests) == 3
+
+    # A pause that would end past the call's time is not waited for.
+    model_api.requests.clear()
+    model_api.respond = status(429, headers={"Retry-After": "5"})
+    started = time.monotonic()
+    with pytest.raises(ProviderError, match=r"HTTP 429$"):
+        provider(model_api, timeout=1.0).complete(MESSAGES)
+    assert len(model_api.requests) == 1 and time.monotonic() - started < 0.5
 
 
 def test_openai_provider_slower_than_its_timeout_is_a_provider_error(model_api):
