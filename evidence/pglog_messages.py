@@ -10,15 +10,36 @@ from functools import cache
 from evidence import pglog_catalog, pglog_po
 
 MESSAGES = {message.name: message for message in pglog_po.MESSAGES}
+# A letter no ASCII text holds, in a form of the catalog (its regexes are
+# ASCII but for the translation's own letters).
+NOT_ASCII = re.compile(r"[^\x00-\x7f]")
+ASCII_LETTER = re.compile(r"[A-Za-z]")
+# What of a regex is syntax, not the message's words.
+SYNTAX = re.compile(r"\(\?P<\w+>|\\.|\[(?:\\.|[^\]])*\]|\{\d*,?\d*\}")
+
+
+def _forms(name: str) -> list[str]:
+    """The regexes of message `name`, in every language of the catalog.  A
+    server whose database is SQL_ASCII writes each letter of a translation
+    that ASCII does not hold as "?" (glibc's gettext in the C locale:
+    "d?tect?"): in a form of three ASCII letters or more to each other one
+    (French, German, Spanish...), each such letter matches itself or "?".
+    Another is not widened: a word of "?" alone could be any word of its
+    length (Korean, Japanese; a Russian server's log is transliterated
+    instead, "OSHIBKA": not read either)."""
+    forms = []
+    for regexes in pglog_catalog.MESSAGES.get(name, {}).values():
+        for regex in regexes:
+            others = len(NOT_ASCII.findall(regex))
+            if others and 3 * others <= len(ASCII_LETTER.findall(SYNTAX.sub("", regex))):
+                regex = NOT_ASCII.sub(lambda letter: f"[{letter[0]}?]", regex)
+            forms.append(regex)
+    return forms
 
 
 @cache
 def _patterns(name: str) -> tuple[re.Pattern[str], ...]:
-    return tuple(
-        re.compile(regex)
-        for regexes in pglog_catalog.MESSAGES.get(name, {}).values()
-        for regex in regexes
-    )
+    return tuple(re.compile(regex) for regex in _forms(name))
 
 
 def find(name: str, text: str) -> re.Match[str] | None:
@@ -79,11 +100,7 @@ def label_pattern() -> re.Pattern[str]:
     groups = []
     for name in names("severity:") + names("label:"):
         kind, word = name.split(":")
-        forms = sorted(
-            {regex for regexes in pglog_catalog.MESSAGES[name].values() for regex in regexes},
-            key=len,
-            reverse=True,
-        )
+        forms = sorted(set(_forms(name)), key=len, reverse=True)
         colon = r":\s+" if kind == "severity" else r"(?:\s+|$)"
         groups.append(f"(?P<{kind[0]}_{word}>(?:{'|'.join(forms)}){colon})")
     return re.compile(rf"(?<!\w)(?:{'|'.join(groups)})")

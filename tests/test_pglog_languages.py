@@ -232,3 +232,24 @@ def test_a_client_quoting_a_german_servers_report():
         (12750, 12749, "ShareLock", "transaction 102046"),
     ]
     assert report.context == "beim Aktualisieren von Tupel (0,2) in Relation »accounts«"
+
+
+@pytest.mark.parametrize("language", ["de", "fr", "es", "it", "pt_BR", "sv"])
+def test_a_sql_ascii_servers_report_with_a_question_mark_for_each_accent_is_read(language):
+    """A database of encoding SQL_ASCII has gettext write the translation
+    in ASCII: glibc writes "?" for each letter ASCII does not hold
+    ("interblocage (deadlock) d?tect?").  A form of Latin letters matches
+    with them; the CONTEXT is kept as written."""
+    text = (FIXTURES / "lang" / f"{language}.log").read_text()
+    (whole,) = pglog.parse(text)
+    (report,) = pglog.parse(re.sub(r"[^\x00-\x7f]", "?", text))
+    assert {**report.as_json(), "context": whole.context} == whole.as_json()
+    assert report.context == re.sub(r"[^\x00-\x7f]", "?", whole.context)
+
+
+def test_a_word_of_question_marks_alone_is_no_translation_read():
+    """Korean, Japanese or Chinese in ASCII are words of "?" that could be
+    any word of their length: not read as any message."""
+    for language in ("ko", "ja", "zh_CN", "ru"):
+        text = (FIXTURES / "lang" / f"{language}.log").read_text()
+        assert pglog.parse(re.sub(r"[^\x00-\x7f]", "?", text)) == [], language

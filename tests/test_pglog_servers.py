@@ -1,7 +1,9 @@
 """Logs of real servers set up otherwise than the default, read like any
 other: tests/fixtures/pglog/servers/ holds what a PostgreSQL 15.20 cluster
 wrote with log_error_verbosity=verbose, lc_messages ko_KR and sv_SE, a
-LATIN1 database with French messages, log_timezone Asia/Manila, Azure's
+LATIN1 database with French messages, a SQL_ASCII one with French
+messages (glibc writes "?" for each accented letter), log_timezone
+Asia/Manila, Azure's
 log_line_prefix (%t-%c-), a prefix with %x and no time, queries holding
 U+2028, a logrotate .gz, logs read while being written (jsonlog, csvlog), a
 12,000-character statement, and multi-line queries whose lines say
@@ -292,3 +294,17 @@ def test_a_function_that_raises_deadlock_detected_is_no_deadlock_report(name):
     assert [len(report.graph.processes) for report in reports] == [2, 3, 2, 2]
     assert all(report.graph.cycle() for report in reports)
     assert 1 not in {pid for report in reports for pid in report.graph.processes}
+
+
+def test_a_sql_ascii_databases_french_report_is_read_through_its_question_marks():
+    """A SQL_ASCII database with lc_messages fr_FR.UTF-8: the server writes
+    "interblocage (deadlock) d?tect?", "D?TAIL", "<< t >>" (glibc's
+    gettext in the database's C locale)."""
+    (report,) = parse("fr_sql_ascii.log")
+
+    assert report.graph.cycle() == [18203, 18204]
+    assert report.graph.processes[18204].query == "UPDATE t SET v = v + 1 WHERE id = 1"
+    assert [(w.waiter, w.holders) for w in report.lead_up] == [(18204, [18203]), (18203, [18204])]
+    assert report.context == "lors de la mise ? jour de la ligne (0,2) dans la relation << t >>"
+    assert report.statement == "UPDATE t SET v = v + 1 WHERE id = 2"
+    assert report.unread == []
