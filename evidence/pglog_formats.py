@@ -90,7 +90,7 @@ def decode(
     try:
         text, warning = raw.decode(encoding), ""
     except LookupError:
-        raise LogFormatError(f"{encoding!r} is not an encoding Python knows") from None
+        raise LogFormatError(f"{encoding[:100]!r} is not an encoding Python knows") from None
     except UnicodeDecodeError as error:
         text = raw.decode(encoding, errors="replace")
         warning = (
