@@ -105,6 +105,8 @@ class LoggedWait:
     time: dt.datetime | None
     holders: list[int] = field(default_factory=list)
     line: int = 0
+    # The line of a message naming no process that may have ended it (0: none).
+    doubted_at: int = 0
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -180,9 +182,8 @@ def parse(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> lis
     waiting: dict[int, LoggedWait] = {}
     # Where lines name no process (log_line_prefix without %p), a message
     # that may end a wait may be any process's: the waits so logged since the
-    # last such message, and (by id) the line of the first after each.
+    # last such message.
     unnamed: list[LoggedWait] = []
-    doubted: dict[int, int] = {}
     # Per process, the application name the log gives it (csvlog, jsonlog;
     # stderr where %a names a Rundesk connection).
     applications: dict[int, str] = {}
@@ -218,7 +219,8 @@ def parse(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> lis
         else:
             latest[key] = None
             if key is None and item.severity in MAY_END_WAIT:
-                doubted.update((id(wait), item.line) for wait in unnamed)
+                for wait in unnamed:
+                    wait.doubted_at = item.line
                 unnamed.clear()
         # A process that logs anything else waits no more: its statement went
         # on, or ended (a lock or statement timeout, a cancel, this deadlock),
@@ -239,7 +241,7 @@ def parse(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> lis
         for wait in taken:
             said = f"process {wait.waiter}'s lock wait (line {wait.line})"
             # Doubted by a message before the report (records come in their lines' order).
-            if (ended := doubted.get(id(wait), report.line)) < report.line:
+            if 0 < (ended := wait.doubted_at) < report.line:
                 report.unread.append(
                     f"{said} may have ended at line {ended}, whose message names no process "
                     "(log_line_prefix has no %p): whether it still waited at the report cannot "

@@ -18,9 +18,11 @@ does with them does not depend on where they came from:
 
 from __future__ import annotations
 
+import codecs
 import collections
 import csv
 import datetime as dt
+import functools
 import gzip
 import io
 import itertools
@@ -87,10 +89,9 @@ def decode(
             raise LogFormatError(f"gzip-compressed, but not readable: {error}") from None
         if len(raw) > limit:
             raise LogFormatError(f"more than {limit} bytes once decompressed")
+    encoding = log_encoding(encoding)
     try:
         text, warning = raw.decode(encoding), ""
-    except LookupError:
-        raise LogFormatError(f"{encoding[:100]!r} is not an encoding Python knows") from None
     except UnicodeDecodeError as error:
         text = raw.decode(encoding, errors="replace")
         warning = (
@@ -99,6 +100,43 @@ def decode(
             "--encoding, the import form's Encoding)"
         )
     return text.replace("\x00", "\ufffd"), warning
+
+
+# The encodings a server writes its log in (a database's encoding, as
+# `SHOW server_encoding` names it), as Python names them.  SQL_ASCII holds
+# whatever clients sent: most often UTF-8.  (EUC_TW and MULE_INTERNAL have
+# no Python codec.)
+SERVER_ENCODINGS = {
+    "UTF8": "utf-8", "SQL_ASCII": "utf-8", "LATIN1": "iso8859-1", "LATIN2": "iso8859-2",
+    "LATIN3": "iso8859-3", "LATIN4": "iso8859-4", "LATIN5": "iso8859-9", "LATIN6": "iso8859-10",
+    "LATIN7": "iso8859-13", "LATIN8": "iso8859-14", "LATIN9": "iso8859-15",
+    "LATIN10": "iso8859-16", "ISO_8859_5": "iso8859-5", "ISO_8859_6": "iso8859-6",
+    "ISO_8859_7": "iso8859-7", "ISO_8859_8": "iso8859-8", "WIN866": "cp866", "WIN874": "cp874",
+    "WIN1250": "cp1250", "WIN1251": "cp1251", "WIN1252": "cp1252", "WIN1253": "cp1253",
+    "WIN1254": "cp1254", "WIN1255": "cp1255", "WIN1256": "cp1256", "WIN1257": "cp1257",
+    "WIN1258": "cp1258", "KOI8R": "koi8-r", "KOI8U": "koi8-u", "EUC_JP": "euc_jp",
+    "EUC_CN": "gb2312", "EUC_KR": "euc_kr", "EUC_JIS_2004": "euc_jis_2004",
+    "GB18030": "gb18030",
+}  # fmt: skip
+
+
+def log_encoding(name: str) -> str:
+    """The Python codec of a server encoding named as PostgreSQL names it
+    (WIN1251) or as Python does (cp1251); no other codec (a log is text
+    one of them wrote)."""
+    key = name.strip().upper().replace("-", "_")
+    if codec := SERVER_ENCODINGS.get(key) or SERVER_ENCODINGS.get(key.replace("_", "")):
+        return codec
+    try:
+        codec = codecs.lookup(name.strip()).name
+    except (LookupError, ValueError):
+        codec = ""
+    if codec and codec in SERVER_ENCODINGS.values():
+        return codec
+    raise LogFormatError(
+        f"{name[:100]!r} is not an encoding a PostgreSQL server writes its log in: "
+        f"one of {', '.join(SERVER_ENCODINGS)}, or its Python name (latin-1, cp1251, euc-jp)"
+    )
 
 
 def log_timezone(name: str) -> dt.tzinfo | None:
@@ -142,11 +180,27 @@ def detect(text: str) -> str:
     the middle (`tail -c`, a collector that cuts at a size) starts inside a
     record: then the record after it says."""
     text = text.removeprefix(BOM)
-    first, second, *_ = [line for line in lines(text[:CUT_HEAD]) if line.strip()] + ["", ""]
+    first, second, *_ = [*_first_lines(text, 2), "", ""]
     entry = _json_line(first)
-    if _is_server_entry(entry) or (entry is None and _is_server_entry(_json_line(second))):
+    # The rest of an entry: no JSON, but its end.
+    cut = entry is None and first.rstrip().endswith("}")
+    if _is_server_entry(entry) or (cut and _is_server_entry(_json_line(second))):
         return "jsonlog"
     return "csvlog" if _csv_start(text) is not None else "stderr"
+
+
+def _first_lines(text: str, count: int) -> list[str]:
+    """The first `count` lines of `text` that are not blank, whole."""
+    found: list[str] = []
+    start = 0
+    while len(found) < count and start < len(text):
+        end = text.find("\n", start)
+        end = len(text) if end < 0 else end
+        line = text[start:end].removesuffix("\r")
+        if line.strip():
+            found.append(line)
+        start = end + 1
+    return found
 
 
 def _json_line(line: str) -> object:
@@ -414,6 +468,12 @@ class _Pending:
     sqlstate: str = ""
     last: int = 0  # the input line its last line came from
 
+    @functools.cached_property
+    def shape(self) -> str:
+        """Its prefix with every number 0: what a shipper's prefix of its
+        further lines looks like."""
+        return DIGITS.sub("0", self.prefix)
+
     def record(self) -> Record:
         text = "\n".join(self.lines).strip("\n")
         return Record(
@@ -504,7 +564,14 @@ class _TextReader:
             return None
         pid = _pid(head)
         message = self.pending if pid is None else self.open.get(pid)
-        if message and DIGITS.sub("0", message.prefix).startswith(DIGITS.sub("0", head)):
+        shipped = DIGITS.sub("0", head)
+        # A head the message's own prefix follows with a tab is the first
+        # field of a log_line_prefix with tabs ('%m\t[%p]\t'), not a shipper's.
+        if (
+            message
+            and message.shape.startswith(shipped)
+            and not SHIPPER_TAB.match(message.shape, len(shipped))
+        ):
             return message, line[tab.end() :]
         return None
 
@@ -555,7 +622,7 @@ class _TextReader:
         pending = self.pending
         if pending is None:
             return
-        if (rest := _continuation(line, pending.prefix)) is not None:
+        if (rest := _continuation(line, pending.shape)) is not None:
             pending.lines.append(rest)
         elif LEFTOVER.match(line):
             pending.lines.append("")
@@ -648,18 +715,19 @@ def _quoted_report(line: str) -> int | None:
     return None if before and before[-1].isalnum() else found.start()
 
 
-def _continuation(line: str, prefix: str) -> str | None:
+def _continuation(line: str, shape: str) -> str | None:
     """The rest of the message when `line` continues it: indented (the
     server indents a message's further lines by a tab) but not a stack
     frame; or a report's line a client wrote unindented; or only a log
-    shipper's prefix (an empty line; with text, `_TextReader._further`)."""
+    shipper's prefix, shaped like the message's (`_Pending.shape`): an
+    empty line; with text, `_TextReader._further`."""
     if line[:1].isspace():
         return None if STACK_FRAME.match(line) else line[1:] if line[0] == "\t" else line
     if len(line) <= MAX_LINE and any(
         messages.starts(name, line) for name in ("waits", "process_query", "holders")
     ):
         return line
-    if prefix and line.strip() and DIGITS.sub("0", prefix).startswith(DIGITS.sub("0", line)):
+    if shape and line.strip() and shape.startswith(DIGITS.sub("0", line)):
         return ""
     return None
 

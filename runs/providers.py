@@ -641,7 +641,7 @@ class OpenAICompatibleProvider:
             except _Busy as busy:
                 pause = FIRST_PAUSE * 2 ** (attempt - 1) if busy.pause is None else busy.pause
                 if attempt > MODEL_RETRIES or time.monotonic() + pause >= deadline:
-                    tries = f" ({attempt} attempts in {self.timeout:g} s)" if attempt > 1 else ""
+                    tries = f" ({attempt} attempts)" if attempt > 1 else ""
                     raise ProviderError(f"{busy}{tries}") from busy
                 time.sleep(pause)
                 attempt += 1

@@ -395,3 +395,24 @@ def test_a_wait_whose_holders_need_not_each_block_it_is_stored_and_said():
         (200, 201, "AccessExclusiveLock"),
         (200, 203, "AccessExclusiveLock"),
     ]
+
+
+def test_a_wait_a_pid_less_message_doubted_and_that_ended_leaves_no_doubt_on_later_ones():
+    """The doubt is the wait's own: a later wait of other processes, logged
+    after the doubted one was acquired and forgotten, is lead-up (it was
+    once taken for the doubted one when the two shared an address)."""
+    head = "2026-11-29 13:00:0{s}.000 UTC "
+    for filler in range(12):
+        log = (
+            f"{head.format(s=1)}LOG:  process 101 still waiting for ShareLock on transaction 7001 "
+            "after 1000.100 ms\n"
+            f"{head.format(s=1)}DETAIL:  Process holding the lock: 102. Wait queue: 101.\n"
+            f'{head.format(s=2)}ERROR:  duplicate key value violates unique constraint "u"\n'
+            f"{head.format(s=3)}LOG:  process 101 acquired ShareLock on transaction 7001 after "
+            "2000.100 ms\n"
+            + "".join(f"{head.format(s=3)}LOG:  statement: SELECT {i}\n" for i in range(filler))
+            + NO_PID_ENDED_WAIT.split("\n", 5)[5]
+        )
+        (report,) = pglog.parse(log)
+        assert [w.waiter for w in report.lead_up] == [103, 104], filler
+        assert report.unread == [], filler

@@ -5,6 +5,7 @@ jsonlog; the format found from the content, or the one asked for."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import zoneinfo
 from collections.abc import Callable
 from pathlib import Path
@@ -356,3 +357,38 @@ def test_a_shippers_lines_of_other_processes_between_a_messages_lines_are_not_it
     assert report.graph.cycle() == [4102, 4103] and report.unread == []
     # The records come in the order their messages start.
     assert [r.line for r in records] == sorted(r.line for r in records)
+
+
+def test_text_before_a_jsonlog_is_no_cut_entry_and_a_long_first_entry_is_whole():
+    """Only a first line that ends an entry (`...}`) is taken for the rest of
+    one: `tail -n` of two files, with its `==> a.json <==` lines, is read as
+    text (which reads the server's entries too).  A first entry longer than
+    the head looked at for a cut (a bulk INSERT's statement) is read whole."""
+    log = (FIXTURES / "three_way.json").read_text()
+    tailed = "==> a.json <==\n" + log + "\n==> b.json <==\n" + log
+    assert pglog_formats.detect(tailed) == "stderr"
+    assert [r.graph.cycle() for r in pglog.parse(tailed)] == [[4102, 4103, 4104]] * 2
+    long = json.dumps(
+        {"timestamp": "2026-11-29 09:59:59.000 UTC", "pid": 4105, "error_severity": "LOG",
+         "message": "statement: INSERT INTO t VALUES " + "(1)," * (pglog_formats.CUT_HEAD // 4)}
+    )  # fmt: skip
+    assert pglog_formats.detect(long + "\n" + log) == "jsonlog"
+    (report,) = pglog.parse(long + "\n" + log)
+    assert [w.waiter for w in report.lead_up] == [4103, 4104, 4102]
+
+
+@pytest.mark.parametrize("shape", ["{time}\t[{pid}]\t", "[{pid}]\t{time} "])
+def test_a_log_line_prefix_with_tabs_starts_each_message_anew(shape):
+    """'%m\\t[%p]\\t': the words before a line's first tab are the first
+    field of its own prefix, not a shipper's prefix of the message before."""
+    lines = []
+    for line in (FIXTURES / "three_way.log").read_text().splitlines():
+        if not line.startswith("\t"):
+            time, rest = line.split(" [", 1)
+            pid, rest = rest.split("] rundesk@app ", 1)
+            line = shape.format(time=time, pid=pid) + rest
+        lines.append(line)
+    (report,) = pglog.parse("\n".join(lines) + "\n")
+    (plain,) = pglog.parse((FIXTURES / "three_way.log").read_text())
+    assert three_way_facts(report) == three_way_facts(plain)
+    assert report.unread == []

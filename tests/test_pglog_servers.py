@@ -165,7 +165,7 @@ def test_a_log_in_another_encoding_is_said_and_read_with_its_encoding(db):
     ("option", "message"),
     [
         (("--log-timezone", "Mars/Olympus"), "not a time zone this server knows"),
-        (("--encoding", "klingon"), "not an encoding Python knows"),
+        (("--encoding", "klingon"), "not an encoding a PostgreSQL server writes its log in"),
     ],
 )
 def test_an_unknown_zone_or_encoding_is_refused(db, option, message):

@@ -31,7 +31,8 @@ class Command(BaseCommand):
             "--encoding",
             default="utf-8",
             help="the log's encoding (default utf-8; a server writes its log in its database's "
-            "encoding, e.g. latin-1, cp1251, euc-jp)",
+            "encoding, as SHOW server_encoding names it (LATIN1, WIN1251, EUC_JP) or as Python "
+            "does (latin-1, cp1251, euc-jp))",
         )
         parser.add_argument(
             "--log-timezone",
