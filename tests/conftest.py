@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from django.conf import global_settings
 from django.conf import settings as django_settings
 from django.contrib.auth.models import Group, Permission, User
 from django.db import connection
@@ -19,6 +20,15 @@ from evidence.capture import capture
 from runs.timeline import timeline
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Production's password hash costs 0.6 s a user, and most tests make one: the
+# tests hash with MD5 first, and keep production's hashers after it, so a
+# password made for a production process (tests/test_production.py) is
+# still made, and checked, the production way.
+django_settings.PASSWORD_HASHERS = [
+    "django.contrib.auth.hashers.MD5PasswordHasher",
+    *global_settings.PASSWORD_HASHERS,
+]
 
 
 @pytest.fixture(scope="session", autouse=True)

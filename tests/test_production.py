@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from django.contrib.auth.hashers import make_password
 from django.contrib.auth.models import User
 from django.test import RequestFactory
 from django.views.defaults import server_error
@@ -343,6 +344,9 @@ def test_the_production_server_serves_pages_static_files_and_its_own_404(
     page.on("console", lambda m: m.type == "error" and problems.append(m.text))
     page.on("pageerror", lambda error: problems.append(str(error)))
     visit(page, "/login/", 200)
+    # gunicorn checks it with production's hashers, the tests' cheap one not among them.
+    operator_user.password = make_password(PASSWORD, hasher="pbkdf2_sha256")
+    operator_user.save(update_fields=["password"])
     page.fill("input[name=username]", operator_user.get_username())
     page.fill("input[name=password]", PASSWORD)
     page.click("button[type=submit]")
