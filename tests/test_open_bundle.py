@@ -187,6 +187,8 @@ def same_story(original: Run, copy: Run) -> dict[str, int]:
                     continue
                 if key == "run_id":
                     assert got == copy.pk, why
+                elif key == "imported_run_id":  # an incident belongs to the imported run
+                    assert got == copy.pk, why
                 elif key in ("waiter_run_id", "blocker_run_id"):
                     assert got == (copy.pk if value == original.pk else None), why
                 elif key in REFS:
