@@ -307,17 +307,36 @@ def bundle_download(request: HttpRequest, export_id: int) -> FileResponse:
 # -- locks ------------------------------------------------------------------------
 
 
+# Where an incident was seen: this installation's server, or another's
+# (opened with the bundle of one of its runs).
+INCIDENT_ORIGINS = {"here": "this installation", "imported": "imported with a run's bundle"}
+
+
+def _incidents() -> QuerySet[LockIncident]:
+    """Incidents with what their pages say of an imported one's run."""
+    return LockIncident.objects.select_related("imported_run").defer(
+        "imported_run__question", "imported_run__origin_manifest", "imported_run__faults"
+    )
+
+
 @require_safe
 @rejects_bad_input
 def locks_list(request: HttpRequest) -> HttpResponse:
-    incidents = LockIncident.objects.order_by("-started_at", "-id")
+    incidents = _incidents().order_by("-started_at", "-id")
     source = _choice(request, "source", IncidentSource.values)
     if source:
         incidents = incidents.filter(source=source)
+    origin = _choice(request, "origin", list(INCIDENT_ORIGINS))
+    if origin == "here":
+        incidents = incidents.local()
+    elif origin == "imported":
+        incidents = incidents.imported()
     context = {
         "incidents": incidents[:100],
         "source": source,
         "sources": IncidentSource.choices,
+        "origin": origin,
+        "origins": INCIDENT_ORIGINS.items(),
         "formats": pglog.FORMATS,
         "upload_limit_mb": LOG_UPLOAD_LIMIT // (1024 * 1024),
     }
@@ -327,7 +346,7 @@ def locks_list(request: HttpRequest) -> HttpResponse:
 @require_safe
 @rejects_bad_input
 def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
-    incident = get_object_or_404(LockIncident, pk=incident_id)
+    incident = get_object_or_404(_incidents(), pk=incident_id)
     waits = incident.waits.order_by("id")
     context = {
         "incident": incident,

@@ -19,13 +19,31 @@ JSON kept with a row (event data, an item's evidence, the evidence shown
 with a decision and its SHA-256) stays as it was recorded: ids inside it
 are the origin's.  Opening the same bundle again finds the run opened the
 first time (run_import_seal_unique).
+
+What a bundle says is another installation's, never this one's: no
+imported row takes a column this installation keeps for itself (LOCAL: the
+digest by which a log import here knows a report it stored, who a user is
+here), whatever the row holds; its lock incidents belong to the imported
+run (LockIncident.imported_run) and its waits name no local run.
+
+Opening costs bounded time whatever the zip holds (Limits): what the zip's
+directory declares is checked before anything is inflated (bundles.verify
+inflates every file), what the manifest declares before loading, and what
+is actually inflated, line by line, while loading, with the time taken;
+each refusal names the limit it met.  A refusal rolls the one transaction
+back: nothing half-loaded stays.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import io
 import json
+import os
+import stat
+import struct
+import time
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,8 +51,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from django.db import DataError, IntegrityError, connection, models, reset_queries, transaction
+from django.conf import settings
+from django.db import (
+    DataError,
+    IntegrityError,
+    OperationalError,
+    connection,
+    models,
+    reset_queries,
+    transaction,
+)
 from django.utils import timezone
+from psycopg.errors import QueryCanceled
 
 from evidence import bundles
 from evidence.models import (
@@ -64,6 +92,29 @@ BATCH_BYTES = 4 << 20  # and about this much JSON: evidence copies can be large
 # most 1 MB, escaped): a longer line is read no further.
 MAX_ROW_BYTES = 64 << 20
 UNIQUE_SEAL = "run_import_seal_unique"
+READ_BYTES = 1 << 20  # inflated per read: lines are cut from it in C, not byte by byte
+
+# What opening one bundle may cost; a setting of the name beside each
+# overrides it.  The largest export measured (200,000 events, README) fits
+# well within them.
+MAX_BYTES = 1 << 30  # RUNDESK_OPEN_BUNDLE_MAX_BYTES: inflated, all files together
+MAX_FILE_BYTES = 512 << 20  # RUNDESK_OPEN_BUNDLE_MAX_FILE_BYTES: inflated, any one file
+MAX_ROWS = 1_000_000  # RUNDESK_OPEN_BUNDLE_MAX_ROWS: lines of any one file, blank ones too
+MAX_SECONDS = 300.0  # RUNDESK_OPEN_BUNDLE_SECONDS: from the first look to the commit
+# No row an export writes nests this deep; one that does could not be
+# shown or exported again here (each level is a frame of Python's stack).
+MAX_DEPTH = 100
+# A bundle holds its manifest and the files bundles.MEMBERS names, and a
+# zip's directory of that many entries is a few kilobytes: zipfile reads
+# the whole directory before it can say anything, in time that grows with it.
+MAX_MEMBERS = len(bundles.MEMBERS) + 1
+MAX_DIRECTORY_BYTES = 64 << 10
+
+# Columns this installation keeps for itself, never taken from a bundle
+# whatever its rows hold (a sealed bundle is not a trusted one): what an
+# export leaves out, and the digest by which a log import here knows a
+# report it stored before (an imported one stopped this server's own log).
+LOCAL = frozenset(bundles.LEFT_OUT) | {"report_digest", "user_id"}
 
 
 class ImportRefused(Exception):
@@ -99,18 +150,106 @@ def origin_of(run: Run) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What opening one bundle may cost (MAX_BYTES and its neighbours)."""
+
+    bytes: int = MAX_BYTES
+    file_bytes: int = MAX_FILE_BYTES
+    rows: int = MAX_ROWS
+    seconds: float = MAX_SECONDS
+
+    @classmethod
+    def configured(cls) -> Limits:
+        return cls(
+            **{
+                name: getattr(settings, setting, getattr(cls, name))
+                for name, setting in LIMIT_SETTINGS.items()
+            }
+        )
+
+
+LIMIT_SETTINGS = {
+    "bytes": "RUNDESK_OPEN_BUNDLE_MAX_BYTES",
+    "file_bytes": "RUNDESK_OPEN_BUNDLE_MAX_FILE_BYTES",
+    "rows": "RUNDESK_OPEN_BUNDLE_MAX_ROWS",
+    "seconds": "RUNDESK_OPEN_BUNDLE_SECONDS",
+}
+
+
+class Budget:
+    """One opening's limits, its clock, and what it has inflated so far."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.deadline = time.monotonic() + limits.seconds
+        self.inflated = 0
+
+    def _refused(self, what: str, limit: str) -> ImportRefused:
+        return ImportRefused(f"{what} (the limit, {LIMIT_SETTINGS[limit]})")
+
+    def file(self, name: str, size: int) -> None:
+        if size > self.limits.file_bytes:
+            raise self._refused(
+                f"{name}: more than {self.limits.file_bytes} bytes inflated", "file_bytes"
+            )
+
+    def total(self, size: int) -> None:
+        if size > self.limits.bytes:
+            raise self._refused(
+                f"the bundle: more than {self.limits.bytes} bytes inflated in all", "bytes"
+            )
+
+    def rows(self, name: str, rows: int) -> None:
+        if rows > self.limits.rows:
+            raise self._refused(f"{name}: more than {self.limits.rows} rows", "rows")
+
+    def out_of_time(self) -> ImportRefused:
+        return self._refused(f"opening took more than {self.limits.seconds:g} seconds", "seconds")
+
+    def left_ms(self) -> int:
+        """What is left of the time, for the next statement; none left: refused."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self.out_of_time()
+        return max(1, int(left * 1000))
+
+    def line(self, name: str, size: int, line: int, rows: int) -> None:
+        """One more line of `name` read: `size` bytes of it so far, `line` bytes
+        in this one, `rows` lines."""
+        self.inflated += line
+        self.file(name, size)
+        self.total(self.inflated)
+        self.rows(name, rows)
+        if time.monotonic() > self.deadline:
+            raise self.out_of_time()
+
+
 def open_bundle(path: str | Path) -> Opened:
     """Verifies the bundle at `path` and opens it as an imported run, or
     finds the run it was opened as before.  ImportRefused says why not."""
+    budget = Budget(Limits.configured())
+    _check_directory(path, budget)
     checked = bundles.verify(path)
     if not checked.ok:
         raise ImportRefused("the bundle does not verify", checked.failures)
     manifest = checked.manifest
     if (earlier := Run.objects.filter(origin_seal=manifest["seal"]).first()) is not None:
         return Opened(earlier, imported=False)
+    _check_manifest(manifest, budget)
     try:
-        with transaction.atomic(), _unprepared(), zipfile.ZipFile(path) as bundle:
-            run = _Loader(bundle, manifest).load()
+        with (
+            transaction.atomic(),
+            _unprepared(),
+            _statement_timeout_kept(),
+            zipfile.ZipFile(path) as bundle,
+        ):
+            run = _Loader(bundle, manifest, budget).load()
+    except OperationalError as error:
+        # statement_timeout, set to the time left (Budget.left_ms).
+        if isinstance(error.__cause__, QueryCanceled):
+            raise budget.out_of_time() from None
+        raise
     except IntegrityError as error:
         # The same bundle, opened at the same moment by someone else: theirs
         # committed first and stands.
@@ -127,6 +266,63 @@ def open_bundle(path: str | Path) -> Opened:
     return Opened(run, imported=True)
 
 
+# The zip's end of central directory record: its signature, disk numbers,
+# entries on this disk and in all, the directory's size and offset, the
+# comment's length.
+END_RECORD = struct.Struct("<4s4H2LH")
+END_SIGNATURE = b"PK\x05\x06"
+
+
+def _check_directory(path: str | Path, budget: Budget) -> None:
+    """What the zip declares, checked before anything is inflated: how many
+    files its directory holds, and each file's size.  A file that is no
+    zip is left to bundles.verify, which says why."""
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return  # a pipe would block here: verify refuses it unread
+        with open(path, "rb") as file:
+            file.seek(0, os.SEEK_END)
+            end = file.tell()
+            # The record ends the file, but for a comment of up to 64 KB.
+            file.seek(max(0, end - END_RECORD.size - 0xFFFF))
+            tail = file.read()
+        at = tail.rfind(END_SIGNATURE)
+        if at >= 0 and len(tail) - at >= END_RECORD.size:
+            *_, entries, directory, _, _ = END_RECORD.unpack_from(tail, at)
+            if entries > MAX_MEMBERS or directory > MAX_DIRECTORY_BYTES:
+                raise ImportRefused(
+                    f"the zip's directory names {entries} files in {directory} bytes; "
+                    f"a bundle holds at most {MAX_MEMBERS}"
+                )
+        with zipfile.ZipFile(path) as bundle:
+            members = bundle.infolist()
+    except (OSError, zipfile.BadZipFile, UnicodeDecodeError, ValueError):
+        return
+    total = 0
+    for member in members:
+        # Stored bytes that inflate to nothing still take time to read.
+        size = max(member.file_size, member.compress_size)
+        budget.file(member.filename, size)
+        total += size
+    budget.total(total)
+
+
+def _check_manifest(manifest: dict[str, Any], budget: Budget) -> None:
+    """What the manifest declares, checked before loading (bundles.verify
+    checked the sizes against the zip's, not the rows)."""
+    total = 0
+    for name, entry in manifest["files"].items():
+        size, rows = entry.get("bytes"), entry.get("rows")
+        if isinstance(size, int):
+            budget.file(name, size)
+            total += size
+        if isinstance(rows, int):
+            budget.rows(name, rows)
+    budget.total(total)
+    if time.monotonic() > budget.deadline:
+        raise budget.out_of_time()
+
+
 @contextmanager
 def _unprepared() -> Iterator[None]:
     """Django binds parameters on the client, so each batch INSERT is a new
@@ -141,6 +337,19 @@ def _unprepared() -> Iterator[None]:
         yield
     finally:
         psycopg.prepare_threshold = threshold
+
+
+@contextmanager
+def _statement_timeout_kept() -> Iterator[None]:
+    """The loader bounds each statement by the time left (SET LOCAL, gone
+    with the transaction); opened inside a caller's transaction, the
+    caller's own bound comes back once the bundle is in."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting('statement_timeout')")
+        (before,) = cursor.fetchone()
+    yield
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT set_config('statement_timeout', %s, true)", [before])
 
 
 def _constraint(error: IntegrityError) -> str | None:
@@ -217,8 +426,8 @@ assert [kind.name for kind in KINDS] == [kind.name for kind in bundles.KINDS]
 
 
 class _Loader:
-    def __init__(self, bundle: zipfile.ZipFile, manifest: dict[str, Any]) -> None:
-        self.bundle, self.manifest = bundle, manifest
+    def __init__(self, bundle: zipfile.ZipFile, manifest: dict[str, Any], budget: Budget) -> None:
+        self.bundle, self.manifest, self.budget = bundle, manifest, budget
         self.ids = Ids()
         self.run: Run | None = None
         self.original_run_id: int | None = None
@@ -240,7 +449,10 @@ class _Loader:
         return self.run
 
     def _run(self) -> Run:
-        ((row, _),) = list(self._lines("run.json"))
+        lines = self._lines("run.json")
+        row, _ = next(lines, (None, 0))
+        if row is None or next(lines, None) is not None:
+            raise ImportRefused("run.json: not one row")
         if row.get("id") != self.manifest.get("run_id"):
             raise ImportRefused(
                 f"run.json is run {row.get('id')}, the manifest says run "
@@ -313,6 +525,10 @@ class _Loader:
     def _fix_evidence_copies(self, row: dict[str, Any], values: dict[str, Any]) -> None:
         self.copies += 1
 
+    def _fix_lock_incidents(self, row: dict[str, Any], values: dict[str, Any]) -> None:
+        assert self.run is not None
+        values["imported_run_id"] = self.run.pk
+
     def _fix_lock_waits(self, row: dict[str, Any], values: dict[str, Any]) -> None:
         # The run's own side of a wait is the imported run; the other run is
         # another installation's, unknown here.
@@ -324,6 +540,12 @@ class _Loader:
     def _insert(self, kind: Kind, batch: list[tuple[dict[str, Any], models.Model]]) -> None:
         if not batch:
             return
+        with connection.cursor() as cursor:
+            # SET LOCAL: gone with the transaction, on a pooler's shared
+            # connection too.
+            cursor.execute(
+                "SELECT set_config('statement_timeout', %s, true)", [f"{self.budget.left_ms()}ms"]
+            )
         created = kind.model.objects.bulk_create([instance for _, instance in batch])
         kept = getattr(self.ids, kind.keeps) if kind.keeps else None
         links = []
@@ -372,20 +594,48 @@ class _Loader:
         expected = self.manifest["files"].get(name)
         if expected is None:
             raise ImportRefused(f"{name}: not in the manifest")
-        sha256, size = hashlib.sha256(), 0
-        with self.bundle.open(name) as data:
+        sha256, size, rows = hashlib.sha256(), 0, 0
+        # What is inflated is counted as it is read, whatever the zip declared.
+        with self.bundle.open(name) as member, io.BufferedReader(member, READ_BYTES) as data:
             while line := data.readline(MAX_ROW_BYTES + 1):
+                size += len(line)
+                rows += 1  # a blank line costs a read too
+                self.budget.line(name, size, len(line), rows)
+                if size > expected.get("bytes", size):
+                    raise ImportRefused(f"{name}: changed since it was verified")
                 if len(line) > MAX_ROW_BYTES:
                     raise ImportRefused(f"{name}: a row of more than {MAX_ROW_BYTES} bytes")
                 sha256.update(line)
-                size += len(line)
                 if line.strip():
-                    row = json.loads(line)
-                    if not isinstance(row, dict):
-                        raise ImportRefused(f"{name}: a row that is not a JSON object")
-                    yield row, len(line)
+                    yield _parsed(name, line), len(line)
         if sha256.hexdigest() != expected.get("sha256") or size != expected.get("bytes"):
             raise ImportRefused(f"{name}: changed since it was verified")
+
+
+def _parsed(name: str, line: bytes) -> dict[str, Any]:
+    too_deep = ImportRefused(f"{name}: a row nested more than {MAX_DEPTH} deep")
+    try:
+        row = json.loads(line)
+    except RecursionError:
+        raise too_deep from None
+    if not isinstance(row, dict):
+        raise ImportRefused(f"{name}: a row that is not a JSON object")
+    if _deeper_than(row, MAX_DEPTH):
+        raise too_deep
+    return row
+
+
+def _deeper_than(row: dict[str, Any], most: int) -> bool:
+    """Whether `row` nests objects and arrays more than `most` deep (without
+    recursion: the row is what may be too deep for it)."""
+    stack: list[tuple[dict[str, Any] | list[Any], int]] = [(row, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > most:
+            return True
+        inside = value.values() if isinstance(value, dict) else value
+        stack.extend((each, depth + 1) for each in inside if isinstance(each, dict | list))
+    return False
 
 
 def _instance(model: type[models.Model], row: dict[str, Any], **values: Any) -> models.Model:
@@ -395,7 +645,7 @@ def _instance(model: type[models.Model], row: dict[str, Any], **values: Any) -> 
     fields: dict[str, Any] = {}
     for column, value in row.items():
         field_ = columns.get(column)
-        if field_ is None or column == "id":
+        if field_ is None or column == "id" or column in LOCAL:
             continue
         if isinstance(field_, models.DateTimeField) and isinstance(value, str):
             value = _when(value)

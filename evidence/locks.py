@@ -207,9 +207,13 @@ def store(
 
 
 def _known_runs(graph: Graph) -> set[int]:
-    """The runs named by the processes that still exist (a log may name others)."""
+    """The runs named by the processes that still exist (a log may name
+    others) among this installation's: an imported run's id here is not the
+    id its server's connections gave."""
     named = {p.run_id for p in graph.processes.values() if p.run_id}
-    return set(Run.objects.filter(pk__in=named).values_list("pk", flat=True)) if named else set()
+    if not named:
+        return set()
+    return set(Run.objects.local().filter(pk__in=named).values_list("pk", flat=True))
 
 
 def _wait(

@@ -150,10 +150,22 @@ class IncidentSource(models.TextChoices):
     LOG = "log"
 
 
+class LockIncidentQuerySet(models.QuerySet["LockIncident"]):
+    def local(self) -> LockIncidentQuerySet:
+        """Incidents of this installation's server: sampled, reproduced or
+        read from its logs here."""
+        return self.filter(imported_run__isnull=True)
+
+    def imported(self) -> LockIncidentQuerySet:
+        """Incidents opened with an imported run's bundle (evidence/imports.py)."""
+        return self.filter(imported_run__isnull=False)
+
+
 class LockIncident(models.Model):
     """Lock waits that belong together: seen by the sampler in consecutive
     samples, arranged by `reproduce_contention`, or one "deadlock detected"
-    report of a server log (evidence/pglog.py)."""
+    report of a server log (evidence/pglog.py); or another installation's
+    incident, opened with the bundle of one of its runs (`imported_run`)."""
 
     source = models.CharField(max_length=20, choices=IncidentSource)
     # For an imported report, the time its log gives; a log that gives none
@@ -172,6 +184,18 @@ class LockIncident(models.Model):
     # An imported report's digest (pglog.Report.digest): a log imported
     # again, or one that overlaps it, stores none of its reports twice.
     report_digest = models.CharField(max_length=64, blank=True, db_default="")
+    # Set: another installation's incident, opened with this imported run's
+    # bundle.  Its pids, queries and times are that server's; only the run's
+    # own side of each wait is known here.
+    imported_run = models.ForeignKey(
+        Run,
+        on_delete=models.PROTECT,
+        null=True,
+        blank=True,
+        related_name="imported_lock_incidents",
+    )
+
+    objects = LockIncidentQuerySet.as_manager()
 
     class Meta:
         ordering = ["-started_at", "-id"]
@@ -182,11 +206,22 @@ class LockIncident(models.Model):
                 condition=~Q(report_digest=""),
                 name="incident_report_once",
                 violation_error_message="this report was imported before",
-            )
+            ),
+            # The digest is how a log import here knows a report it stored
+            # before: a bundle's incident never stops the real report of
+            # this server's log from being stored.
+            models.CheckConstraint(
+                condition=Q(imported_run__isnull=True) | Q(report_digest=""),
+                name="incident_imported_not_a_log_import",
+            ),
         ]
 
     def __str__(self) -> str:
         return f"{self.source} incident {self.pk}"
+
+    @property
+    def is_imported(self) -> bool:
+        return self.imported_run_id is not None
 
 
 class LockWait(models.Model):

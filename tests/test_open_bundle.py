@@ -185,7 +185,8 @@ def same_story(original: Run, copy: Run) -> dict[str, int]:
                 got, why = new[key], (kind.name, key, value)
                 if key == "id":
                     continue
-                if key == "run_id":
+                # An incident of the bundle belongs to the imported run.
+                if key in ("run_id", "imported_run_id"):
                     assert got == copy.pk, why
                 elif key in ("waiter_run_id", "blocker_run_id"):
                     assert got == (copy.pk if value == original.pk else None), why

@@ -14,7 +14,9 @@ class Command(BaseCommand):
         "Verifies an investigation bundle and opens it in the dashboard as an imported run: "
         "read-only, marked with its origin and seal, never executed or resumed here.  "
         "Opening the same bundle again answers with the run it was opened as.  A bundle that "
-        "does not verify is refused (exit 1) and nothing is written."
+        "does not verify is refused (exit 1) and nothing is written; so is one that would "
+        "inflate, hold or take more than the limits (RUNDESK_OPEN_BUNDLE_MAX_BYTES, "
+        "_MAX_FILE_BYTES, _MAX_ROWS, _SECONDS), named in the refusal."
     )
 
     def add_arguments(self, parser: Any) -> None:
