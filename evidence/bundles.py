@@ -60,6 +60,7 @@ from evidence.models import (
     Source,
 )
 from evidence.redaction import Redactor
+from runs.checkpoints import canonical as checkpoint_text
 from runs.models import (
     Action,
     AnswerRevision,
@@ -471,12 +472,20 @@ class _WithoutEvidence:
         elif name == "receipts.jsonl" and row["action_id"] in self.reads:
             self._replace(name, row, "result", "document text given to the model")
         elif name == "checkpoints.jsonl" and row["state"] is not None:
-            # An agent's saved state holds what its model said (summaries).
-            self._replace(name, row, "state", "agent state")
+            # An agent's saved state holds what its model said (summaries);
+            # its digest is of the checkpoint's own canonical text.
+            self._replace(name, row, "state", "agent state", checkpoint_text)
         return row
 
-    def _replace(self, name: str, row: dict[str, Any], column: str, what: str) -> None:
-        text = canonical_json(row[column]).encode()
+    def _replace(
+        self,
+        name: str,
+        row: dict[str, Any],
+        column: str,
+        what: str,
+        text_of: Callable[[Any], str] = canonical_json,
+    ) -> None:
+        text = text_of(row[column]).encode()
         row[column] = {
             "left_out": what,
             "sha256": hashlib.sha256(text).hexdigest(),
