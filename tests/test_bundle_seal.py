@@ -250,3 +250,11 @@ def test_trusted_keys_are_read_by_name(monkeypatch):
         "partner": one,
         "lab": two,
     }
+
+
+def test_an_opened_bundle_says_who_signed_it_on_its_page(decided_run, tmp_path, viewer):
+    path = tmp_path / "run.zip"
+    bundles.export(decided_run.pk, path)
+    opened = open_bundle(path)
+    page = viewer.get(f"/runs/{opened.run.pk}/").content.decode()
+    assert "signed by this installation" in page
