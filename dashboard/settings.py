@@ -8,6 +8,8 @@ CELERY_BROKER_URL Celery uses kombu's filesystem transport under var/.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import sys
 import urllib.parse
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import dj_database_url
 import plotly
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.core.exceptions import ImproperlyConfigured
 
 from runs.sql import application_name
@@ -96,6 +100,49 @@ def env_url(name: str) -> str:
     if value and not urllib.parse.urlsplit(value).hostname:
         raise ImproperlyConfigured(f"{name} names no host: {value!r}")
     return value
+
+
+def env_signing_key(name: str) -> bytes | None:
+    """An Ed25519 private key, as its 32-byte seed: given as the base64 of
+    those 32 bytes, or as a PEM private key (`openssl genpkey -algorithm
+    ed25519`); None when unset."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if raw.startswith("-----BEGIN"):
+        try:
+            key = serialization.load_pem_private_key(raw.encode(), password=None)
+        except (ValueError, TypeError) as error:
+            raise ImproperlyConfigured(f"{name} is not a PEM private key: {error}") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ImproperlyConfigured(f"{name} must be an Ed25519 key, got {type(key).__name__}")
+        return key.private_bytes_raw()
+    return _base64_key(name, raw, "private key")
+
+
+def env_public_keys(name: str) -> dict[str, bytes]:
+    """Named Ed25519 public keys, `NAME=BASE64` pairs separated by commas
+    (the line `verify_bundle --public-key` prints); each key as its 32 bytes."""
+    keys: dict[str, bytes] = {}
+    for item in env_list(name):
+        key_name, _, key = item.partition("=")
+        key_name = key_name.strip()
+        if not key_name or not key.strip():
+            raise ImproperlyConfigured(f"{name}: {item!r} is not NAME=PUBLIC_KEY")
+        if key_name in keys:
+            raise ImproperlyConfigured(f"{name}: the name {key_name!r} is given twice")
+        keys[key_name] = _base64_key(name, key.strip(), f"public key {key_name!r}")
+    return keys
+
+
+def _base64_key(name: str, text: str, what: str) -> bytes:
+    try:
+        key = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImproperlyConfigured(f"{name}: the {what} is not base64") from None
+    if len(key) != 32:
+        raise ImproperlyConfigured(f"{name}: the {what} must be 32 bytes (Ed25519), got {len(key)}")
+    return key
 
 
 def process_role() -> str:
@@ -400,6 +447,20 @@ RUNDESK_INSTALLATION = env_str("RUNDESK_INSTALLATION", "")
 # task removes it.
 RUNDESK_BUNDLE_DIR = Path(env_str("RUNDESK_BUNDLE_DIR", str(VAR_DIR / "bundles")))
 RUNDESK_BUNDLE_KEEP_HOURS = env_float("RUNDESK_BUNDLE_KEEP_HOURS", 24.0, minimum=0.01)
+# The key this installation signs its bundles' manifests with (Ed25519,
+# evidence/bundle_signing.py); when unset, one derived from SECRET_KEY, so
+# every process of the installation signs with the same key.  And the
+# public keys of other installations whose bundles are authenticated here
+# (`verify_bundle`, `open_bundle`), by name.
+RUNDESK_BUNDLE_SIGNING_KEY = env_signing_key("RUNDESK_BUNDLE_SIGNING_KEY")
+RUNDESK_BUNDLE_TRUSTED_KEYS = env_public_keys("RUNDESK_BUNDLE_TRUSTED_KEYS")
+# How often beat removes expired bundle files and fails exports whose task
+# was lost (evidence/tasks.py: sweep_bundles).
+RUNDESK_BUNDLE_SWEEP_SECONDS = env_float("RUNDESK_BUNDLE_SWEEP_SECONDS", 300.0, minimum=1.0)
+CELERY_BEAT_SCHEDULE["rundesk-bundles"] = {
+    "task": "evidence.tasks.sweep_bundles",
+    "schedule": RUNDESK_BUNDLE_SWEEP_SECONDS,
+}
 
 # Alerts (runs/alerts.py): when a run starts waiting for an operator, once
 # per item, email to the `operators` group and/or a JSON POST to this URL.

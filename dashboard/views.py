@@ -27,7 +27,7 @@ from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.inbox import run_choices
 from dashboard.run_page import run_facts
 from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
-from evidence import pglog, tasks
+from evidence import bundles, pglog, tasks
 from evidence.models import (
     BundleExport,
     CaptureGap,
@@ -136,6 +136,7 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
         **run_facts(run),
         **_events(run, request.GET.get("events_before", "")),
         **_bundles(run, timezone.now()),
+        "origin_signer": bundles.signer_of(run.origin_manifest) if run.is_imported else None,
         "plotly": True,
     }
     return render(request, "run_detail.html", {**context, **run_choices(request, run)})
@@ -227,10 +228,15 @@ def _bundles(run: Run, now: dt.datetime) -> dict[str, Any]:
     exports = list(BundleExport.objects.for_run(run)[:BUNDLES_SHOWN])
     for export in exports:
         export.downloadable = export.is_downloadable(now)
+        # Lost (its task or worker): not waited for, and said so.
+        export.lost = export.is_lost(now)
+        export.signer = (
+            bundles.signer_of(bundles.manifest_of(export.path)) if export.downloadable else None
+        )
     return {
         "run": run,
         "bundles": exports,
-        "bundles_active": any(export.is_active for export in exports),
+        "bundles_active": any(export.is_active and not export.lost for export in exports),
     }
 
 

@@ -275,6 +275,11 @@ ACTIVE_BUNDLE_STATES = [BundleState.QUEUED, BundleState.RUNNING]
 # A running export that has not moved for this long lost its worker (a
 # redelivered task leaves a running export alone): it is marked failed.
 BUNDLE_STALLED_AFTER = dt.timedelta(minutes=15)
+# A queued export no worker took for this long lost its task (the broker
+# lost it, or it was never delivered): it is marked failed, and a new
+# export can be asked for.  Workers take one task at a time, so a busy
+# queue delays an export by its runs: an hour is well past that.
+BUNDLE_UNCLAIMED_AFTER = dt.timedelta(hours=1)
 
 
 def bundle_file_name() -> str:
@@ -298,6 +303,11 @@ class BundleExportQuerySet(models.QuerySet["BundleExport"]):
         """Running exports no worker has moved for BUNDLE_STALLED_AFTER
         (bundle_running_idx)."""
         return self.filter(state=BundleState.RUNNING, progressed_at__lt=now - BUNDLE_STALLED_AFTER)
+
+    def unclaimed(self, now: dt.datetime) -> BundleExportQuerySet:
+        """Queued exports no worker took for BUNDLE_UNCLAIMED_AFTER: their
+        task was lost.  (Few rows are queued; the table is small.)"""
+        return self.filter(state=BundleState.QUEUED, created_at__lt=now - BUNDLE_UNCLAIMED_AFTER)
 
 
 class BundleExport(models.Model):
@@ -390,6 +400,17 @@ class BundleExport(models.Model):
     def download_name(self) -> str:
         return f"rundesk-run-{self.run_id}.zip"
 
+    def is_lost(self, now: dt.datetime) -> bool:
+        """Active, but no worker has moved it for long: its task or its
+        worker was lost (the sweep marks it failed; until then, nothing
+        waits for it)."""
+        if self.state == BundleState.QUEUED:
+            return self.created_at < now - BUNDLE_UNCLAIMED_AFTER
+        if self.state == BundleState.RUNNING:
+            moved = self.progressed_at or self.started_at
+            return moved is not None and moved < now - BUNDLE_STALLED_AFTER
+        return False
+
     def is_downloadable(self, now: dt.datetime) -> bool:
         return (
             self.state == BundleState.DONE and self.expires_at is not None and now < self.expires_at
@@ -448,6 +469,18 @@ class BundleExport(models.Model):
             where=Q(progressed_at__lt=now - BUNDLE_STALLED_AFTER),
             state=BundleState.FAILED,
             error="its worker stopped before the bundle was written",
+            finished_at=now,
+        )
+
+    def fail_unclaimed(self, now: dt.datetime) -> bool:
+        """Fails the export if it is still queued and was asked for longer
+        than BUNDLE_UNCLAIMED_AFTER ago (a worker may have taken it since
+        it was found)."""
+        return self._move(
+            [BundleState.QUEUED],
+            where=Q(created_at__lt=now - BUNDLE_UNCLAIMED_AFTER),
+            state=BundleState.FAILED,
+            error="no worker took it: its task was lost; export again",
             finished_at=now,
         )
 

@@ -4,9 +4,10 @@ investigation bundle (evidence/bundles.py) into RUNDESK_BUNDLE_DIR.
 The task takes the export's id and is idempotent: it only ever starts a
 queued export (a conditional UPDATE), so a redelivered task for an export
 that is running or done does nothing.  The file is written under a
-temporary name and renamed when whole.  Each run of the task also removes
-the files of expired bundles, and fails running exports whose worker was
-lost (nothing else would: their redelivered task leaves them alone).
+temporary name and renamed when whole.  Beat's `sweep_bundles` (and each
+run of the export task) removes the files of expired bundles, and fails
+running exports whose worker was lost (their redelivered task leaves them
+alone) and queued ones whose task was lost (no worker will take them).
 """
 
 from __future__ import annotations
@@ -107,9 +108,17 @@ def write(export: BundleExport) -> str:
     return "done"
 
 
+@shared_task
+def sweep_bundles() -> int:
+    """Beat's bundle sweep (CELERY_BEAT_SCHEDULE): expired files go on
+    time, and lost exports are failed, even when no export is asked for."""
+    return remove_expired(timezone.now())
+
+
 def remove_expired(now: dt.datetime) -> int:
-    """Removes expired bundles' files (and marks them expired), and fails
-    running exports that stopped moving; how many exports it changed."""
+    """Removes expired bundles' files (and marks them expired), fails
+    running exports that stopped moving and queued ones no worker took;
+    how many exports it changed."""
     changed = 0
     for export in BundleExport.objects.expired(now).only("pk", "file_name", "state"):
         changed += export.expire()
@@ -117,4 +126,6 @@ def remove_expired(now: dt.datetime) -> int:
         if export.fail_stalled(now):
             export.part_path.unlink(missing_ok=True)
             changed += 1
+    for export in BundleExport.objects.unclaimed(now).only("pk", "state"):
+        changed += export.fail_unclaimed(now)
     return changed

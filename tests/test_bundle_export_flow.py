@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -265,9 +266,21 @@ def test_an_export_failed_as_stalled_while_still_written_ends_with_no_file(
     export = queued(run)
 
     def slow_then_failed(*args: object, **kwargs: object) -> str:
-        # Another worker's sweep found it stalled meanwhile.
+        # Another worker's sweep, on its own connection, found it stalled
+        # meanwhile (the export reads in a read-only snapshot).
         stalled_at = timezone.now() + BUNDLE_STALLED_AFTER + dt.timedelta(seconds=1)
-        assert BundleExport.objects.get(pk=export.pk).fail_stalled(stalled_at)
+        failed: list[bool] = []
+
+        def sweep() -> None:
+            try:
+                failed.append(BundleExport.objects.get(pk=export.pk).fail_stalled(stalled_at))
+            finally:
+                connection.close()
+
+        other = threading.Thread(target=sweep)
+        other.start()
+        other.join()
+        assert failed == [True]
         return real(*args, **kwargs)
 
     monkeypatch.setattr(bundles, "report_html", slow_then_failed)

@@ -429,14 +429,14 @@ def test_a_file_changed_after_verification_is_refused_and_nothing_is_written(
 
 
 def reseal(files: dict[str, bytes]) -> None:
-    """The manifest rewritten for the files as they are now, and sealed
-    again: anyone can make such a bundle."""
+    """The manifest rewritten for the files as they are now, and signed
+    again with this installation's key: as a faulty export would."""
     manifest = json.loads(files["manifest.json"])
     for name, data in files.items():
         if name != "manifest.json":
             entry = manifest["files"][name]
             entry["bytes"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
-    manifest["seal"] = bundles.seal_of(manifest)
+    bundles.sign(manifest)
     files["manifest.json"] = json.dumps(manifest).encode()
 
 
