@@ -146,6 +146,7 @@ def origin_of(run: Run) -> dict[str, Any]:
         "format": run.origin_format,
         "rundesk_version": manifest.get("rundesk_version"),
         "evidence_included": manifest.get("evidence_included"),
+        "signed_by": bundles.signer_of(manifest).words,
         "imported_at": run.imported_at.isoformat() if run.imported_at else None,
     }
 
@@ -232,7 +233,7 @@ def open_bundle(path: str | Path) -> Opened:
     _check_directory(path, budget)
     checked = bundles.verify(path)
     if not checked.ok:
-        raise ImportRefused("the bundle does not verify", checked.failures)
+        raise ImportRefused("the bundle does not verify", checked.problems)
     manifest = checked.manifest
     if (earlier := Run.objects.filter(origin_seal=manifest["seal"]).first()) is not None:
         return Opened(earlier, imported=False)

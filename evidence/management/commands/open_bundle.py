@@ -53,5 +53,6 @@ class Command(BaseCommand):
         said = "opened as" if opened.imported else "already open as"
         self.stdout.write(
             f"{said} run {opened.run.pk}: run {origin['run_id']} of {origin['installation']}, "
-            f"exported {origin['exported_at']}; read-only\nseal {origin['seal']}"
+            f"exported {origin['exported_at']}; read-only\nseal {origin['seal']}, "
+            f"{origin['signed_by']}"
         )
