@@ -58,7 +58,7 @@ lint: install
 bench: install static
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PRODUCTION) $(PY) manage.py migrate --verbosity 0
-	$(PRODUCTION) $(PY) manage.py bench --all --json
+	$(PRODUCTION) $(PY) manage.py bench --all --json --markdown docs/BENCHMARKS.md
 
 clean:
 	rm -rf var/outbox var/celery-broker var/celery-processed var/static

@@ -13,10 +13,12 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
+from django.utils import timezone
 
 from runs.benchmarks import (
     bundle,
     capture,
+    document,
     evidence_locked,
     pages,
     peers,
@@ -87,12 +89,26 @@ class Command(BaseCommand):
         )
         parser.add_argument("--all", action="store_true", help="every benchmark, in one JSON")
         parser.add_argument("--json", action="store_true")
+        parser.add_argument(
+            "--markdown",
+            metavar="PATH",
+            help="with --all: also write the figures as one markdown table, with the machine, "
+            "the date and this command, to PATH (make bench: docs/BENCHMARKS.md)",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["steps"] < 1:
             raise CommandError("--steps must be at least 1")
         if options["rounds"] < 1:
             raise CommandError("--rounds must be at least 1")
+        if markdown := options["markdown"]:
+            # Said before the benchmarks' minutes, not after.
+            if not options["all"]:
+                raise CommandError("--markdown needs --all: the document holds every benchmark")
+            if not Path(markdown).parent.is_dir():
+                raise CommandError(
+                    f"--markdown {markdown}: there is no folder {Path(markdown).parent}"
+                )
         _require_migrated()
         # The bench's runs deliver their reports to an outbox of their own,
         # never the operator's (whose files may come from another database,
@@ -125,6 +141,8 @@ class Command(BaseCommand):
         else:
             for key, value in report.items():
                 self.stdout.write(f"{key}: {value}")
+        if options["markdown"]:
+            _write_document(Path(options["markdown"]), report, options)
         if options["all"] and (failed := [n for n, v in report.items() if "error" in v]):
             raise CommandError(f"bench --all: {', '.join(failed)} failed (see its error)")
 
@@ -144,6 +162,21 @@ def _require_migrated() -> None:
             f"database {connection.settings_dict['NAME']!r} has {len(unapplied)} migrations "
             "not applied: run `python manage.py migrate` first"
         )
+
+
+def _write_document(path: Path, report: dict[str, Any], options: dict[str, Any]) -> None:
+    """The figures as docs/BENCHMARKS.md shows them; a benchmark that failed
+    says why in its row.  Replaced whole: a crash leaves the old file."""
+    # The options that shape the figures; the broker's URL may hold a
+    # password, and the scale-out row names the broker.
+    command = (
+        f"DEBUG={int(settings.DEBUG)} python manage.py bench --all --steps {options['steps']} "
+        f"--rounds {options['rounds']}{' --json' if options['json'] else ''} --markdown {path}"
+    )
+    text = document.markdown(report, document.Machine.here(), timezone.localdate(), command)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 # Each benchmark by its option (dest), in the order --all runs them.

@@ -1,0 +1,268 @@
+"""docs/BENCHMARKS.md: the report of `bench --all` as one markdown table, with
+the machine, the date and the command that made it (`bench --all
+--markdown PATH`, which `make bench` runs)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from django.db import connection
+
+from runs.benchmarks import pages
+
+Row = tuple[str, str]
+
+# What each benchmark of `bench --all` is called in the table, by its key.
+TITLES = {
+    "steps": "agent path and no-op step",
+    "capture": "capture hand-over",
+    "evidence_locked": "evidence locked",
+    "peers": "peers",
+    "throughput": "throughput and failover",
+    "scale": "Celery scale-out",
+    "bundle": "investigation bundles",
+    "dashboard": "dashboard pages",
+}
+TIMES = "\N{MULTIPLICATION SIGN}"  # after a ratio: so many times a commit
+PEER_NAMES = {"dbos": "DBOS", "langgraph": "LangGraph", "rundesk": "Rundesk"}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the figures were measured on."""
+
+    cpu: str
+    cores: int
+    memory_gib: float
+    postgresql: str  # the server's version and how it makes a commit durable
+
+    @classmethod
+    def here(cls) -> Machine:
+        """This machine (Linux's /proc), and the server of Django's database."""
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT current_setting('server_version'), current_setting('synchronous_commit'),"
+                " current_setting('wal_sync_method')"
+            )
+            version, synchronous_commit, wal_sync_method = cursor.fetchone()
+        return cls(
+            cpu=_proc_field("/proc/cpuinfo", "model name") or platform.machine(),
+            cores=os.cpu_count() or 1,
+            memory_gib=int(_proc_field("/proc/meminfo", "MemTotal").split()[0]) / 2**20,
+            postgresql=f"{version} (synchronous_commit={synchronous_commit}, "
+            f"wal_sync_method={wal_sync_method})",
+        )
+
+
+def _proc_field(path: str, name: str) -> str:
+    """The value of the first `name: value` line of a /proc file, or ''."""
+    for line in Path(path).read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return ""
+
+
+def markdown(report: dict[str, Any], machine: Machine, day: dt.date, command: str) -> str:
+    """The document: a benchmark that failed says why in its row."""
+    rows: list[Row] = []
+    for name, figures in report.items():
+        if "error" in figures:
+            rows.append((TITLES[name], f"failed: {figures['error']}"))
+        else:
+            rows.extend(ROWS[name](figures))
+    table = "\n".join(f"| {_cell(label)} | {_cell(figure)} |" for label, figure in rows)
+    return f"""# Benchmarks
+
+The figures of one run of every benchmark, written by `bench --all
+--markdown` (`make bench`): do not edit them by hand. What each benchmark
+measures is in the README ("Benchmarks"). Compare ratios, not milliseconds,
+and only within one run.
+
+- Date: {day.isoformat()}
+- Machine: {machine.cores} cores ({machine.cpu}), {machine.memory_gib:.0f} GiB of memory
+- PostgreSQL: {machine.postgresql}
+- Command: `{command}`
+
+| benchmark | figure |
+|---|---|
+{table}
+"""
+
+
+def _cell(text: str) -> str:
+    """`text` as one cell of a table row: a line break or a pipe (an error
+    may hold them) would break the table."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _n(value: float | None) -> str:
+    """A figure as the JSON holds it, thousands separated; 2.0 as 2."""
+    if value is None:
+        return "unknown"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return format(value, ",")
+
+
+def _each(values: Iterable[float | None]) -> str:
+    return " / ".join(_n(value) for value in values)
+
+
+def _span(values: Iterable[float | None]) -> str:
+    known = [value for value in values if value is not None]
+    if not known:
+        return "unknown"
+    low, high = min(known), max(known)
+    return _n(low) if low == high else f"{_n(low)}-{_n(high)}"
+
+
+def _steps(figures: dict[str, Any]) -> list[Row]:
+    agent, noop = figures["agent_path"], figures["noop_step"]
+    return [
+        (
+            f"agent path, {_n(agent['steps'])} steps ({_n(agent['documents'])} documents)",
+            f"{_n(agent['wal_syncs_per_step'])} WAL syncs per step (server noise "
+            f"{_n(agent['noise_wal_syncs_per_step'])}); {_n(agent['commits_per_step'])} commits "
+            "per step in the database, the capture and timeline writers' included; "
+            f"{_n(agent['checkpoints'])} checkpoints; step p50 {_n(agent['step_ms_p50'])} ms "
+            f"against a commit p50 of {_n(agent['commit_ms_p50'])} ms: "
+            f"{_n(agent['step_over_commit'])} {TIMES}; the step's fenced writes alone "
+            f"{_n(agent['writes_over_commit'])} {TIMES}",
+        ),
+        (
+            f"no-op step ({_n(noop['steps'])} steps)",
+            f"p50 {_n(noop['step_ms_p50'])} ms, {_n(noop['step_over_commit'])} {TIMES} a commit; "
+            f"its fenced write alone {_n(noop['writes_over_commit'])} {TIMES}",
+        ),
+    ]
+
+
+def _capture(figures: dict[str, Any]) -> list[Row]:
+    return [
+        (
+            f"capture hand-over ({_n(figures['copies'])} copies, the evidence tables locked)",
+            f"p50 {_n(figures['enqueue_ms_p50'])} ms, p99 {_n(figures['enqueue_ms_p99'])} ms",
+        )
+    ]
+
+
+def _evidence_locked(figures: dict[str, Any]) -> list[Row]:
+    published = figures["published"]
+    completed = sum(1 for run in published if run["outcome"] == "completed" and run["final_answer"])
+    return [
+        (
+            f"evidence locked ({_n(figures['rounds'])} rounds, {_n(figures['documents'])} "
+            "documents a run)",
+            f"the same run in {_n(figures['baseline_s'])} s unlocked, {_n(figures['share_s'])} s "
+            f"under SHARE, {_n(figures['access_exclusive_s'])} s under ACCESS EXCLUSIVE; "
+            f"{completed} of {len(published)} runs completed with their final answer; "
+            f"{_n(figures['gaps'])} gaps, {_n(figures['captured_while_locked'])} records "
+            "captured while locked",
+        )
+    ]
+
+
+def _peers(figures: dict[str, Any]) -> list[Row]:
+    each = "; ".join(
+        f"{PEER_NAMES.get(name, name)} {_n(peer['step_ms_p50'])} ms "
+        f"({_n(peer['over_commit'])} {TIMES}), {_n(peer['commits_per_step'])} commits and "
+        f"{_n(peer['wal_syncs_per_step'])} WAL syncs per step"
+        for name, peer in figures["peers"].items()
+    )
+    versions = ", ".join(f"{package} {version}" for package, version in figures["versions"].items())
+    return [
+        (
+            f"peers, {_n(figures['steps'])} no-op steps {TIMES} {_n(figures['rounds'])} rounds "
+            f"(commit p50 {_n(figures['commit_ms_p50'])} ms)",
+            f"{each} ({versions})",
+        )
+    ]
+
+
+def _throughput(figures: dict[str, Any]) -> list[Row]:
+    measured = figures["measured"]
+    rows = [
+        (
+            f"throughput, {_n(figures['batch'])}-run batches of "
+            f"{_n(figures['documents_per_run'])} documents ({_n(figures['actions_per_run'])} "
+            "actions)",
+            f"{_each(m['executors'] for m in measured)} executors: "
+            f"{_each(m['runs_s'] for m in measured)} runs/s "
+            f"({_each(round(m['actions_s']) for m in measured)} actions/s), against "
+            f"{_each(round(m['ceiling_commits_per_s']) for m in measured)} single-row "
+            f"commits/s with as many clients; {_span(m['commits_per_run'] for m in measured)} "
+            "commits per run (read-only ones included): "
+            f"{_each(_percent(m['commits_of_ceiling']) for m in measured)} % of the ceiling; "
+            f"{_span(m['executor_cpu_ms_per_run'] for m in measured)} ms of executor CPU per run",
+        )
+    ]
+    if failover := figures["failover"]:
+        rows.append(
+            (
+                f"failover (lease {_n(failover['lease_ttl_s'])} s)",
+                "an executor SIGKILLed with its run: another owner resumed it after "
+                f"{_each(failover['failover_s'])} s (target {_n(failover['target_s'])} s)",
+            )
+        )
+    return rows
+
+
+def _percent(share: float | None) -> int | None:
+    return None if share is None else round(100 * share)
+
+
+def _scale(figures: dict[str, Any]) -> list[Row]:
+    measured = figures["measured"]
+    return [
+        (
+            f"Celery scale-out, {figures['broker']} broker, {_n(figures['batch'])}-run batches",
+            f"{_each(m['workers'] for m in measured)} workers: "
+            f"{_each(m['runs_per_s'] for m in measured)} runs/s",
+        )
+    ]
+
+
+def _bundle(figures: dict[str, Any]) -> list[Row]:
+    return [
+        (
+            "investigation bundles (`export_bundle`)",
+            "; ".join(
+                f"{_n(run['events'])} events in {_n(run['seconds'])} s, peak RSS "
+                f"{_n(run['peak_rss_mb'])} MB"
+                for run in figures["runs"]
+            ),
+        )
+    ]
+
+
+def _dashboard(figures: dict[str, Any]) -> list[Row]:
+    large_runs, _ = pages.SCALES["large"]
+    return [
+        (
+            f"dashboard at {_n(large_runs)} runs",
+            "p50: "
+            + ", ".join(
+                f"{page['page']} {_n(page['p50_ms_large'])} ms" for page in figures["pages"]
+            ),
+        )
+    ]
+
+
+# Each benchmark's rows, by its key in `bench --all --json`.
+ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
+    "steps": _steps,
+    "capture": _capture,
+    "evidence_locked": _evidence_locked,
+    "peers": _peers,
+    "throughput": _throughput,
+    "scale": _scale,
+    "bundle": _bundle,
+    "dashboard": _dashboard,
+}
