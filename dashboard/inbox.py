@@ -57,6 +57,7 @@ from runs.models import (
     RunStatus,
     read_cursor,
 )
+from runs.outcomes import NOT_KNOWN_HERE, UNKNOWN_TO_SERVER
 from runs.timeline import EventKind
 
 PAGE_SIZE = 50
@@ -172,7 +173,7 @@ def known(item: OutcomeItem, shown: dict[str, Any]) -> list[str]:
     now = shown["now"]
     kind = plain(OutcomeKind, item.kind)
     xid = f"transaction {now['xid']}" if now["xid"] is not None else "its transaction (no xid)"
-    status = now["xid_status"] or "gone (too old to tell, or never known)"
+    status = xid_status_words(now["xid_status"])
     row = {True: "is there", False: "is not there", None: "could not be looked up"}[
         now["row_found"]
     ]
@@ -188,6 +189,11 @@ def known(item: OutcomeItem, shown: dict[str, Any]) -> list[str]:
         sentences.append(
             f"The evidence now says: {settles}. Checking again settles the item as that."
         )
+    elif now["xid_status"] == UNKNOWN_TO_SERVER:
+        sentences.append(
+            f"Not known: whether it was written, since {NOT_KNOWN_HERE}. Waiting will not "
+            "tell: you decide from the row as this server has it, with a reason."
+        )
     elif now["xid_status"] == "in progress":
         sentences.append(
             "Not known: whether it will commit. Its transaction is still in progress, so it "
@@ -199,6 +205,15 @@ def known(item: OutcomeItem, shown: dict[str, Any]) -> list[str]:
             "or the status is gone: you decide from the row, with a reason."
         )
     return sentences
+
+
+def xid_status_words(status: str | None) -> str:
+    """A transaction's status as pg_xact_status gave it, in an operator's words."""
+    if status is None:
+        return "gone (too old to tell, or never known)"
+    if status == UNKNOWN_TO_SERVER:
+        return f"{UNKNOWN_TO_SERVER} (lost with the WAL, or the server was restored)"
+    return status
 
 
 # -- evidence panels ----------------------------------------------------------------
@@ -297,7 +312,7 @@ def panels(item: OutcomeItem, shown: dict[str, Any]) -> list[tuple[str, list[Fie
                     Field(
                         "xid_status",
                         "Its status",
-                        text=now["xid_status"] or "no status (too old to tell, or no xid)",
+                        text=xid_status_words(now["xid_status"]),
                     ),
                     Field("writer", "Writer still running", text=_yes(now["writer_alive"])),
                     Field("row", "Row found by identity (probe)", text=_yes(now["row_found"])),

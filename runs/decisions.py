@@ -58,7 +58,7 @@ from runs.models import (
     action_identity,
     digest,
 )
-from runs.outcomes import Settlement, settle, written, written_by
+from runs.outcomes import UNKNOWN_TO_SERVER, Settlement, settle, written, written_by
 from runs.sql import CommitUnanswered, lock_refused, server_cursor, waits_bounded
 from runs.timeline import EventKind, timeline
 
@@ -223,10 +223,12 @@ def offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
         )
     ]
     # Only where the evidence cannot tell: the transaction's status is gone
-    # (or was never known), or contradicts the probe (committed, and no row:
-    # an aborted one settles itself, a row found then is another's).  While
-    # the transaction is still in flight nobody may decide: it can still commit.
-    gone = now["xid_status"] is None and not now["writer_alive"]
+    # (or was never known, or this server does not know the transaction:
+    # lost with the WAL, or a restore), or contradicts the probe (committed,
+    # and no row: an aborted one settles itself, a row found then is
+    # another's).  While the transaction is still in flight nobody may
+    # decide: it can still commit.
+    gone = now["xid_status"] in (None, UNKNOWN_TO_SERVER) and not now["writer_alive"]
     contradicts = (now["xid_status"], now["row_found"]) == ("committed", False)
     if (gone or contradicts) and now["error"] is None:
         if now["row_found"]:
