@@ -43,6 +43,7 @@ from runs.decisions import (
     decide,
     decide_run,
     gather,
+    offered_from,
     offers,
     run_offers,
 )
@@ -163,13 +164,20 @@ def known(item: OutcomeItem, shown: dict[str, Any]) -> list[str]:
         boundary = shown.get("boundary", {})
         delivery = shown["delivery"]
         sent = _moment(boundary["dispatched_at"]) if boundary else opened
-        return [
+        sentences = [
             f"Known: {subject} was dispatched at {sent} (attempt {boundary.get('attempts', 1)}) "
             f"under Idempotency-Key {delivery['idempotency_key']}, and no answer was recorded: "
             f"{item.summary}.",
             "Not known: whether the receiver has it. Only the receiver can say: look it up "
             "there (by the Idempotency-Key). Nothing is sent again until someone decides.",
         ]
+        if until := delivery.get("in_flight_until"):
+            sentences.append(
+                "Its owner lost the run during the call, which may still reach the receiver: "
+                f"sending it again and saying it did not happen are "
+                f"{offered_from(dt.datetime.fromisoformat(until))} (reload then)."
+            )
+        return sentences
     now = shown["now"]
     kind = plain(OutcomeKind, item.kind)
     xid = f"transaction {now['xid']}" if now["xid"] is not None else "its transaction (no xid)"

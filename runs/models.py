@@ -201,7 +201,7 @@ class RunQuerySet(models.QuerySet["Run"]):
         """Puts a run that waits for an operator back in the queue when none
         of its outcome items holds it any more: it continues from its
         receipts.  Called in the transaction that settles an item, after
-        locking the run row (lock_waiting), so two items settled at once
+        locking the run row (locked), so two items settled at once
         cannot both leave the run waiting."""
         return bool(
             self.local()
@@ -210,15 +210,16 @@ class RunQuerySet(models.QuerySet["Run"]):
             .update(status=RunStatus.QUEUED, status_reason=why, queued_at=Now())
         )
 
-    def lock_waiting(self, run_id: int) -> None:
-        """Locks a run that waits for an operator (and only such a run: a
-        running run's fenced writes never wait for this)."""
-        list(
-            self.local()
-            .filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR)
-            .select_for_update(no_key=True)
-            .values_list("pk")
-        )
+    def locked(self, run_id: int) -> Run | None:
+        """Locks a run of this installation, whatever its status, and reads
+        it again under the lock (None: no such run here).  The first lock
+        of every transaction that settles an item or decides for a run
+        (runs/decisions.py): the run row, then its items.  The owner's wait
+        (decisions.resume_if_settled_meanwhile) takes them in the same order:
+        locking the item first, a decision that then finds the run waiting
+        would deadlock with it.  A running run's fenced writes wait for the
+        few statements of a decision at most."""
+        return self.local().filter(pk=run_id).select_for_update(no_key=True).first()
 
     def claim_retry(self, run_id: int, seen_expiry: str | None) -> tuple[float, str | None] | None:
         """A run that could not be claimed: when to try again (seconds, and

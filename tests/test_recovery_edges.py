@@ -5,19 +5,34 @@ refused under the lock; the inbox shows every run that waits."""
 
 from __future__ import annotations
 
+import datetime as dt
+import html
 import json
+import re
+import threading
+import uuid
+from collections.abc import Callable
 from io import StringIO
+from typing import Any
 
+import psycopg
 import pytest
+from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.db import connection
+from django.db.models import F
 
-from runs.decisions import Request, Who, decide, gather, offers
-from runs.executor import claim_and_drive
+from runs import decisions
+from runs.decisions import DecisionRefused, Request, Who, decide, decide_run, gather, offers
+from runs.executor import _end, claim_and_drive
+from runs.leases import Lease
 from runs.models import (
+    Action,
+    ActionState,
     Checkpoint,
     CheckpointOutcome,
     DecisionChoice,
+    OperatorDecision,
     OutcomeItem,
     OutcomeKind,
     OutcomeState,
@@ -26,7 +41,7 @@ from runs.models import (
 )
 from runs.outcomes import open_item
 from runs.sweep import sweep
-from tests.faultruns import DOCS
+from tests.faultruns import DOCS, wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("short_settle")]
 
@@ -131,3 +146,195 @@ def test_the_sweep_settles_each_checkpoint_on_its_own(settings):
     assert item.state == OutcomeState.OPEN and UNKNOWN_TO_SERVER in item.summary
     assert sweep().checkpoints == []
     assert OutcomeItem.objects.get(checkpoint=future).state == OutcomeState.OPEN
+
+
+# -- one lock order --------------------------------------------------------------------
+
+
+def effect_item_on_a_running_run(*, owner_lost_the_run: bool = False) -> tuple[Lease, OutcomeItem]:
+    """A running run whose delivery's answer its owner has just lost: the
+    owner is about to end its run as waiting for an operator.  With
+    `owner_lost_the_run`, the owner that dispatched it lost its lease during
+    the call, and the next owner found the action dispatched, with no
+    receipt: that call may still be in flight."""
+    run = Run.objects.submit(question="q", documents=["a.md"])
+    lease = Lease.claim(run.pk, "owner")
+    action_id = lease.record_boundary(
+        step_key="deliver", kind="deliver_report", effect_class="effect", input={"to": "x"}
+    )
+    if owner_lost_the_run:
+        Run.objects.filter(pk=run.pk).update(lease_expires_at=F("lease_expires_at") - HOUR)
+        lease = Lease.claim(run.pk, "next owner")
+    lease.record_action_state(action_id, ActionState.UNKNOWN, "delivery answer lost")
+    item = open_item(
+        run_id=run.pk,
+        kind=OutcomeKind.EFFECT,
+        subject=f"effect:action-{action_id}:attempt-1",
+        summary="the outcome of deliver is unknown: delivery answer lost",
+        evidence={"idempotency_key": f"key-{action_id}", "lease_epoch": lease.epoch},
+        action_id=action_id,
+    )
+    return lease, item
+
+
+HOUR = dt.timedelta(hours=1)
+
+
+def confirmed(user: User) -> Request:
+    return Request(
+        DecisionChoice.CONFIRMED_HAPPENED, Who(user=user), uuid.uuid4().hex, reason="in their log"
+    )
+
+
+def in_threads(*work: Callable[[], Any]) -> list[BaseException]:
+    """Runs each in a thread of its own (its own connection) at once; what
+    each raised."""
+    raised: list[BaseException] = []
+    start = threading.Barrier(len(work))
+
+    def run(job: Callable[[], Any]) -> None:
+        try:
+            start.wait()
+            job()
+        except BaseException as error:
+            raised.append(error)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=(job,)) for job in work]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return raised
+
+
+def waits_for_a_lock(pid: int) -> bool:
+    with psycopg.connect(**connection.get_connection_params()) as watcher:
+        return watcher.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = %s AND NOT granted)", [pid]
+        ).fetchone()[0]
+
+
+def test_a_decision_and_the_owners_wait_lock_in_one_order(operator_user, monkeypatch):
+    """The decision holds what it locked while the owner ends its run as
+    waiting and looks for its item: neither deadlocks, nor is refused."""
+    lease, item = effect_item_on_a_running_run()
+    owner_pid: list[int] = []
+    holding = threading.Event()
+    recorded = decisions._record
+
+    def record_once_the_owner_waits(*args: Any, **kwargs: Any) -> Any:
+        holding.set()
+        wait_for(lambda: bool(owner_pid) and waits_for_a_lock(owner_pid[0]))
+        return recorded(*args, **kwargs)
+
+    def owner_waits() -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            owner_pid.append(cursor.fetchone()[0])
+        wait_for(holding.is_set)
+        _end(lease, RunStatus.NEEDS_OPERATOR, "the outcome of deliver is unknown", item_id=item.pk)
+
+    monkeypatch.setattr(decisions, "_record", record_once_the_owner_waits)
+    raised = in_threads(lambda: decide(item.pk, confirmed(operator_user)), owner_waits)
+    assert raised == []
+    item.refresh_from_db()
+    assert item.state == OutcomeState.RESOLVED
+    # Whichever came second put the run back in the queue.
+    assert Run.objects.get(pk=item.run_id).status == RunStatus.QUEUED
+
+
+def test_decisions_and_owners_waits_at_once_never_deadlock(operator_user):
+    for _ in range(25):
+        lease, item = effect_item_on_a_running_run()
+        raised = in_threads(
+            lambda item=item: decide(item.pk, confirmed(operator_user)),
+            lambda lease=lease, item=item: _end(
+                lease, RunStatus.NEEDS_OPERATOR, "the outcome is unknown", item_id=item.pk
+            ),
+        )
+        assert raised == [], [str(error) for error in raised]
+        assert Run.objects.get(pk=item.run_id).status == RunStatus.QUEUED
+
+
+# -- a choice the state no longer allows is refused under the lock ---------------------
+
+
+def waiting_effect_item(**how: bool) -> OutcomeItem:
+    lease, item = effect_item_on_a_running_run(**how)
+    _end(lease, RunStatus.NEEDS_OPERATOR, "the outcome of deliver is unknown", item_id=item.pk)
+    return item
+
+
+def test_a_resend_racing_an_abandon_is_refused_under_the_lock(operator_user, monkeypatch):
+    """The resend's evidence was gathered while the run waited; an abandon
+    committed before the resend took its locks."""
+    item = waiting_effect_item()
+    assert DecisionChoice.RESEND_SAME_IDENTITY in {o.choice for o in offers(item, gather(item))}
+    gathered = decisions.gather
+
+    def gathered_then_abandoned(of: OutcomeItem) -> dict[str, Any]:
+        shown = gathered(of)
+        abandon = Request(DecisionChoice.ABANDON, Who(user=operator_user), "t-2", reason="gone")
+        assert in_threads(lambda: decide_run(of.run_id, abandon)) == []
+        return shown
+
+    monkeypatch.setattr(decisions, "gather", gathered_then_abandoned)
+    resend = Request(
+        DecisionChoice.RESEND_SAME_IDENTITY, Who(user=operator_user), "t-1", reason="not there"
+    )
+    with pytest.raises(DecisionRefused, match=r"run \d+ is cancelled"):
+        decide(item.pk, resend)
+    assert Run.objects.get(pk=item.run_id).status == RunStatus.CANCELLED
+    assert not OperatorDecision.objects.filter(choice=DecisionChoice.RESEND_SAME_IDENTITY).exists()
+    assert Action.objects.get(pk=item.action_id).state == ActionState.UNKNOWN
+    item.refresh_from_db()
+    assert item.state == OutcomeState.OPEN
+
+
+def test_sending_again_waits_until_the_previous_owners_call_cannot_be_in_flight(
+    settings, operator_user, operator
+):
+    settings.RUNDESK_DELIVERY_TIMEOUT = 10.0
+    settings.RUNDESK_LEASE_SECONDS = 15.0
+    item = waiting_effect_item(owner_lost_the_run=True)
+    dispatched = Action.objects.get(pk=item.action_id).dispatched_at
+    offered_at = (dispatched + dt.timedelta(seconds=25)).astimezone(dt.UTC)
+    words = (
+        f"offered from {offered_at:%H:%M:%S} UTC, when the previous owner's call can no "
+        "longer be in flight"
+    )
+    assert [o.choice for o in offers(item, gather(item))] == [DecisionChoice.CONFIRMED_HAPPENED]
+    page = html.unescape(operator.get(f"/inbox/{item.pk}/").content.decode())
+    assert words in page and 'value="resend_same_identity"' not in page
+    shown = StringIO()
+    call_command("outcomes", "show", str(item.pk), stdout=shown)
+    assert words in shown.getvalue()
+    for choice in (DecisionChoice.RESEND_SAME_IDENTITY, DecisionChoice.CONFIRMED_NOT_HAPPENED):
+        request = Request(choice, Who(user=operator_user), uuid.uuid4().hex, reason="not there")
+        with pytest.raises(DecisionRefused, match=re.escape(f"not offered yet: {words}")):
+            decide(item.pk, request)
+    assert not OperatorDecision.objects.exists()
+
+    # Once that call cannot be in flight any more, both are offered.
+    Action.objects.filter(pk=item.action_id).update(dispatched_at=F("dispatched_at") - HOUR)
+    item = OutcomeItem.objects.get(pk=item.pk)
+    assert {o.choice for o in offers(item, gather(item))} == {
+        DecisionChoice.CONFIRMED_HAPPENED,
+        DecisionChoice.RESEND_SAME_IDENTITY,
+        DecisionChoice.CONFIRMED_NOT_HAPPENED,
+    }
+    assert "no longer be in flight" not in operator.get(f"/inbox/{item.pk}/").content.decode()
+    resend = Request(
+        DecisionChoice.RESEND_SAME_IDENTITY, Who(user=operator_user), "t-3", reason="not there"
+    )
+    assert decide(item.pk, resend).run_resumed
+
+
+def test_an_owner_that_saw_its_calls_answer_lost_leaves_nothing_in_flight(operator_user):
+    item = waiting_effect_item()
+    resend = Request(
+        DecisionChoice.RESEND_SAME_IDENTITY, Who(user=operator_user), "t-1", reason="not there"
+    )
+    assert decide(item.pk, resend).run_resumed
