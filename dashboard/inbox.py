@@ -21,7 +21,7 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.auth.decorators import permission_required
 from django.core.exceptions import BadRequest
-from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models import Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -78,10 +78,12 @@ class Blocks:
 def blocks(item: OutcomeItem) -> Blocks:
     """What an open item holds up.  The rule, in this order:
 
-    - nothing: a settled item; a checkpoint item (an unknown checkpoint
-      never holds a run: it went on with independent work and does not
-      resume from that checkpoint); or an item of a run that has ended
-      (completed, failed or cancelled: nothing in it waits any more);
+    - nothing: a settled item; an item of a run that has ended
+      (completed, failed or cancelled: nothing in it waits any more); or a
+      checkpoint item (an unknown checkpoint never holds a run: it went on
+      with independent work and does not resume from that checkpoint; a
+      run that waits for an operator all the same waits for something
+      else, which its status says);
     - the whole run: a receipt, publication or effect item of a run that
       waits for an operator: nothing more happens in it until the item is
       settled or the run is abandoned;
@@ -94,10 +96,17 @@ def blocks(item: OutcomeItem) -> Blocks:
     run = item.run
     if item.state != OutcomeState.OPEN:
         return Blocks("nothing", "nothing", "settled")
-    if item.kind == OutcomeKind.CHECKPOINT:
-        return Blocks("nothing", "nothing", "a checkpoint: the run went on with independent work")
     if run.status in TERMINAL_STATUSES:
         return Blocks("nothing", "nothing", f"the run has ended: {status_words(run)}")
+    if item.kind == OutcomeKind.CHECKPOINT and run.status == RunStatus.NEEDS_OPERATOR:
+        return Blocks(
+            "nothing",
+            "nothing",
+            "a checkpoint holds nothing: the run waits for an operator for another reason: "
+            f"{run.status_reason or 'its page says why'}",
+        )
+    if item.kind == OutcomeKind.CHECKPOINT:
+        return Blocks("nothing", "nothing", "a checkpoint: the run went on with independent work")
     if run.status == RunStatus.NEEDS_OPERATOR:
         waits = "the run waits for an operator until this is settled"
         if run.is_imported:
@@ -433,24 +442,35 @@ def inbox(request: HtmxHttpRequest) -> HttpResponse:
         response = render(request, "inbox.html#rows", context)
         return response if context["live"] else HttpResponseStopPolling(response.content)
     # The whole page only: the rows refresh every 3 s and do not show them.
-    context["waiting"] = [] if filters["kind"] else waiting_without_item(filters["run"])
+    context["waiting"] = [] if filters["kind"] else waiting_unheld(filters["run"])
     return render(request, "inbox.html", context)
 
 
-def waiting_without_item(run_id: int | None) -> list[Run]:
-    """Runs that wait for an operator with no open item (a fact write known
-    not written time after time, a receipt that does not verify...): only a
-    decision on the run itself lets them go on.  Oldest first, a page's worth.
-    Not a drill's: it staged the wait on purpose (the drills page reports it)."""
-    runs = (
-        Run.objects.local()
-        .filter(status=RunStatus.NEEDS_OPERATOR, is_drill=False)
-        .exclude(Exists(OutcomeItem.objects.filter(run=OuterRef("pk"), state=OutcomeState.OPEN)))
-    )
+@dataclass(frozen=True)
+class Waiting:
+    """A run that waits for an operator with no open item holding it, and
+    the ids of its open items (each holds nothing)."""
+
+    run: Run
+    open_items: list[int]
+
+
+def waiting_unheld(run_id: int | None) -> list[Waiting]:
+    """Runs that wait for an operator with no open item holding them (a
+    fact write known not written time after time, a receipt that does not
+    verify...; an unknown checkpoint's item holds nothing): only a decision
+    on the run itself lets them go on.  Oldest first, a page's worth.  Not
+    a drill's: it staged the wait on purpose (the drills page reports it)."""
+    runs = Run.objects.waiting_unheld().filter(is_drill=False)
     if run_id is not None:
         runs = runs.filter(pk=run_id)
     shown = runs.only("status", "status_reason", "imported_at", "updated_at")
-    return list(shown.order_by("updated_at", "id")[:PAGE_SIZE])
+    page = list(shown.order_by("updated_at", "id")[:PAGE_SIZE])
+    items = OutcomeItem.objects.filter(run__in=page, state=OutcomeState.OPEN).order_by("id")
+    open_items: dict[int, list[int]] = {}
+    for run, item in items.values_list("run_id", "pk"):
+        open_items.setdefault(run, []).append(item)
+    return [Waiting(run, open_items.get(run.pk, [])) for run in page]
 
 
 def _token() -> str:

@@ -51,13 +51,13 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError, IntegrityError, transaction
-from django.db.models import Exists, OuterRef
 from django.db.models.functions import Now
 from django.utils import timezone
 from psycopg.types.json import Jsonb
 
 from runs.models import (
     AUTHORISING,
+    TERMINAL_STATUSES,
     UNSTORABLE,
     Action,
     ActionState,
@@ -197,9 +197,9 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
     return shown
 
 
-# How long a call of each tool may last (its timeout); a tool not named
-# here is given the longest of them.
 def call_timeout(kind: str) -> float:
+    """How long a call of the tool `kind` may last (its timeout); a tool
+    not named here is given the longest of them."""
     timeouts = {
         "deliver_report": settings.RUNDESK_DELIVERY_TIMEOUT,
         "model_call": settings.RUNDESK_MODEL_TIMEOUT,
@@ -428,7 +428,16 @@ def _decided(item_id: int, request: Request) -> tuple[OutcomeItem | None, Operat
 
 def _check_offered(item: OutcomeItem, shown: dict[str, Any], choice: str) -> None:
     """Refuses a person's choice the evidence, or the state of the item,
-    its run and its action (read under their locks), does not allow now."""
+    its run and its action (read under their locks), does not allow now:
+    a run that ended since the evidence was gathered changes what each
+    choice does (nothing is sent any more)."""
+    run = item.run
+    seen = shown.get("run", {}).get("status")
+    if seen is not None and seen not in TERMINAL_STATUSES and run.is_finished:
+        raise DecisionRefused(
+            f"run {run.pk} is {run.get_status_display().lower()}: it ended while this was "
+            f"decided ({run.status_reason}); nothing was decided: look at the item again"
+        )
     offered = {offer.choice for offer in offers(item, shown)}
     if choice in offered:
         return
@@ -438,7 +447,6 @@ def _check_offered(item: OutcomeItem, shown: dict[str, Any], choice: str) -> Non
             f"{item.action.dispatched_at.astimezone(dt.UTC):%H:%M:%S} UTC, by an owner "
             "that lost the run during the call)"
         )
-    run = item.run
     raise DecisionRefused(
         f"{choice} is not offered for this item now (run {run.pk} is "
         f"{run.get_status_display().lower()}): the evidence allows "
@@ -472,12 +480,14 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
         shown = request.shown or {"run": {"id": run.pk, "status": run.status}}
         waiting = Run.objects.local().filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR)
         if request.choice == DecisionChoice.RESUME:
-            changed = waiting.exclude(
-                Exists(OutcomeItem.objects.holding_runs().filter(run=OuterRef("pk")))
-            ).update(
-                status=RunStatus.QUEUED,
-                status_reason=f"resumed by {request.who.name}: {request.reason}",
-                queued_at=Now(),
+            changed = (
+                Run.objects.waiting_unheld()
+                .filter(pk=run_id)
+                .update(
+                    status=RunStatus.QUEUED,
+                    status_reason=f"resumed by {request.who.name}: {request.reason}",
+                    queued_at=Now(),
+                )
             )
             after = RunStatus.QUEUED
         else:

@@ -197,6 +197,16 @@ class RunQuerySet(models.QuerySet["Run"]):
             )
         return requeued
 
+    def waiting_unheld(self) -> RunQuerySet:
+        """Runs of this installation that wait for an operator and that no
+        open item holds (HOLDING_KINDS; an unknown checkpoint's item holds
+        nothing): only a decision on the run itself lets them go on."""
+        return (
+            self.local()
+            .filter(status=RunStatus.NEEDS_OPERATOR)
+            .exclude(Exists(OutcomeItem.objects.holding_runs().filter(run=OuterRef("pk"))))
+        )
+
     def resume_if_settled(self, run_id: int, why: str) -> bool:
         """Puts a run that waits for an operator back in the queue when none
         of its outcome items holds it any more: it continues from its
@@ -204,9 +214,8 @@ class RunQuerySet(models.QuerySet["Run"]):
         locking the run row (locked), so two items settled at once
         cannot both leave the run waiting."""
         return bool(
-            self.local()
-            .filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR, cancel_requested_at__isnull=True)
-            .exclude(Exists(OutcomeItem.objects.holding_runs().filter(run=OuterRef("pk"))))
+            self.waiting_unheld()
+            .filter(pk=run_id, cancel_requested_at__isnull=True)
             .update(status=RunStatus.QUEUED, status_reason=why, queued_at=Now())
         )
 

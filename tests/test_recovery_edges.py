@@ -267,20 +267,26 @@ def waiting_effect_item(**how: bool) -> OutcomeItem:
     return item
 
 
+def abandoned_once_gathered(monkeypatch: pytest.MonkeyPatch, user: User) -> None:
+    """A decision's evidence is gathered while its run waits; another
+    operator's abandon commits before the decision takes its locks."""
+    gathered = decisions.gather
+
+    def gathered_then_abandoned(of: OutcomeItem) -> dict[str, Any]:
+        shown = gathered(of)
+        abandon = Request(DecisionChoice.ABANDON, Who(user=user), "t-2", reason="gone")
+        assert in_threads(lambda: decide_run(of.run_id, abandon)) == []
+        return shown
+
+    monkeypatch.setattr(decisions, "gather", gathered_then_abandoned)
+
+
 def test_a_resend_racing_an_abandon_is_refused_under_the_lock(operator_user, monkeypatch):
     """The resend's evidence was gathered while the run waited; an abandon
     committed before the resend took its locks."""
     item = waiting_effect_item()
     assert DecisionChoice.RESEND_SAME_IDENTITY in {o.choice for o in offers(item, gather(item))}
-    gathered = decisions.gather
-
-    def gathered_then_abandoned(of: OutcomeItem) -> dict[str, Any]:
-        shown = gathered(of)
-        abandon = Request(DecisionChoice.ABANDON, Who(user=operator_user), "t-2", reason="gone")
-        assert in_threads(lambda: decide_run(of.run_id, abandon)) == []
-        return shown
-
-    monkeypatch.setattr(decisions, "gather", gathered_then_abandoned)
+    abandoned_once_gathered(monkeypatch, operator_user)
     resend = Request(
         DecisionChoice.RESEND_SAME_IDENTITY, Who(user=operator_user), "t-1", reason="not there"
     )
@@ -291,6 +297,22 @@ def test_a_resend_racing_an_abandon_is_refused_under_the_lock(operator_user, mon
     assert Action.objects.get(pk=item.action_id).state == ActionState.UNKNOWN
     item.refresh_from_db()
     assert item.state == OutcomeState.OPEN
+
+
+def test_a_choice_whose_meaning_an_abandon_changed_is_refused_under_the_lock(
+    operator_user, monkeypatch
+):
+    """'It did not happen' sends the effect once more on a waiting run and
+    only records it on an ended one: taken as the first, it is not
+    recorded as the second."""
+    item = waiting_effect_item()
+    abandoned_once_gathered(monkeypatch, operator_user)
+    not_there = Request(
+        DecisionChoice.CONFIRMED_NOT_HAPPENED, Who(user=operator_user), "t-1", reason="not there"
+    )
+    with pytest.raises(DecisionRefused, match="it ended while this was decided"):
+        decide(item.pk, not_there)
+    assert not OperatorDecision.objects.filter(item=item).exists()
 
 
 def test_sending_again_waits_until_the_previous_owners_call_cannot_be_in_flight(
@@ -338,3 +360,69 @@ def test_an_owner_that_saw_its_calls_answer_lost_leaves_nothing_in_flight(operat
         DecisionChoice.RESEND_SAME_IDENTITY, Who(user=operator_user), "t-1", reason="not there"
     )
     assert decide(item.pk, resend).run_resumed
+
+
+# -- the inbox shows every waiting run ---------------------------------------------------
+
+
+def waiting_with_a_checkpoint_item() -> tuple[Run, OutcomeItem]:
+    """A run that waits for an operator (its receipt does not verify), and
+    whose only open item is an unknown checkpoint's, which holds nothing."""
+    run = Run.objects.submit(question="q", documents=["a.md"])
+    lease = Lease.claim(run.pk, "owner")
+    action_id = lease.record_boundary(
+        step_key="read:0", kind="read_document", effect_class="read", input={"path": "a.md"}
+    )
+    record = Checkpoint.objects.create(
+        run=run,
+        after_action_id=action_id,
+        number=1,
+        epoch=lease.epoch,
+        outcome=CheckpointOutcome.UNKNOWN,
+        error="COMMIT sent, no answer",
+    )
+    item = open_item(
+        run_id=run.pk,
+        kind=OutcomeKind.CHECKPOINT,
+        subject=f"checkpoint:{record.pk}",
+        summary="checkpoint 1: COMMIT sent, no answer, and the evidence does not settle it",
+        evidence={"xid": None},
+        checkpoint=record,
+    )
+    lease.finish(RunStatus.NEEDS_OPERATOR, "the receipt of read:0 does not verify")
+    return run, item
+
+
+def test_a_waiting_run_whose_only_item_is_a_checkpoints_is_in_the_inbox(viewer):
+    run, item = waiting_with_a_checkpoint_item()
+    page = html.unescape(viewer.get("/inbox/").content.decode())
+    waiting = page[page.index("Runs waiting") : page.index("<h2>Items</h2>")]
+    assert f'<a href="/runs/{run.pk}/">run {run.pk}</a>' in waiting
+    assert "the receipt of read:0 does not verify" in waiting
+    assert f'href="/inbox/{item.pk}/"' in waiting  # its item, which holds nothing
+    listed = StringIO()
+    call_command("outcomes", "list", "--json", stdout=listed)
+    (row,) = json.loads(listed.getvalue())["waiting_runs"]
+    assert row["id"] == run.pk and row["open_items"] == [item.pk]
+    assert [offer["choice"] for offer in row["offers"]] == ["resume", "abandon"]
+
+
+def test_a_checkpoint_item_of_a_waiting_run_says_what_holds_the_run(viewer):
+    _, item = waiting_with_a_checkpoint_item()
+    page = html.unescape(viewer.get(f"/inbox/{item.pk}/").content.decode())
+    assert "went on" not in page
+    assert "the run waits for an operator for another reason" in page
+    assert "the receipt of read:0 does not verify" in page
+
+
+def test_a_run_an_item_holds_is_listed_by_its_item_not_among_the_runs_waiting(viewer):
+    run, _ = waiting_with_a_checkpoint_item()
+    open_item(
+        run_id=run.pk,
+        kind=OutcomeKind.RECEIPT,
+        subject=f"receipt:{uuid.uuid4().hex}",
+        summary="receipt: COMMIT sent, no answer",
+        evidence={"xid": None},
+    )
+    page = viewer.get("/inbox/").content.decode()
+    assert "Runs waiting" not in page and "the whole run" in page
