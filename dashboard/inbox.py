@@ -21,7 +21,7 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.auth.decorators import permission_required
 from django.core.exceptions import BadRequest
-from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models import Q, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -43,6 +43,7 @@ from runs.decisions import (
     decide,
     decide_run,
     gather,
+    offered_from,
     offers,
     run_offers,
 )
@@ -57,6 +58,7 @@ from runs.models import (
     RunStatus,
     read_cursor,
 )
+from runs.outcomes import NOT_KNOWN_HERE, UNKNOWN_TO_SERVER
 from runs.timeline import EventKind
 
 PAGE_SIZE = 50
@@ -76,10 +78,12 @@ class Blocks:
 def blocks(item: OutcomeItem) -> Blocks:
     """What an open item holds up.  The rule, in this order:
 
-    - nothing: a settled item; a checkpoint item (an unknown checkpoint
-      never holds a run: it went on with independent work and does not
-      resume from that checkpoint); or an item of a run that has ended
-      (completed, failed or cancelled: nothing in it waits any more);
+    - nothing: a settled item; an item of a run that has ended
+      (completed, failed or cancelled: nothing in it waits any more); or a
+      checkpoint item (an unknown checkpoint never holds a run: it went on
+      with independent work and does not resume from that checkpoint; a
+      run that waits for an operator all the same waits for something
+      else, which its status says);
     - the whole run: a receipt, publication or effect item of a run that
       waits for an operator: nothing more happens in it until the item is
       settled or the run is abandoned;
@@ -92,10 +96,17 @@ def blocks(item: OutcomeItem) -> Blocks:
     run = item.run
     if item.state != OutcomeState.OPEN:
         return Blocks("nothing", "nothing", "settled")
-    if item.kind == OutcomeKind.CHECKPOINT:
-        return Blocks("nothing", "nothing", "a checkpoint: the run went on with independent work")
     if run.status in TERMINAL_STATUSES:
         return Blocks("nothing", "nothing", f"the run has ended: {status_words(run)}")
+    if item.kind == OutcomeKind.CHECKPOINT and run.status == RunStatus.NEEDS_OPERATOR:
+        return Blocks(
+            "nothing",
+            "nothing",
+            "a checkpoint holds nothing: the run waits for an operator for another reason: "
+            f"{run.status_reason or 'its page says why'}",
+        )
+    if item.kind == OutcomeKind.CHECKPOINT:
+        return Blocks("nothing", "nothing", "a checkpoint: the run went on with independent work")
     if run.status == RunStatus.NEEDS_OPERATOR:
         waits = "the run waits for an operator until this is settled"
         if run.is_imported:
@@ -162,17 +173,24 @@ def known(item: OutcomeItem, shown: dict[str, Any]) -> list[str]:
         boundary = shown.get("boundary", {})
         delivery = shown["delivery"]
         sent = _moment(boundary["dispatched_at"]) if boundary else opened
-        return [
+        sentences = [
             f"Known: {subject} was dispatched at {sent} (attempt {boundary.get('attempts', 1)}) "
             f"under Idempotency-Key {delivery['idempotency_key']}, and no answer was recorded: "
             f"{item.summary}.",
             "Not known: whether the receiver has it. Only the receiver can say: look it up "
             "there (by the Idempotency-Key). Nothing is sent again until someone decides.",
         ]
+        if until := delivery.get("in_flight_until"):
+            sentences.append(
+                "Its owner lost the run during the call, which may still reach the receiver: "
+                f"sending it again and saying it did not happen are "
+                f"{offered_from(dt.datetime.fromisoformat(until))} (reload then)."
+            )
+        return sentences
     now = shown["now"]
     kind = plain(OutcomeKind, item.kind)
     xid = f"transaction {now['xid']}" if now["xid"] is not None else "its transaction (no xid)"
-    status = now["xid_status"] or "gone (too old to tell, or never known)"
+    status = xid_status_words(now["xid_status"])
     row = {True: "is there", False: "is not there", None: "could not be looked up"}[
         now["row_found"]
     ]
@@ -188,6 +206,11 @@ def known(item: OutcomeItem, shown: dict[str, Any]) -> list[str]:
         sentences.append(
             f"The evidence now says: {settles}. Checking again settles the item as that."
         )
+    elif now["xid_status"] == UNKNOWN_TO_SERVER:
+        sentences.append(
+            f"Not known: whether it was written, since {NOT_KNOWN_HERE}. Waiting will not "
+            "tell: you decide from the row as this server has it, with a reason."
+        )
     elif now["xid_status"] == "in progress":
         sentences.append(
             "Not known: whether it will commit. Its transaction is still in progress, so it "
@@ -199,6 +222,15 @@ def known(item: OutcomeItem, shown: dict[str, Any]) -> list[str]:
             "or the status is gone: you decide from the row, with a reason."
         )
     return sentences
+
+
+def xid_status_words(status: str | None) -> str:
+    """A transaction's status as pg_xact_status gave it, in an operator's words."""
+    if status is None:
+        return "gone (too old to tell, or never known)"
+    if status == UNKNOWN_TO_SERVER:
+        return f"{UNKNOWN_TO_SERVER} (lost with the WAL, or the server was restored)"
+    return status
 
 
 # -- evidence panels ----------------------------------------------------------------
@@ -297,7 +329,7 @@ def panels(item: OutcomeItem, shown: dict[str, Any]) -> list[tuple[str, list[Fie
                     Field(
                         "xid_status",
                         "Its status",
-                        text=now["xid_status"] or "no status (too old to tell, or no xid)",
+                        text=xid_status_words(now["xid_status"]),
                     ),
                     Field("writer", "Writer still running", text=_yes(now["writer_alive"])),
                     Field("row", "Row found by identity (probe)", text=_yes(now["row_found"])),
@@ -410,24 +442,35 @@ def inbox(request: HtmxHttpRequest) -> HttpResponse:
         response = render(request, "inbox.html#rows", context)
         return response if context["live"] else HttpResponseStopPolling(response.content)
     # The whole page only: the rows refresh every 3 s and do not show them.
-    context["waiting"] = [] if filters["kind"] else waiting_without_item(filters["run"])
+    context["waiting"] = [] if filters["kind"] else waiting_unheld(filters["run"])
     return render(request, "inbox.html", context)
 
 
-def waiting_without_item(run_id: int | None) -> list[Run]:
-    """Runs that wait for an operator with no open item (a fact write known
-    not written time after time, a receipt that does not verify...): only a
-    decision on the run itself lets them go on.  Oldest first, a page's worth.
-    Not a drill's: it staged the wait on purpose (the drills page reports it)."""
-    runs = (
-        Run.objects.local()
-        .filter(status=RunStatus.NEEDS_OPERATOR, is_drill=False)
-        .exclude(Exists(OutcomeItem.objects.filter(run=OuterRef("pk"), state=OutcomeState.OPEN)))
-    )
+@dataclass(frozen=True)
+class Waiting:
+    """A run that waits for an operator with no open item holding it, and
+    the ids of its open items (each holds nothing)."""
+
+    run: Run
+    open_items: list[int]
+
+
+def waiting_unheld(run_id: int | None) -> list[Waiting]:
+    """Runs that wait for an operator with no open item holding them (a
+    fact write known not written time after time, a receipt that does not
+    verify...; an unknown checkpoint's item holds nothing): only a decision
+    on the run itself lets them go on.  Oldest first, a page's worth.  Not
+    a drill's: it staged the wait on purpose (the drills page reports it)."""
+    runs = Run.objects.waiting_unheld().filter(is_drill=False)
     if run_id is not None:
         runs = runs.filter(pk=run_id)
     shown = runs.only("status", "status_reason", "imported_at", "updated_at")
-    return list(shown.order_by("updated_at", "id")[:PAGE_SIZE])
+    page = list(shown.order_by("updated_at", "id")[:PAGE_SIZE])
+    items = OutcomeItem.objects.filter(run__in=page, state=OutcomeState.OPEN).order_by("id")
+    open_items: dict[int, list[int]] = {}
+    for run, item in items.values_list("run_id", "pk"):
+        open_items.setdefault(run, []).append(item)
+    return [Waiting(run, open_items.get(run.pk, [])) for run in page]
 
 
 def _token() -> str:

@@ -23,10 +23,24 @@ after.  It is idempotent by its request token, and two decisions on one item
 cannot both settle it: the item row is locked, the second sees the first.
 When the last item a waiting run is held by is settled, the run goes back to
 the queue in the same transaction.
+
+What a person may choose is checked under the locks, on the item, its run
+and its action as they are then: a choice the state no longer allows (a
+resend on a run abandoned meanwhile, an item settled meanwhile) is refused
+and says why.  Sending an effect again, or saying it did not happen, waits
+while the dispatch may still be in flight (`in_flight_until`).
+
+Lock order, on every path: the run row first (Run.objects.locked), then
+its outcome items, then what they are about (the action, the
+checkpoint).  A decision, a run decision, the sweep's settlements and the
+owner's wait (`resume_if_settled_meanwhile`, after the owner's finish,
+which locks the run alone) all take them so; the other way round, a
+decision and an owner that has just begun to wait deadlock.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 from collections.abc import Iterator
@@ -34,14 +48,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError, IntegrityError, transaction
-from django.db.models import Exists, OuterRef
 from django.db.models.functions import Now
 from django.utils import timezone
 from psycopg.types.json import Jsonb
 
 from runs.models import (
+    AUTHORISING,
+    TERMINAL_STATUSES,
     UNSTORABLE,
     Action,
     ActionState,
@@ -58,7 +74,7 @@ from runs.models import (
     action_identity,
     digest,
 )
-from runs.outcomes import Settlement, settle, written, written_by
+from runs.outcomes import UNKNOWN_TO_SERVER, Settlement, settle, written, written_by
 from runs.sql import CommitUnanswered, lock_refused, server_cursor, waits_bounded
 from runs.timeline import EventKind, timeline
 
@@ -139,9 +155,11 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
             "error": action.error,
         }
     if item.kind == OutcomeKind.EFFECT:
+        until = in_flight_until(item)
         shown["delivery"] = {
             "idempotency_key": item.evidence.get("idempotency_key", ""),
             "receiver_answer": item.action.error if item.action_id else "",
+            "in_flight_until": until.isoformat() if until else None,
         }
     elif run.is_imported:
         # Its xid and writer's backend are another installation's: asking
@@ -179,41 +197,48 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
     return shown
 
 
+def call_timeout(kind: str) -> float:
+    """How long a call of the tool `kind` may last (its timeout); a tool
+    not named here is given the longest of them."""
+    timeouts = {
+        "deliver_report": settings.RUNDESK_DELIVERY_TIMEOUT,
+        "model_call": settings.RUNDESK_MODEL_TIMEOUT,
+    }
+    return timeouts.get(kind, max(timeouts.values()))
+
+
+def in_flight_until(item: OutcomeItem) -> dt.datetime | None:
+    """Until when the dispatch an effect item is about may still be in
+    flight, if that may still be the case: its owner lost the run mid-call
+    (a later owner opened the item: the one that dispatched never saw its
+    call end).  That call started before its lease ran out and lasts at
+    most the tool's timeout: the boundary's time, plus the lease, plus the
+    timeout.  None when it cannot be in flight any more (or never could:
+    the owner that dispatched it saw the answer lost)."""
+    if item.kind != OutcomeKind.EFFECT or item.action_id is None:
+        return None
+    action = item.action
+    if item.evidence.get("lease_epoch") == action.epoch:
+        return None
+    until = action.dispatched_at + dt.timedelta(
+        seconds=call_timeout(action.kind) + settings.RUNDESK_LEASE_SECONDS
+    )
+    return until if until > timezone.now() else None
+
+
+def offered_from(until: dt.datetime) -> str:
+    """When sending again is offered, in an operator's words."""
+    at = until.astimezone(dt.UTC).strftime("%H:%M:%S UTC")
+    return f"offered from {at}, when the previous owner's call can no longer be in flight"
+
+
 def offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
-    """The choices the evidence in `shown` (gather) allows for `item`."""
+    """The choices the evidence in `shown` (gather) allows for `item`, in
+    the state `item`, its run and its action are in."""
     if item.state != OutcomeState.OPEN or item.run.is_imported:
         return []
-    if item.kind == OutcomeKind.EFFECT and item.run.is_finished:
-        # Nothing will send it again: what the receiver says is recorded.
-        return [
-            Offer(
-                DecisionChoice.CONFIRMED_HAPPENED,
-                "The receiver has it. The action is recorded as completed, confirmed by you, "
-                "with your reference.",
-            ),
-            Offer(
-                DecisionChoice.CONFIRMED_NOT_HAPPENED,
-                "The receiver does not have it. Recorded so; nothing is sent: the run has ended.",
-            ),
-        ]
     if item.kind == OutcomeKind.EFFECT:
-        key = shown["delivery"]["idempotency_key"]
-        return [
-            Offer(
-                DecisionChoice.CONFIRMED_HAPPENED,
-                "The receiver has it. The action is recorded as completed, confirmed by you, "
-                "with your reference; the run goes on past it and never sends it again.",
-            ),
-            Offer(
-                DecisionChoice.RESEND_SAME_IDENTITY,
-                f"The receiver honours Idempotency-Key {key}. It is sent once more under the "
-                "same identity and key; a receiver that has it already keeps one copy.",
-            ),
-            Offer(
-                DecisionChoice.CONFIRMED_NOT_HAPPENED,
-                "The receiver does not have it. It is sent once more, under the same identity.",
-            ),
-        ]
+        return _effect_offers(item, shown)
     now = shown["now"]
     choices = [
         Offer(
@@ -223,10 +248,12 @@ def offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
         )
     ]
     # Only where the evidence cannot tell: the transaction's status is gone
-    # (or was never known), or contradicts the probe (committed, and no row:
-    # an aborted one settles itself, a row found then is another's).  While
-    # the transaction is still in flight nobody may decide: it can still commit.
-    gone = now["xid_status"] is None and not now["writer_alive"]
+    # (or was never known, or this server does not know the transaction:
+    # lost with the WAL, or a restore), or contradicts the probe (committed,
+    # and no row: an aborted one settles itself, a row found then is
+    # another's).  While the transaction is still in flight nobody may
+    # decide: it can still commit.
+    gone = now["xid_status"] in (None, UNKNOWN_TO_SERVER) and not now["writer_alive"]
     contradicts = (now["xid_status"], now["row_found"]) == ("committed", False)
     if (gone or contradicts) and now["error"] is None:
         if now["row_found"]:
@@ -245,6 +272,42 @@ def offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
                 )
             )
     return choices
+
+
+def _effect_offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
+    """Sending again, or saying it did not happen, only once the previous
+    owner's call can no longer be in flight: the receiver may get it yet."""
+    ended = item.run.is_finished
+    happened = Offer(
+        DecisionChoice.CONFIRMED_HAPPENED,
+        "The receiver has it. The action is recorded as completed, confirmed by you, with "
+        "your reference"
+        + ("." if ended else "; the run goes on past it and never sends it again."),
+    )
+    if in_flight_until(item) is not None:
+        return [happened]
+    if ended:
+        # Nothing will send it again: what the receiver says is recorded.
+        return [
+            happened,
+            Offer(
+                DecisionChoice.CONFIRMED_NOT_HAPPENED,
+                "The receiver does not have it. Recorded so; nothing is sent: the run has ended.",
+            ),
+        ]
+    key = shown["delivery"]["idempotency_key"]
+    return [
+        happened,
+        Offer(
+            DecisionChoice.RESEND_SAME_IDENTITY,
+            f"The receiver honours Idempotency-Key {key}. It is sent once more under the "
+            "same identity and key; a receiver that has it already keeps one copy.",
+        ),
+        Offer(
+            DecisionChoice.CONFIRMED_NOT_HAPPENED,
+            "The receiver does not have it. It is sent once more, under the same identity.",
+        ),
+    ]
 
 
 def run_offers(run: Run) -> list[Offer]:
@@ -332,16 +395,15 @@ def _decided(item_id: int, request: Request) -> tuple[OutcomeItem | None, Operat
     if item.run.is_imported:
         raise DecisionRefused(f"item {item_id} cannot be decided: {_imported(item.run)}")
     shown = request.shown or gather(item)
-    if request.who.user is not None and item.state == OutcomeState.OPEN:
-        offered = {offer.choice for offer in offers(item, shown)}
-        if request.choice not in offered:
-            raise DecisionRefused(
-                f"{request.choice} is not offered for this item now: the evidence allows "
-                f"{', '.join(sorted(offered)) or 'nothing'}"
-            )
-    settlement = check(item) if request.choice == DecisionChoice.CHECK_AGAIN else None
-    Run.objects.lock_waiting(item.run_id)
-    item = OutcomeItem.objects.select_for_update().get(pk=item_id)
+    # The lock order (module docstring): the run, then the item; both read
+    # again under their locks, what the item is about with them.
+    run = Run.objects.locked(item.run_id)
+    item = (
+        OutcomeItem.objects.select_for_update(of=("self",))
+        .select_related("action", "checkpoint")
+        .get(pk=item_id)
+    )
+    item.run = run
     if (earlier := _by_token(request, item_id=item_id)) is not None:
         return None, earlier
     if item.state != OutcomeState.OPEN:
@@ -350,6 +412,9 @@ def _decided(item_id: int, request: Request) -> tuple[OutcomeItem | None, Operat
             raise DecisionRefused(f"already settled: {item.resolution}")
         # Its choice and reason are said with the decision that stands.
         raise DecisionRefused(f"already settled by {first.decided_by}", first)
+    if request.who.user is not None:
+        _check_offered(item, shown, request.choice)
+    settlement = check(item) if request.choice == DecisionChoice.CHECK_AGAIN else None
     outcome = _outcome(item, request.choice, settlement)
     decision = _record(item.run_id, item, item.action_id, request, shown, outcome)
     decision.repeated = False
@@ -359,6 +424,34 @@ def _decided(item_id: int, request: Request) -> tuple[OutcomeItem | None, Operat
         item.run_id, f"{item.subject} settled by {request.who.name}: continues"
     )
     return item, decision
+
+
+def _check_offered(item: OutcomeItem, shown: dict[str, Any], choice: str) -> None:
+    """Refuses a person's choice the evidence, or the state of the item,
+    its run and its action (read under their locks), does not allow now:
+    a run that ended since the evidence was gathered changes what each
+    choice does (nothing is sent any more)."""
+    run = item.run
+    seen = shown.get("run", {}).get("status")
+    if seen is not None and seen not in TERMINAL_STATUSES and run.is_finished:
+        raise DecisionRefused(
+            f"run {run.pk} is {run.get_status_display().lower()}: it ended while this was "
+            f"decided ({run.status_reason}); nothing was decided: look at the item again"
+        )
+    offered = {offer.choice for offer in offers(item, shown)}
+    if choice in offered:
+        return
+    if choice in AUTHORISING and (until := in_flight_until(item)) is not None:
+        raise DecisionRefused(
+            f"{choice} is not offered yet: {offered_from(until)} (dispatched at "
+            f"{item.action.dispatched_at.astimezone(dt.UTC):%H:%M:%S} UTC, by an owner "
+            "that lost the run during the call)"
+        )
+    raise DecisionRefused(
+        f"{choice} is not offered for this item now (run {run.pk} is "
+        f"{run.get_status_display().lower()}): the evidence allows "
+        f"{', '.join(sorted(offered)) or 'nothing'}"
+    )
 
 
 def decide_run(run_id: int, request: Request) -> OperatorDecision:
@@ -373,6 +466,11 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
             raise DecisionRefused(f"there is no run {run_id}")
         if run.is_imported:
             raise DecisionRefused(f"run {run_id} cannot be decided: {_imported(run)}")
+        # The lock order (module docstring): the run first; what is
+        # offered is read under its lock.
+        run = Run.objects.locked(run_id)
+        if (earlier := _by_token(request, run_id=run_id)) is not None:
+            return earlier
         offered = {offer.choice for offer in run_offers(run)}
         if request.choice not in offered:
             raise DecisionRefused(
@@ -380,17 +478,16 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
                 f"{', '.join(sorted(offered)) or 'nothing is'} offered"
             )
         shown = request.shown or {"run": {"id": run.pk, "status": run.status}}
-        Run.objects.lock_waiting(run_id)
-        if (earlier := _by_token(request, run_id=run_id)) is not None:
-            return earlier
         waiting = Run.objects.local().filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR)
         if request.choice == DecisionChoice.RESUME:
-            changed = waiting.exclude(
-                Exists(OutcomeItem.objects.holding_runs().filter(run=OuterRef("pk")))
-            ).update(
-                status=RunStatus.QUEUED,
-                status_reason=f"resumed by {request.who.name}: {request.reason}",
-                queued_at=Now(),
+            changed = (
+                Run.objects.waiting_unheld()
+                .filter(pk=run_id)
+                .update(
+                    status=RunStatus.QUEUED,
+                    status_reason=f"resumed by {request.who.name}: {request.reason}",
+                    queued_at=Now(),
+                )
             )
             after = RunStatus.QUEUED
         else:
@@ -415,7 +512,8 @@ def resume_if_settled_meanwhile(run_id: int, item_id: int) -> bool:
     settled the item while the run was still running (it could not resume
     a run that was not waiting yet), the run goes back to the queue now."""
     with transaction.atomic():
-        Run.objects.lock_waiting(run_id)
+        # The lock order (module docstring): the run, then the item.
+        Run.objects.locked(run_id)
         item = OutcomeItem.objects.select_for_update().filter(pk=item_id).first()
         why = f"{item.subject if item else 'its item'} was settled while it stopped: continues"
         resumed = (

@@ -449,7 +449,10 @@ class Lease:
         that would wait ends as cancelled instead, since nobody is to decide
         for it any more.  With `receipt` (the last read's), both are
         written in one statement, or neither: a run never ends with its
-        last receipt missing.  Returns the status written."""
+        last receipt missing.  Returns the status written.  It locks the run
+        row (and the receipt's action) and no item: an owner that ends
+        waiting then locks the run, then its item, the one order of every
+        decision (runs/decisions.py)."""
         cancelled = (
             "(%(status)s::text = 'cancelled' OR (%(status)s::text = 'needs_operator'"
             " AND cancel_requested_at IS NOT NULL))"

@@ -197,28 +197,38 @@ class RunQuerySet(models.QuerySet["Run"]):
             )
         return requeued
 
+    def waiting_unheld(self) -> RunQuerySet:
+        """Runs of this installation that wait for an operator and that no
+        open item holds (HOLDING_KINDS; an unknown checkpoint's item holds
+        nothing): only a decision on the run itself lets them go on."""
+        return (
+            self.local()
+            .filter(status=RunStatus.NEEDS_OPERATOR)
+            .exclude(Exists(OutcomeItem.objects.holding_runs().filter(run=OuterRef("pk"))))
+        )
+
     def resume_if_settled(self, run_id: int, why: str) -> bool:
         """Puts a run that waits for an operator back in the queue when none
         of its outcome items holds it any more: it continues from its
         receipts.  Called in the transaction that settles an item, after
-        locking the run row (lock_waiting), so two items settled at once
+        locking the run row (locked), so two items settled at once
         cannot both leave the run waiting."""
         return bool(
-            self.local()
-            .filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR, cancel_requested_at__isnull=True)
-            .exclude(Exists(OutcomeItem.objects.holding_runs().filter(run=OuterRef("pk"))))
+            self.waiting_unheld()
+            .filter(pk=run_id, cancel_requested_at__isnull=True)
             .update(status=RunStatus.QUEUED, status_reason=why, queued_at=Now())
         )
 
-    def lock_waiting(self, run_id: int) -> None:
-        """Locks a run that waits for an operator (and only such a run: a
-        running run's fenced writes never wait for this)."""
-        list(
-            self.local()
-            .filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR)
-            .select_for_update(no_key=True)
-            .values_list("pk")
-        )
+    def locked(self, run_id: int) -> Run | None:
+        """Locks a run of this installation, whatever its status, and reads
+        it again under the lock (None: no such run here).  The first lock
+        of every transaction that settles an item or decides for a run
+        (runs/decisions.py): the run row, then its items.  The owner's wait
+        (decisions.resume_if_settled_meanwhile) takes them in the same order:
+        locking the item first, a decision that then finds the run waiting
+        would deadlock with it.  A running run's fenced writes wait for the
+        few statements of a decision at most."""
+        return self.local().filter(pk=run_id).select_for_update(no_key=True).first()
 
     def claim_retry(self, run_id: int, seen_expiry: str | None) -> tuple[float, str | None] | None:
         """A run that could not be claimed: when to try again (seconds, and

@@ -15,7 +15,13 @@ Once the database answers again, `settle()` asks it:
 - no status (no xid was announced, or it is too old to tell): probe by the
   write's identity once the old backend is gone.  These rows are never
   deleted, so a row found is committed, and a row absent after its writer
-  ended was not written.
+  ended was not written;
+- unknown to this server (UNKNOWN_TO_SERVER: an xid it has not reached,
+  which pg_xact_status refuses with 22023): the transaction was lost with
+  the WAL (a crash, a failover to a replica that had not received it) or
+  the server was restored from a backup.  Waiting will not tell, and this
+  server's rows are not the ones the writer saw: an operator decides, from
+  what the probe by identity finds.
 
 What is still unsettled when patience runs out stays `unknown`: an
 OutcomeItem for an operator.  Nothing here ever treats unknown as not
@@ -24,13 +30,15 @@ written, and nothing writes an unknown write again.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, TypeVar
 
 from django.conf import settings
-from django.db import DatabaseError, IntegrityError, connection, transaction
+from django.db import DatabaseError, DataError, IntegrityError, connection, transaction
 from django.db.models import Exists, OuterRef
 from django.db.models.functions import Now
 from django.utils import timezone
@@ -51,6 +59,18 @@ from runs.timeline import EventKind, timeline
 
 T = TypeVar("T")
 
+logger = logging.getLogger(__name__)
+
+# The status of an xid this server has not reached (pg_xact_status raises
+# 22023, "transaction ID ... is in the future"), and what it means, in an
+# operator's words.
+UNKNOWN_TO_SERVER = "unknown to this server"
+NOT_KNOWN_HERE = (
+    "this server does not know that transaction: it was lost with the WAL (a crash, or a "
+    "failover to a replica that had not received it) or the server was restored from a backup"
+)
+IN_THE_FUTURE = "22023"
+
 
 class NeedsOperator(Exception):
     """The runtime cannot settle this itself: the run waits for a person
@@ -68,19 +88,46 @@ class Settlement:
     # The item opened for an operator when the outcome stayed unknown.
     item_id: int | None = None
 
+    @property
+    def last(self) -> dict[str, Any]:
+        return self.evidence["checks"][-1] if self.evidence.get("checks") else {}
+
+    @property
+    def in_flight(self) -> bool:
+        """Unknown for now only: its transaction is still in progress, or
+        its writer still runs (the next ask may settle it)."""
+        return self.last.get("xid_status") == "in progress" or bool(self.last.get("backend_alive"))
+
     def describe(self) -> str:
-        last = self.evidence["checks"][-1] if self.evidence.get("checks") else {}
+        last = self.last
         return (
             f"{self.outcome}: xid {self.evidence.get('xid')} status "
             f"{last.get('xid_status')!s}, row found: {last.get('row_found')}, "
             f"writer's backend alive: {last.get('backend_alive')}"
         )
 
+    def unsettled(self, what: str) -> str:
+        """An item's summary: why the evidence does not settle `what`."""
+        summary = f"{what}: COMMIT sent, no answer, and the evidence does not settle it"
+        if self.last.get("xid_status") == UNKNOWN_TO_SERVER:
+            summary += f": {NOT_KNOWN_HERE}"
+        return summary
+
 
 def xact_status(xid: int) -> str | None:
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_xact_status(%s::text::xid8)", [str(xid)])
-        return cursor.fetchone()[0]
+    """committed, aborted, in progress; None when it is too old to tell;
+    UNKNOWN_TO_SERVER for an xid this server has not reached.  Inside a
+    caller's transaction it is asked in a savepoint, which that refusal
+    rolls back alone."""
+    asked = transaction.atomic() if connection.in_atomic_block else contextlib.nullcontext()
+    try:
+        with asked, connection.cursor() as cursor:
+            cursor.execute("SELECT pg_xact_status(%s::text::xid8)", [str(xid)])
+            return cursor.fetchone()[0]
+    except DataError as error:
+        if getattr(error.__cause__, "sqlstate", None) != IN_THE_FUTURE:
+            raise
+        return UNKNOWN_TO_SERVER
 
 
 # The writer's old backend, if it still runs (the same pid and start time:
@@ -167,6 +214,9 @@ def settle(
                 return Settlement("not_written", evidence)
             if status is None and not alive:
                 return Settlement("committed" if found else "not_written", evidence)
+            if status == UNKNOWN_TO_SERVER:
+                # Waiting will not make this server know it: an operator's.
+                return Settlement("unknown", evidence)
         if time.monotonic() >= deadline:
             return Settlement("unknown", evidence)
         time.sleep(delay)
@@ -226,8 +276,7 @@ def settle_unanswered(
             run_id=run_id,
             kind=kind,
             subject=subject,
-            summary=f"{unanswered.what}: COMMIT sent, no answer, and the evidence does not "
-            "settle it",
+            summary=settlement.unsettled(unanswered.what),
             evidence={**settlement.evidence, "lease_epoch": lease_epoch, "afterwards": afterwards},
             xid=settlement.evidence["xid"],
             **about,
@@ -296,8 +345,11 @@ def settle_left_checkpoints() -> list[int]:
     owner recorded the unknown row, then died while it asked the evidence
     (the item comes only if the evidence cannot tell).  Not while that
     owner may still be asking (its lease held at that epoch), and without
-    waiting: one still in flight is left to the next sweep.  The runs whose
-    checkpoints it settled."""
+    waiting: one still in flight is left to the next sweep; one the
+    evidence will never settle (an xid this server does not know, a
+    status the probe contradicts) gets its item, for an operator.  Each
+    in a savepoint of its own: one that cannot be asked about holds up no
+    other.  The runs whose checkpoints it settled."""
     held = Run.objects.filter(
         pk=OuterRef("run_id"),
         lease_epoch=OuterRef("epoch"),
@@ -314,24 +366,48 @@ def settle_left_checkpoints() -> list[int]:
     )
     settled = []
     for record in left:
-        unanswered = CommitUnanswered(f"checkpoint {record.number}", record.xid, None, record.error)
-        settlement = settle(
-            unanswered,
-            lambda record=record: Checkpoint.objects.filter(
-                run_id=record.run_id, number=record.number, state__isnull=False
-            ).exists(),
-            patience=0,
-        )
+        try:
+            with transaction.atomic():
+                settlement = _settle_left(record)
+        except DatabaseError as error:
+            logger.warning("checkpoint %s left to the next sweep: %s", record.pk, error)
+            continue
         if settlement.outcome != "unknown":
-            settle_checkpoint(record, settlement)
-            timeline.record(
-                record.run_id,
-                EventKind.OUTCOME_SETTLED,
-                f"checkpoint {record.number}, left unknown by an owner that stopped: "
-                f"{settlement.describe()}",
-            )
             settled.append(record.run_id)
     return settled
+
+
+def _settle_left(record: Checkpoint) -> Settlement:
+    what = f"checkpoint {record.number}, left unknown by an owner that stopped"
+    unanswered = CommitUnanswered(f"checkpoint {record.number}", record.xid, None, record.error)
+    settlement = settle(
+        unanswered,
+        lambda: Checkpoint.objects.filter(
+            run_id=record.run_id, number=record.number, state__isnull=False
+        ).exists(),
+        patience=0,
+    )
+    if settlement.outcome != "unknown":
+        settle_checkpoint(record, settlement)
+        timeline.record(
+            record.run_id, EventKind.OUTCOME_SETTLED, f"{what}: {settlement.describe()}"
+        )
+    elif not settlement.in_flight:
+        open_item(
+            run_id=record.run_id,
+            kind=OutcomeKind.CHECKPOINT,
+            subject=f"checkpoint:{record.pk}",
+            summary=settlement.unsettled(what),
+            evidence={
+                **settlement.evidence,
+                "lease_epoch": record.epoch,
+                "afterwards": "its owner had stopped; this checkpoint is not used to resume "
+                "and is not written again",
+            },
+            xid=record.xid,
+            checkpoint=record,
+        )
+    return settlement
 
 
 def written(item: OutcomeItem) -> bool:

@@ -12,13 +12,14 @@ from django.utils import timezone
 
 from dashboard.context import Field
 from dashboard.inbox import (
+    Waiting,
     blocks,
     items_listed,
     known,
     listing_row,
     panels,
     receipts,
-    waiting_without_item,
+    waiting_unheld,
     what,
 )
 from runs.decisions import (
@@ -71,8 +72,10 @@ JSON (one document on stdout; keys are stable, new keys may be added):
              the evidence kept with it), "at" (ISO 8601)}
   OFFER     {"choice", "label", "does"}
   WAITING   {"id", "status_reason", "waiting_since" (ISO 8601), "age_seconds",
-             "offers": [OFFER, ...]}: a run waiting for an operator with no
-             open item, which only `decide-run` lets go on
+             "offers": [OFFER, ...], "open_items": [ID, ...]}: a run waiting
+             for an operator that no open item holds (an unknown
+             checkpoint's item holds nothing), which only `decide-run` lets
+             go on
   list        {"items": [ITEM, ...], "waiting_runs": [WAITING, ...]}  oldest
               first ("waiting_runs" left out with --kind)
   show        {"item": ITEM, "known": [sentence, ...], "evidence": {...} (as
@@ -113,13 +116,15 @@ def decision_json(decision: OperatorDecision) -> dict[str, Any]:
     }
 
 
-def waiting_json(run: Run, now: dt.datetime) -> dict[str, Any]:
+def waiting_json(waiting: Waiting, now: dt.datetime) -> dict[str, Any]:
+    run = waiting.run
     return {
         "id": run.pk,
         "status_reason": run.status_reason,
         "waiting_since": run.updated_at.isoformat(),
         "age_seconds": int((now - run.updated_at).total_seconds()),
         "offers": [offer_json(offer) for offer in run_offers(run)],
+        "open_items": waiting.open_items,
     }
 
 
@@ -224,10 +229,13 @@ class Command(BaseCommand):
         document: dict[str, Any] = {"items": rows}
         if not options["kind"]:
             # As the inbox lists them: runs only a decision on the run lets go on.
-            waiting = [waiting_json(run, now) for run in waiting_without_item(options["run"])]
+            waiting = [waiting_json(entry, now) for entry in waiting_unheld(options["run"])]
             document["waiting_runs"] = waiting
             if waiting:
-                text += ["", "Runs waiting for an operator with no item (outcomes decide-run):"]
+                text += [
+                    "",
+                    "Runs waiting for an operator that no item holds (outcomes decide-run):",
+                ]
             text += [
                 f"run {row['id']}  {_age(row['age_seconds'])}  {row['status_reason']}  "
                 f"choices: {', '.join(offer['choice'] for offer in row['offers'])}"
