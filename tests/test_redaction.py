@@ -12,13 +12,14 @@ import zipfile
 from typing import Any
 
 import pytest
+from django.db.models.functions import Now
 
 from evidence import bundles
 from evidence.redaction import Redactor
 from runs.executor import claim_and_drive
-from runs.models import Run, RunStatus
+from runs.models import OutcomeItem, OutcomeState, Run, RunStatus
 from runs.timeline import EventKind, timeline
-from tests.faultruns import DOCS
+from tests.faultruns import DOCS, run_with
 
 SECRET = "s3cr3t-Value-0042"
 
@@ -401,6 +402,29 @@ def test_an_export_redacts_the_issues_action_input_and_event(journal, tmp_path):
     assert redacted["actions.jsonl"]["authorization_header"] >= 1
     assert redacted["events.jsonl"]["credential"] == 1
     assert bundles.verify(path).ok
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_items_evidence_shown_as_fields_in_the_report_is_redacted(journal, tmp_path):
+    """The report shows evidence as fields, a name's label apart from its
+    value: no pattern over the page saw `Api key` and its value together."""
+    run, outcome = run_with([{"point": "delivery_timeout"}], documents=DOCS[:1])
+    assert outcome == RunStatus.NEEDS_OPERATOR
+    # (An item's row changes once: when it is settled.)
+    items = OutcomeItem.objects.filter(run=run)
+    assert items.update(
+        state=OutcomeState.RESOLVED, resolved_at=Now(), evidence={"request": ACTION_INPUT}
+    )
+    timeline.flush()
+    path = tmp_path / "run.zip"
+    exported = bundles.export(run.pk, path)
+    with zipfile.ZipFile(path) as bundle:
+        files = {name: bundle.read(name) for name in bundle.namelist()}
+    for name, data in files.items():
+        for secret in ACTION_SECRETS:
+            assert secret.encode() not in data, f"{secret} left in {name}"
+    assert exported.manifest["redacted"]["report.html"]["credential"] >= 2
+    assert "Api key" in files["report.html"].decode()  # the names stay
 
 
 def _completed_run() -> Run:
