@@ -111,8 +111,12 @@ PLAIN_VALUE = (
 )
 
 
+# An Authorization header's scheme, before its credentials.
+SCHEME = "(?:bearer|basic|token|digest|negotiate)"
+
+
 def at_start(pattern: str, width: int, inside: str = "[A-Za-z0-9_]") -> str:
-    """`pattern` (of `width` characters) where a key may start: not right
+    r"""`pattern` (of `width` characters) where a key may start: not right
     after one of `inside` -- or right after a JSON escape (\n, \t, \u2028),
     whose letter or digits are not the key's.  A model call's copy holds its
     messages as JSON text: a document's line starts after "\n", and a key
@@ -131,12 +135,12 @@ def at_start(pattern: str, width: int, inside: str = "[A-Za-z0-9_]") -> str:
 @dataclass(frozen=True)
 class Format:
     kind: str
-    # The name (group 1) stays; only the secret after it goes.
-    # Each holds one of these (compared without case): a text without any
-    # is not scanned for it (an export reads millions of strings, and a
+    # Each match holds one of these (compared without case): a text without
+    # any is not scanned for it (an export reads millions of strings, and a
     # substring search costs a fraction of a pattern's pass).
     triggers: tuple[str, ...]
     pattern: re.Pattern[str]
+    # The name (group 1) stays; only the secret after it goes.
     keeps_name: bool = False
     # Whether the match holds a secret, beyond its pattern (a query
     # parameter's name, a field's name glued to no long word).
@@ -172,9 +176,9 @@ FORMATS: list[Format] = [
             # After a word's end, a digit or an underscore (HTTP_AUTHORIZATION).
             # The value may be in backquotes or brackets: `Bearer x`, (Bearer x).
             rf"(?i)(?=[ap])((?:{at_start('proxy-authorization', 19, '[A-Za-z]')}"
-            rf"|{at_start('authorization', 13, '[A-Za-z]')}){HEADER_SEPARATOR}[`(\[]?)"
-            r"(?!\[REDACTED)(?:(?:bearer|basic|token|digest|negotiate)(?:[ \t]{0,10}:[ \t]{0,10}"
-            r"|[ \t]{1,10}))?[^\s\"'`,)\]}<>&\\]+"
+            rf"|{at_start('authorization', 13, '[A-Za-z]')}){HEADER_SEPARATOR}"
+            rf"(?!(?:{SCHEME}[ \t:]{{1,10}})?\[REDACTED)[`(\[]?)(?:{SCHEME}"
+            r"(?:[ \t]{0,10}:[ \t]{0,10}|[ \t]{1,10}))?[^\s\"'`,)\]}<>&\\]+"
         ),
         keeps_name=True,
     ),
@@ -184,7 +188,7 @@ FORMATS: list[Format] = [
         re.compile(
             rf"(?i)(?=[cs])((?:{at_start('set-cookie', 10, '[A-Za-z]')}"
             rf"|{at_start('cookie', 6, '[A-Za-z]')}){HEADER_SEPARATOR})"
-            r"(?!\[REDACTED)[^\r\n\"'<>&\\]+"
+            r"(?!\[REDACTED)[^\s\"'<>&\\][^\r\n\"'<>&\\]*"
         ),
         keeps_name=True,
     ),
@@ -252,7 +256,7 @@ FORMATS: list[Format] = [
     Format(
         "url_password",
         ("://",),
-        re.compile(r"(://(?<=[A-Za-z0-9+.-]://)[^\s:/@\"'<>]+:)[^\s@/\"'<>]+(?=@)"),
+        re.compile(r"(://(?<=[A-Za-z0-9+.-]://)[^\s:/@\"'<>]+:)(?!\[REDACTED)[^\s@/\"'<>]+(?=@)"),
         keeps_name=True,
     ),
     # ?key=AIza..., &X-Amz-Signature=..., &amp;token=... (HTML), \u0026sig=
@@ -289,8 +293,8 @@ FORMATS: list[Format] = [
     ),
 ]
 
-PEM_BEGIN = re.compile(r"-----BEGIN [A-Z0-9 ]{0,40}PRIVATE KEY-----")
-PEM_END = re.compile(r"-----END [A-Z0-9 ]{0,40}PRIVATE KEY-----")
+PEM_BEGIN = re.compile(r"-----BEGIN [A-Z0-9 ]{0,40}PRIVATE KEY(?: BLOCK)?-----")
+PEM_END = re.compile(r"-----END [A-Z0-9 ]{0,40}PRIVATE KEY(?: BLOCK)?-----")
 # A block's own characters: base64, its headers' words, whitespace, and the
 # escapes JSON writes for its line ends -- a backslash only with the
 # character it escapes, so a block never ends inside an escape.

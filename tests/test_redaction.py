@@ -323,6 +323,11 @@ SHAPES = [
         "MIIEvQIBADANBgkqhkiG9w0BAQEFAASC",
     ),
     ("-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASC", "MIIEvQIBADANBgkq"),
+    (
+        "-----BEGIN PGP PRIVATE KEY BLOCK-----\n\nlQOYBGXyZ1234abcd\n"
+        "-----END PGP PRIVATE KEY BLOCK-----",
+        "lQOYBGXyZ1234abcd",
+    ),
     ("known-secret-value", "known-secret-value"),
     ("k3y", "k3y"),
 ]
@@ -360,6 +365,16 @@ def test_redaction_never_breaks_the_json_or_html_it_sits_in(shape, secret):
             else:
                 assert re.fullmatch(r'<p title="[^"<>]*">[^"<>]*</p>', redacted), redacted
                 assert not re.search(r"&(?!amp;|lt;|gt;|quot;|#x27;)", redacted), redacted
+
+
+@pytest.mark.parametrize(("shape", "secret"), SHAPES)
+def test_redacting_twice_changes_and_counts_nothing_more(shape, secret):
+    """report.html's hovers are redacted, then the page they sit in."""
+    secrets = {"known-secret-value": "setting:X", "k3y": "setting:Y"}
+    once = Redactor(secrets).text(f"before {shape} after", "x")
+    again = Redactor(secrets)
+    assert again.text(once, "x") == once
+    assert again.report() == {}
 
 
 @pytest.mark.django_db(transaction=True)
