@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,12 +59,14 @@ def report_html(
     tags: `<code>`, list items), then to the page's body.  Never to the
     page's own CSS and scripts."""
     context = run_facts(run, redact)
+    for item in context["items"]:
+        item.fields = evidence_fields(_redacted(item.evidence, redact))
     for revision in context["revisions"]:
         revision.html, revision.unlinked = _offline(answer_html(redact(revision.content)))
     decisions = history(run.decisions.all())
     by_item: dict[int | None, list[Any]] = {}
     for decision in decisions:
-        decision.fields = evidence_fields(decision.evidence)
+        decision.fields = evidence_fields(_redacted(decision.evidence, redact))
         by_item.setdefault(decision.item_id, []).append(decision)
     for item in context["items"]:
         item.decision_rows = by_item.get(item.pk, [])
@@ -104,6 +107,13 @@ def report_html(
             "plotly": _plotly_js(),
         },
     )
+
+
+def _redacted(evidence: Any, redact: Callable[[str], str]) -> Any:
+    """Evidence redacted as the JSON it is, before it becomes fields: a
+    field's name and its value are shown apart (a label, a text), where no
+    pattern run over the page sees them together."""
+    return json.loads(redact(json.dumps(evidence)))
 
 
 def _offline(html: str) -> tuple[SafeString, int]:
