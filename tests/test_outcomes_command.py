@@ -149,7 +149,7 @@ def test_show_gives_the_evidence_gathered_now_and_the_choices(lost_delivery):
     assert all(offer["does"] for offer in shown["offers"])
     assert [offer["choice"] for offer in shown["run_offers"]] == ["abandon"]
     text = outcomes("show", str(item.pk))
-    assert "Idempotency-Key sent: " + identity in text
+    assert "Idempotency-Key sent: " + key in text
     assert "Not known: whether the receiver has it" in text
     assert "confirmed_happened: The receiver has it." in text
     assert "{'" not in text  # labelled fields, not a dict
