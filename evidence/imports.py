@@ -503,6 +503,10 @@ class _Loader:
     def _fix_actions(self, row: dict[str, Any], values: dict[str, Any]) -> None:
         if row.get("effect_class") == EffectClass.EFFECT and (row.get("attempts") or 1) > 1:
             values["attempts"] = 1
+        # Keys are unique across runs, as where they were sent (a bundle of
+        # before keys has none: each row gets a new one).
+        if isinstance(row.get("idempotency_key"), str):
+            values["idempotency_key"] = self._unique(row["idempotency_key"])
 
     def _fix_outcome_items(self, row: dict[str, Any], values: dict[str, Any]) -> None:
         # Subjects are unique across runs and name the origin's ids.

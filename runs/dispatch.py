@@ -75,6 +75,7 @@ from runs.models import (
     RunStatus,
     action_identity,
     digest,
+    new_idempotency_key,
 )
 from runs.outcomes import NeedsOperator, open_item, write_settled
 from runs.progress import History, Progress
@@ -200,11 +201,15 @@ class Dispatcher:
             self.progress.steps += 1
         action = self.history.get(step_key)
         if action is None:
-            action_id = self._new_boundary(step_key, tool, input)
-            result = self._call_tool(action_id, step_key, tool, input, sources)
+            key = new_idempotency_key()
+            action_id = self._new_boundary(step_key, key, tool, input)
+            result = self._call_tool(action_id, step_key, key, tool, input, sources)
         elif (result := self._settled_result(action, tool, input)) is None:
             self._redispatch(action)
-            result = self._call_tool(action.pk, step_key, tool, input, sources)
+            # Sent again under the key its boundary was written with.
+            result = self._call_tool(
+                action.pk, step_key, action.idempotency_key, tool, input, sources
+            )
         else:
             # Handed over again: the owner that wrote the receipt may have
             # died before capture saved it (capture saves each once).
@@ -373,9 +378,11 @@ class Dispatcher:
         if self.lease_lost.is_set():
             raise LeaseLost(f"run {self.lease.run_id}: heartbeat found the lease gone")
 
-    def _new_boundary(self, step_key: str, tool: Tool, input: dict[str, Any]) -> int:
-        """Writes the boundary, with the last read's receipt if it is not
-        written yet (one statement: both commit, or neither)."""
+    def _new_boundary(self, step_key: str, key: str, tool: Tool, input: dict[str, Any]) -> int:
+        """Writes the boundary, with the key the action is sent under
+        (`key`: every attempt of this write carries the same) and the last
+        read's receipt if it is not written yet (one statement: all commit,
+        or nothing)."""
         self._check_can_dispatch()
         completed, self.unwritten = self.unwritten, None
 
@@ -387,6 +394,7 @@ class Dispatcher:
                     effect_class=tool.effect_class,
                     input=input,
                     receipt=receipt,
+                    idempotency_key=key,
                 ),
             )
 
@@ -481,7 +489,7 @@ class Dispatcher:
                 f"{action.step_key} was dispatched under epoch {action.epoch} and has no "
                 "receipt: the effect may have happened; only its receiver knows"
             )
-            self._effect_unknown(action.pk, action.step_key, reason)
+            self._effect_unknown(action.pk, action.step_key, action.idempotency_key, reason)
         if action.attempts >= MAX_READ_DISPATCHES:
             self._give_up(action)
         return None
@@ -520,6 +528,7 @@ class Dispatcher:
         self,
         action_id: int,
         step_key: str,
+        key: str,
         tool: Tool,
         input: dict[str, Any],
         sources: Sequence[str],
@@ -529,7 +538,7 @@ class Dispatcher:
         try:
             if self.faults.fire("tool_error", self.progress.steps):
                 raise ToolFailed("the tool failed (fault plan: tool_error)")
-            result = tool.run(input, action_identity(self.run.pk, step_key))
+            result = tool.run(input, action_identity(self.run.pk, step_key), key)
             if tool.effect_class == EffectClass.EFFECT and self.faults.fire(
                 "delivery_timeout", self.progress.steps
             ):
@@ -538,7 +547,7 @@ class Dispatcher:
             result = {"refused": str(refusal)}
         except OutcomeUnknown as error:
             self._effect_unknown(
-                action_id, step_key, f"the outcome of {step_key} is unknown: {error}"
+                action_id, step_key, key, f"the outcome of {step_key} is unknown: {error}"
             )
         except ToolFailed as error:
             self._mark(action_id, ActionState.FAILED, str(error), EventKind.ACTION_FAILED)
@@ -618,10 +627,11 @@ class Dispatcher:
             action_id=action_id,
         )
 
-    def _effect_unknown(self, action_id: int, step_key: str, reason: str) -> NoReturn:
+    def _effect_unknown(self, action_id: int, step_key: str, key: str, reason: str) -> NoReturn:
         """Only the receiver knows whether an effect happened: an operator
-        settles it with the receiver's evidence.  The action's state and its
-        item are written together: never one without the other."""
+        settles it with the receiver's evidence (it knows the action by
+        `key`).  The action's state and its item are written together:
+        never one without the other."""
         self.write_receipt()
         with transaction.atomic():
             self.lease.record_action_state(action_id, ActionState.UNKNOWN, reason)
@@ -632,7 +642,7 @@ class Dispatcher:
                 summary=reason,
                 evidence={
                     "identity": action_identity(self.run.pk, step_key),
-                    "idempotency_key": action_identity(self.run.pk, step_key),
+                    "idempotency_key": key,
                     "lease_epoch": self.lease.epoch,
                     "afterwards": "the run waits for an operator; the effect is not sent again",
                 },

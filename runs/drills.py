@@ -18,6 +18,14 @@ of them.  A question that does not apply is None, with the reason in the
 detail.  A scenario that cannot be staged here is `not_run`, with the
 reason.
 
+A drill touches nothing of production's: every lock it takes on a table
+production writes (a trigger's DDL, another session's LOCK TABLE) is asked
+for under a lock timeout of LOCK_TIMEOUT, so production's writes never queue
+behind it for longer; a drill that cannot have its lock in that time gives
+way, and its scenario is `not_run`, saying why.  What a drill killed
+mid-scenario leaves behind (its triggers and their functions) is removed
+when the next drill starts, and the report says so.
+
 The runs use the bundled sample corpus, the offline model and a delivery
 receiver of the drill's own (an outbox folder), whatever the installation
 uses; what the drill locks or slows is scoped to its own runs where
@@ -47,7 +55,7 @@ from typing import Any
 import psycopg
 from celery import current_app
 from django.conf import settings
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.models import F, Max
 from django.db.models.functions import Greatest, Now
 from django.test.utils import override_settings
@@ -76,6 +84,7 @@ from runs.models import (
     action_identity,
     digest,
 )
+from runs.sql import lock_refused, waits_bounded
 from runs.sweep import sweep
 from runs.timeline import EventKind, timeline
 
@@ -88,6 +97,12 @@ CHECKS = (
     "boundaries_kept",
 )
 WAIT_SECONDS = 60.0  # the longest a drill waits for a run or a process
+# The longest a drill waits for a lock on a table production uses (and so
+# the longest production's writes can queue behind that wait).
+LOCK_TIMEOUT = "2s"
+# What the drill's triggers and their functions are named (LIKE): what the
+# next drill removes if a drill was killed before it removed its own.
+LEFTOVERS = "rundesk\\_drill\\_%"
 
 
 class NotRun(Exception):
@@ -203,12 +218,17 @@ def database_url() -> str:
 @contextmanager
 def another_session(*statements: str) -> Iterator[psycopg.Connection[Any]]:
     """Another session runs `statements` in a transaction it keeps open
-    (and its locks) until the block ends."""
+    (and its locks) until the block ends.  A lock it cannot have within
+    LOCK_TIMEOUT: NotRun."""
     params = connection.get_connection_params()
     params["application_name"] = "rundesk:drill"
     with psycopg.connect(**params) as side:
+        side.execute("SELECT set_config('lock_timeout', %s, true)", [LOCK_TIMEOUT])
         for statement in statements:
-            side.execute(statement)
+            try:
+                side.execute(statement)
+            except psycopg.errors.LockNotAvailable:
+                raise NotRun(_gave_way(statement)) from None
         try:
             yield side
         finally:
@@ -236,6 +256,102 @@ def evidence_tables() -> list[str]:
             " AND tablename LIKE 'evidence\\_%%' ORDER BY tablename"
         )
         return [name for (name,) in cursor.fetchall()]
+
+
+# -- what the drill does to tables production uses --------------------------------------
+
+
+def _gave_way(what: str) -> str:
+    return (
+        f"{what}: another session held a lock it needs for longer than {LOCK_TIMEOUT}; "
+        "the drill gave way rather than hold production's writes up"
+    )
+
+
+def _bounded(statement: str, what: str) -> None:
+    """Runs `statement` (DDL on a table production writes; `what` says it
+    in words) in a transaction whose lock waits end after LOCK_TIMEOUT:
+    while it waits, production's writes to that table queue behind it, so
+    not for longer.  NotRun when the lock was not granted."""
+    try:
+        with waits_bounded(LOCK_TIMEOUT), connection.cursor() as cursor:
+            cursor.execute(statement)
+    except DatabaseError as error:
+        if lock_refused(error):
+            raise NotRun(_gave_way(what)) from None
+        raise
+
+
+@contextmanager
+def _trigger(run: Run, purpose: str, table: str, body: str) -> Iterator[None]:
+    """A BEFORE INSERT trigger on `table` for `run`'s rows only, and its
+    function (`body`: PL/pgSQL), created and dropped under LOCK_TIMEOUT.
+    Named `rundesk_drill_<purpose>_<run>`: if the drill is killed before the
+    drop, the next drill finds and removes them (remove_leftovers)."""
+    name = f"rundesk_drill_{purpose}_{run.pk}"
+    _bounded(
+        f"""CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN {body} END $$;
+            CREATE TRIGGER {name} BEFORE INSERT ON {table} FOR EACH ROW
+            WHEN (NEW.run_id = {run.pk}) EXECUTE FUNCTION {name}()""",
+        f"creating trigger {name} on {table}",
+    )
+    try:
+        yield
+    finally:
+        _until_dropped(
+            f"DROP TRIGGER IF EXISTS {name} ON {table}; DROP FUNCTION IF EXISTS {name}()",
+            f"trigger {name} on {table} and its function",
+        )
+
+
+def _until_dropped(statement: str, what: str, attempts: int = 5) -> None:
+    """A drop, asked for again while production's writes keep its table
+    busy (each wait bounded: they go first); one still refused is left to
+    the next drill's start, and this scenario says so."""
+    for attempt in range(attempts):
+        try:
+            _bounded(statement, f"dropping {what}")
+            return
+        except NotRun:
+            if attempt == attempts - 1:
+                raise RuntimeError(
+                    f"{what}: not removed, its table stayed locked; "
+                    "the next drill removes it when it starts"
+                ) from None
+            time.sleep(0.5)
+
+
+def remove_leftovers() -> list[str]:
+    """Removes the triggers and functions a drill killed mid-scenario left
+    behind (named LEFTOVERS), each under LOCK_TIMEOUT; says what it removed,
+    and what it could not (the next drill tries again).  Called when a drill
+    starts, while it is the one running (Drill: one at a time)."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """SELECT 'DROP TRIGGER IF EXISTS ' || quote_ident(t.tgname) || ' ON '
+                      || t.tgrelid::regclass::text,
+                      'trigger ' || t.tgname || ' on ' || t.tgrelid::regclass::text
+               FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+               WHERE NOT t.tgisinternal AND t.tgname LIKE %(like)s
+                 AND c.relnamespace = current_schema()::regnamespace
+               UNION ALL
+               SELECT 'DROP FUNCTION IF EXISTS ' || p.oid::regprocedure::text,
+                      'function ' || p.oid::regprocedure::text
+               FROM pg_proc p
+               WHERE p.proname LIKE %(like)s AND p.pronamespace = current_schema()::regnamespace
+               ORDER BY 1 DESC""",  # DROP TRIGGER before DROP FUNCTION
+            {"like": LEFTOVERS},
+        )
+        found = cursor.fetchall()
+    said = []
+    for drop, what in found:
+        try:
+            _bounded(drop, f"removing {what}")
+            said.append(f"removed {what}, left by a drill that was stopped")
+        except NotRun:
+            said.append(f"{what}: left by a drill that was stopped, not removed (locked)")
+    return said
 
 
 # -- the questions, from the data -----------------------------------------------------
@@ -395,25 +511,13 @@ def database_stalled_for_capture(lab: Lab) -> Finding:
     """The database stalls capture: each of the run's source rows takes 3 s
     to insert (a trigger, on this run's rows only)."""
     run = lab.submit()
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"""CREATE FUNCTION rundesk_drill_stall_{run.pk}() RETURNS trigger
-                LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(3); RETURN NEW; END $$;
-                CREATE TRIGGER rundesk_drill_stall_{run.pk} BEFORE INSERT ON evidence_source
-                FOR EACH ROW WHEN (NEW.run_id = {run.pk})
-                EXECUTE FUNCTION rundesk_drill_stall_{run.pk}()"""
-        )
-    try:
-        started = time.monotonic()
-        lab.drive(run)
-        took = time.monotonic() - started
-    finally:
-        evidence.capture.capture.flush(timeout=30)
-        with connection.cursor() as cursor:
-            cursor.execute(
-                f"DROP TRIGGER rundesk_drill_stall_{run.pk} ON evidence_source;"
-                f" DROP FUNCTION rundesk_drill_stall_{run.pk}()"
-            )
+    with _trigger(run, "stall", "evidence_source", "PERFORM pg_sleep(3); RETURN NEW;"):
+        try:
+            started = time.monotonic()
+            lab.drive(run)
+            took = time.monotonic() - started
+        finally:
+            evidence.capture.capture.flush(timeout=30)
     return full_run_checks(
         lab, run, (took < 9, f"the run took {took:.1f} s while capture stalled 9 s")
     )
@@ -606,23 +710,10 @@ def celery_worker_killed(lab: Lab) -> Finding:
     return full_run_checks(lab, run, (run.lease_epoch >= 2, "another worker resumed the run"))
 
 
-@contextmanager
-def _trigger_on_receipts(run: Run, body: str) -> Iterator[None]:
+def _trigger_on_receipts(run: Run, body: str) -> contextlib.AbstractContextManager[None]:
     """A trigger on runs_receipt for this run's rows only (`body`: PL/pgSQL
     that may change NEW or return NULL to drop the row)."""
-    name = f"rundesk_drill_receipt_{run.pk}"
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"""CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
-                BEGIN {body} END $$;
-                CREATE TRIGGER {name} BEFORE INSERT ON runs_receipt FOR EACH ROW
-                WHEN (NEW.run_id = {run.pk}) EXECUTE FUNCTION {name}()"""
-        )
-    try:
-        yield
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute(f"DROP TRIGGER {name} ON runs_receipt; DROP FUNCTION {name}()")
+    return _trigger(run, "receipt", "runs_receipt", body)
 
 
 def _no_local_handling(lab: Lab, run: Run, ending: Ending, bad: str, said: str) -> Finding:
@@ -819,40 +910,57 @@ def start_drill(scenarios: list[str], started_by: str) -> Drill:
         raise DrillRunning(running) from None
 
 
-def run_drill(drill: Drill) -> list[DrillResult]:
+@dataclass(frozen=True)
+class Drilled:
+    """What a drill did: its scenarios' results, and what earlier drills had
+    left behind that it removed first (remove_leftovers)."""
+
+    results: list[DrillResult]
+    leftovers: list[str]
+
+
+def run_drill(drill: Drill) -> Drilled:
     """Runs the drill's scenarios in order, each result kept as it comes,
     while the drill is still running: one ended meanwhile (taken as lost,
     or already run by a task delivered twice) runs no further scenario, so
-    it cannot run beside the drill started after it."""
+    it cannot run beside the drill started after it.  First, while it is
+    the one running, it removes what a drill killed mid-scenario left."""
     running = Drill.objects.filter(pk=drill.pk, state=DrillState.RUNNING)
     results: list[DrillResult] = []
+    leftovers: list[str] = []
     try:
+        if running.exists():
+            leftovers = remove_leftovers()
         for name in drill.scenarios:
             if not running.exists():
-                return results
+                return Drilled(results, leftovers)
             results.append(run_scenario(drill, name))
     except BaseException as error:
         running.update(state=DrillState.DONE, finished_at=timezone.now(), error=repr(error))
         raise
     running.update(state=DrillState.DONE, finished_at=timezone.now())
-    return results
+    return Drilled(results, leftovers)
 
 
-def report(results: list[DrillResult]) -> dict[str, Any]:
-    """The drill's JSON: each scenario, and how many passed, failed, did not run."""
-    verdicts = Counter(result.verdict for result in results)
+def report(drilled: Drilled) -> dict[str, Any]:
+    """The drill's JSON: each scenario with its verdict (and why, when it was
+    not run), how many passed, failed, did not run, and what was left by an
+    earlier drill and removed."""
+    verdicts = Counter(result.verdict for result in drilled.results)
     return {
         "scenarios": [
             {
                 "name": result.scenario,
-                "passed": result.verdict == DrillVerdict.PASSED,
+                "verdict": result.verdict,
+                **({"why": result.detail} if result.verdict == DrillVerdict.NOT_RUN else {}),
                 "seconds": result.seconds,
                 "checks": {check: result.checks.get(check) for check in CHECKS},
                 "detail": result.detail,
             }
-            for result in results
+            for result in drilled.results
         ],
         "passed": verdicts[DrillVerdict.PASSED],
         "failed": verdicts[DrillVerdict.FAILED],
         "not_run": verdicts[DrillVerdict.NOT_RUN],
+        "leftovers_removed": drilled.leftovers,
     }

@@ -28,7 +28,16 @@ from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Coalesce, Now
 
-from runs.models import ActionState, Phase, Run, RunStatus, canonical_json, digest, text_digest
+from runs.models import (
+    ActionState,
+    Phase,
+    Run,
+    RunStatus,
+    canonical_json,
+    digest,
+    new_idempotency_key,
+    text_digest,
+)
 from runs.sql import (
     bounded_lock_waits,
     commit_asynchronously,
@@ -278,8 +287,11 @@ class Lease:
         effect_class: str,
         input: dict[str, Any],
         receipt: PendingReceipt | None = None,
+        idempotency_key: str = "",
     ) -> int | None:
-        """The durable write before a dispatch, with the receipt of the
+        """The durable write before a dispatch, with the key the action is
+        sent under (`idempotency_key`; a new one when not given: see
+        models.new_idempotency_key), and the receipt of the
         action completed before it (`receipt`), if any, in the same
         statement.  Returns the action id, or None when the identity already
         exists (the caller looks at it).  Refused, it says why: fenced out
@@ -295,10 +307,11 @@ class Lease:
                 f"""WITH {RECEIPT_CTES},
                     boundary AS (
                         INSERT INTO runs_action (run_id, step_key, kind, effect_class, input,
-                            input_digest, state, epoch, attempts, error, created_at,
-                            dispatched_at)
+                            input_digest, state, epoch, attempts, idempotency_key, error,
+                            created_at, dispatched_at)
                         SELECT %(run)s, %(step_key)s, %(kind)s, %(effect_class)s, %(input)s::jsonb,
-                            %(input_digest)s, 'dispatched', %(epoch)s, 1, '', now(), now()
+                            %(input_digest)s, 'dispatched', %(epoch)s, 1, %(idempotency_key)s, '',
+                            now(), now()
                         FROM owned WHERE may_start AND live
                             AND (%(receipt_action)s::bigint IS NULL
                                  OR EXISTS (SELECT 1 FROM receipt))
@@ -311,6 +324,7 @@ class Lease:
                 effect_class=effect_class,
                 input=input_json,
                 input_digest=text_digest(input_json),
+                idempotency_key=idempotency_key or new_idempotency_key(),
                 **params,
             )
         assert row is not None

@@ -14,13 +14,17 @@ import datetime as dt
 import hashlib
 import json
 import re
+import socket
+import uuid
 from typing import Any
 
+from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.db import connection, models, transaction
-from django.db.models import Count, Exists, F, OuterRef, Q, Subquery, Value
-from django.db.models.functions import Coalesce, Concat, Now
+from django.db.models import Count, Exists, F, Func, OuterRef, Q, Subquery, Value
+from django.db.models.functions import Cast, Coalesce, Concat, Now
 
+from runs import corpus
 from runs.faults import MAX_STEPS, FaultPlan
 from runs.timeline import EventKind, timeline
 
@@ -42,8 +46,24 @@ def text_digest(canonical: str) -> str:
 
 
 def action_identity(run_id: int, step_key: str) -> str:
-    """An action's identity outside the database, e.g. as an Idempotency-Key."""
+    """An action's identity outside the database: how the tool journal and
+    operators name it.  Unique in this database only (run ids repeat across
+    installations and after a restore): never a receiver's key."""
     return f"rundesk:run-{run_id}:{step_key}"
+
+
+def new_idempotency_key() -> str:
+    """The key an action is sent under (Idempotency-Key, the outbox's file
+    name): this installation's name and a random value, so that no action of
+    another installation, or of this one's database made anew or restored,
+    is ever sent under it.  A receiver that keeps keys can then never answer
+    one report with another's cached success.  Drawn once, with the boundary
+    (Action.idempotency_key); a resend reads it back."""
+    installation = settings.RUNDESK_INSTALLATION or socket.gethostname()
+    # Letters, digits, dots and dashes only: the key goes into an HTTP header
+    # and a file name as it is.
+    name = re.sub(r"[^A-Za-z0-9.-]+", "-", installation).strip("-")[:63] or "rundesk"
+    return f"rundesk:{name}:{uuid.uuid4().hex}"
 
 
 class RunStatus(models.TextChoices):
@@ -304,6 +324,10 @@ class RunQuerySet(models.QuerySet["Run"]):
                 raise ValueError(
                     f"document {number} is a path of {len(path)} characters; at most {longest}"
                 )
+            # What the read tool would refuse (absolute, '..', a symlink out
+            # of the corpus), refused now in its words, before anything is
+            # queued; a document not there yet may still come.
+            corpus.check_path(path, settings.RUNDESK_CORPUS_DIR)
         FaultPlan.parse(faults)
         if action_budget is not None and action_budget < 1:
             raise ValueError("the action budget must be at least 1")
@@ -523,6 +547,17 @@ class Action(models.Model):
     state = models.CharField(max_length=20, choices=ActionState, default=ActionState.DISPATCHED)
     epoch = models.BigIntegerField(help_text="Lease epoch of the latest dispatch")
     attempts = models.PositiveIntegerField(default=1)
+    # Written with the boundary, in its statement (Lease.record_boundary),
+    # and sent with every dispatch of the action: a resend sends it again.
+    # Rows from before it have the identity they were sent under; a row
+    # inserted by hand gets a random one from the database.
+    idempotency_key = models.TextField(
+        default=new_idempotency_key,
+        db_default=Concat(
+            Value("rundesk:"), Cast(Func(function="gen_random_uuid"), models.TextField())
+        ),
+        editable=False,
+    )
     error = models.TextField(blank=True)
     created_at = models.DateTimeField(db_default=Now())
     dispatched_at = models.DateTimeField(db_default=Now())
@@ -532,6 +567,9 @@ class Action(models.Model):
         ordering = ["run", "id"]
         constraints = [
             models.UniqueConstraint(fields=["run", "step_key"], name="action_identity_unique"),
+            models.UniqueConstraint(
+                fields=["idempotency_key"], name="action_idempotency_key_unique"
+            ),
             models.CheckConstraint(condition=Q(attempts__gte=1), name="action_attempts_positive"),
             # An effect is dispatched once under its identity, and again only
             # as often as operators' decisions authorise (OperatorDecision,

@@ -11,25 +11,24 @@ from __future__ import annotations
 
 import base64
 import codecs
-import functools
 import hashlib
 import http.client
 import json
 import os
 import re
 import socket
-import stat
 import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
 
+from runs.corpus import NotInCorpus, corpus_file
 from runs.models import UNSTORABLE, EffectClass
 from runs.providers import ProviderError, get_provider
 from runs.unredirected import NOT_REDIRECTED
@@ -69,9 +68,14 @@ class OutcomeUnknown(Exception):
 
 @dataclass(frozen=True)
 class Tool:
+    """`run(input, identity, idempotency_key)`: the action's identity names
+    it in the journal; its key (Action.idempotency_key) is what a receiver
+    knows it by.  A read, repeatable and without outside effect, needs no
+    key."""
+
     name: str
     effect_class: EffectClass
-    run: Callable[[dict[str, Any], str], dict[str, Any]]
+    run: Callable[[dict[str, Any], str, str], dict[str, Any]]
 
 
 def journal(tool: str, identity: str, **detail: Any) -> None:
@@ -89,47 +93,18 @@ def journal(tool: str, identity: str, **detail: Any) -> None:
 
 
 def resolve_in_corpus(relative: str, corpus: Path) -> Path:
-    """The file `relative` names inside the corpus folder, or ToolRefused.
-    Refuses absolute paths, `..`, symlinks that leave the folder, missing
-    files and folders."""
-    if not relative or "\x00" in relative:
-        raise ToolRefused("empty or invalid document path")
-    pure = PurePosixPath(relative)
-    if pure.is_absolute() or Path(relative).is_absolute():
-        raise ToolRefused(f"{relative!r}: absolute paths are refused; name a file of the corpus")
-    if ".." in pure.parts:
-        raise ToolRefused(f"{relative!r}: '..' is refused; name a file inside the corpus")
-    root = _real_folder(str(corpus))
-    target = root.joinpath(*pure.parts)
+    """The file `relative` names inside the corpus folder, or ToolRefused
+    saying why not (runs/corpus.py: a submission is refused in the same
+    words)."""
     try:
-        # No symlink below the (resolved) corpus folder: the path is inside
-        # it as written, one lstat per part (usually one).  With a symlink,
-        # where it leads decides.
-        if any(
-            stat.S_ISLNK(os.lstat(root.joinpath(*pure.parts[:n])).st_mode)
-            for n in range(1, len(pure.parts) + 1)
-        ):
-            target = Path(os.path.realpath(target, strict=True))
-        mode = os.stat(target).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        raise ToolRefused(f"{relative!r}: no such document in the corpus") from None
-    except OSError as error:  # a symlink loop, a folder it may not read
-        raise ToolRefused(f"{relative!r}: {error.strerror or error}") from None
-    if not target.is_relative_to(root):
-        raise ToolRefused(f"{relative!r}: resolves outside the corpus folder (symlink)")
-    if not stat.S_ISREG(mode):
-        raise ToolRefused(f"{relative!r}: not a regular file")
-    return target
+        return corpus_file(relative, corpus)
+    except NotInCorpus as refusal:
+        raise ToolRefused(str(refusal)) from None
 
 
-@functools.lru_cache(maxsize=8)
-def _real_folder(corpus: str) -> Path:
-    """The corpus folder with its own symlinks resolved, once per process
-    (it is a setting: where it points is decided at deployment)."""
-    return Path(corpus).resolve()
-
-
-def read_document(input: dict[str, Any], identity: str) -> dict[str, Any]:
+def read_document(
+    input: dict[str, Any], identity: str, idempotency_key: str = ""
+) -> dict[str, Any]:
     path = resolve_in_corpus(str(input.get("path", "")), settings.RUNDESK_CORPUS_DIR)
     try:
         with path.open("rb") as handle:
@@ -208,19 +183,22 @@ def storable(text: str) -> str:
     return UNSTORABLE.sub("\ufffd", text)
 
 
-def deliver_report(input: dict[str, Any], identity: str) -> dict[str, Any]:
-    """POSTs the report with Idempotency-Key = the action identity, or, with
-    no RUNDESK_DELIVERY_URL, writes it to the outbox once per identity."""
+def deliver_report(input: dict[str, Any], identity: str, idempotency_key: str) -> dict[str, Any]:
+    """POSTs the report with the action's Idempotency-Key, or, with no
+    RUNDESK_DELIVERY_URL, writes it to the outbox once per key.  The key is
+    unique in the world (models.new_idempotency_key), unlike the identity: a
+    run 4 of another installation, or of this one's database made anew,
+    never meets this run 4's report."""
     body = input["content"].encode()
     sha = hashlib.sha256(body).hexdigest()
     if settings.RUNDESK_DELIVERY_URL:
         url, credentials = _credentials(settings.RUNDESK_DELIVERY_URL)
-        status = _post(url, body, identity, credentials)
-        journal("deliver_report", identity, to="url", status=status)
+        status = _post(url, body, idempotency_key, credentials)
+        journal("deliver_report", identity, to="url", status=status, key=idempotency_key)
         return {"delivered_to": _named(url), "status": status, "sha256": sha}
     outbox = Path(settings.RUNDESK_OUTBOX_DIR)
-    # One file per identity, named so that no two identities share it.
-    target = outbox / (urllib.parse.quote(identity, safe="") + ".md")
+    # One file per key, named so that no two keys share it.
+    target = outbox / (urllib.parse.quote(idempotency_key, safe="") + ".md")
     # Written whole to a temporary file, then linked into place: link() fails
     # if the target exists, so a report appears once, complete, or not at all.
     # Until the link, a failure leaves nothing delivered: known not to have
@@ -238,11 +216,11 @@ def deliver_report(input: dict[str, Any], identity: str) -> dict[str, Any]:
             os.link(handle.name, target)
         except FileExistsError:
             if hashlib.sha256(target.read_bytes()).hexdigest() != sha:
-                raise ToolFailed(f"{target} holds another report under this identity") from None
+                raise ToolFailed(f"{target} holds another report under this key") from None
             return {"delivered_to": str(target), "sha256": sha, "already_delivered": True}
         except OSError as error:
             raise ToolFailed(f"outbox {outbox}: {error.strerror or error}") from None
-    journal("deliver_report", identity, to="outbox")
+    journal("deliver_report", identity, to="outbox", key=idempotency_key)
     return {"delivered_to": str(target), "sha256": sha}
 
 
@@ -268,8 +246,8 @@ def _named(url: str) -> str:
     return urllib.parse.urlunsplit(urllib.parse.urlsplit(url)._replace(query="", fragment=""))
 
 
-def _post(url: str, body: bytes, identity: str, credentials: str = "") -> int:
-    headers = {"Content-Type": "text/markdown; charset=utf-8", "Idempotency-Key": identity}
+def _post(url: str, body: bytes, key: str, credentials: str = "") -> int:
+    headers = {"Content-Type": "text/markdown; charset=utf-8", "Idempotency-Key": key}
     if credentials:
         headers["Authorization"] = credentials
     request = urllib.request.Request(  # noqa: S310 (settings.env_url allows http(s) only)
@@ -292,7 +270,7 @@ def _post(url: str, body: bytes, identity: str, credentials: str = "") -> int:
         raise OutcomeUnknown(f"delivery answer lost: {error!r}") from error
 
 
-def model_call(input: dict[str, Any], identity: str) -> dict[str, Any]:
+def model_call(input: dict[str, Any], identity: str, idempotency_key: str = "") -> dict[str, Any]:
     """A read-class action: repeatable, no outside effect."""
     provider = get_provider()
     try:
@@ -303,7 +281,7 @@ def model_call(input: dict[str, Any], identity: str) -> dict[str, Any]:
     return {"provider": provider.name, "text": storable(text)}
 
 
-def noop(input: dict[str, Any], identity: str) -> dict[str, Any]:
+def noop(input: dict[str, Any], identity: str, idempotency_key: str = "") -> dict[str, Any]:
     """A read that does nothing: `bench` measures the executor's own cost."""
     journal("noop", identity)
     return {"ok": True}

@@ -168,8 +168,8 @@ def test_an_authorised_resend_goes_once_more_under_the_same_key(
     run, item, receiver = lost_delivery
     decide(item.pk, asked(choice, operator, reason="the receiver has no record of it"))
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
-    identity = f"rundesk:run-{run.pk}:deliver"
-    assert keys(receiver) == [identity, identity]  # exactly one more, same key
+    key = run.actions.get(step_key="deliver").idempotency_key
+    assert keys(receiver) == [key, key]  # exactly one more, same key
     deliver = Action.objects.get(run=run, step_key="deliver")
     assert (deliver.state, deliver.attempts) == (ActionState.COMPLETED, 2)
     assert all(executions(journal, run, key) == 1 for key in KEYS[:-1])

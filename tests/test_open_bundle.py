@@ -194,7 +194,7 @@ def same_story(original: Run, copy: Run) -> dict[str, int]:
                     assert got == (None if value is None else ids[REFS[key]][value]), why
                 elif key in LISTS:
                     assert got == [ids[LISTS[key]][each] for each in value], why
-                elif key in ("subject", "request_token"):
+                elif key in ("subject", "request_token", "idempotency_key"):
                     assert got == f"imported-run-{copy.pk}:{value}", why
                 elif key == "user_id":
                     assert got is None, why

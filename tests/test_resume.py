@@ -87,7 +87,7 @@ def test_effect_with_boundary_and_no_receipt_is_marked_unknown_never_sent_again(
         # Only the receiver knows: the item for an operator says what to ask it.
         item = OutcomeItem.objects.get(run=run)
         assert (item.kind, item.action_id, item.state) == ("effect", deliver.pk, "open")
-        assert item.evidence["idempotency_key"] == f"rundesk:run-{run.pk}:deliver"
+        assert item.evidence["idempotency_key"] == deliver.idempotency_key
         # The published answer is still readable.
         assert AnswerRevision.objects.filter(run=run, is_final=True).exists()
         assert run.events.filter(kind=EventKind.NEEDS_OPERATOR).exists()

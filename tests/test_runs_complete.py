@@ -44,9 +44,10 @@ def test_run_goes_from_queued_to_completed_with_receipts_and_revisions(journal, 
     assert revisions[1].committed_at >= revisions[0].committed_at
     # Each document was read once, for real.
     assert sorted(journal.counts("read_document").values()) == [1, 1, 1]
-    # The report was delivered once, to the outbox, under the action identity.
+    # The report was delivered once, to the outbox, under the action's key.
     delivered = list(_outbox.iterdir())
-    assert [p.name for p in delivered] == [f"rundesk%3Arun-{run.pk}%3Adeliver.md"]
+    key = run.actions.get(step_key="deliver").idempotency_key
+    assert [p.name for p in delivered] == [key.replace(":", "%3A") + ".md"]
     assert delivered[0].read_text() == revisions[1].content
     kinds = list(run.events.values_list("kind", flat=True))
     assert kinds[0] == EventKind.SUBMITTED and kinds[-1] == EventKind.RUN_COMPLETED
@@ -103,7 +104,9 @@ def test_a_run_over_another_corpus_of_prose_reports_each_documents_points(settin
 
 
 def test_refused_document_is_reported_and_the_run_still_completes(journal):
-    run = Run.objects.submit(question="Compare", documents=["../../etc/passwd", DOCS[0]])
+    # Submission refuses such a path now (test_submit_paths.py): a run queued
+    # before it did still meets the read tool's refusal.
+    run = Run.objects.create(question="Compare", documents=["../../etc/passwd", DOCS[0]])
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     receipt = Receipt.objects.get(run=run, step_key="read:0")
     assert "'..' is refused" in receipt.result["refused"]

@@ -26,6 +26,10 @@ from runs.tools import (
 from tests.receivers import LocalServer, status
 
 IDENTITY = "rundesk:run-7:read:0"
+# The key a delivery is sent under (runs.models.new_idempotency_key), and
+# the outbox file it names.
+KEY = "rundesk:host-a:0123456789abcdef0123456789abcdef"
+KEY_FILE = "rundesk%3Ahost-a%3A0123456789abcdef0123456789abcdef.md"
 REPORT = "# Report\n\nCSTB is cheapest: 0.07%.\n"
 
 
@@ -276,10 +280,10 @@ def test_read_document_refuses_a_file_larger_than_the_limit(corpus, journal):
 # -- deliver_report to a receiver ---------------------------------------------
 
 
-def test_delivery_posts_the_report_with_the_identity_as_idempotency_key(receiver, journal):
+def test_delivery_posts_the_report_with_the_actions_key_as_idempotency_key(receiver, journal):
     receiver.answer = status(201)
 
-    result = deliver_report({"content": REPORT}, "rundesk:run-7:deliver")
+    result = deliver_report({"content": REPORT}, "rundesk:run-7:deliver", KEY)
 
     assert result == {
         "delivered_to": receiver.url + "/reports",
@@ -288,7 +292,7 @@ def test_delivery_posts_the_report_with_the_identity_as_idempotency_key(receiver
     }
     [(headers, body)] = receiver.requests
     assert body.decode() == REPORT
-    assert headers["Idempotency-Key"] == "rundesk:run-7:deliver"
+    assert headers["Idempotency-Key"] == KEY
     assert journal.counts("deliver_report") == {"rundesk:run-7:deliver": 1}
 
 
@@ -296,7 +300,7 @@ def test_delivery_refused_by_the_receiver_with_4xx_is_known_not_delivered(receiv
     receiver.answer = status(422)
 
     with pytest.raises(ToolFailed, match="HTTP 422"):
-        deliver_report({"content": REPORT}, "id-422")
+        deliver_report({"content": REPORT}, "id-422", "id-422")
 
     assert len(receiver.requests) == 1
     assert journal.entries() == []
@@ -307,7 +311,7 @@ def test_delivery_answered_with_5xx_is_an_unknown_outcome(receiver, journal, cod
     receiver.answer = status(code)
 
     with pytest.raises(OutcomeUnknown, match=f"HTTP {code}"):
-        deliver_report({"content": REPORT}, "id-5xx")
+        deliver_report({"content": REPORT}, "id-5xx", "id-5xx")
 
     assert len(receiver.requests) == 1
     assert journal.entries() == []
@@ -320,7 +324,7 @@ def test_delivery_answer_lost_to_a_timeout_is_unknown_though_the_receiver_got_it
     receiver.answer = status(200, delay=0.8)
 
     with pytest.raises(OutcomeUnknown, match="answer lost"):
-        deliver_report({"content": REPORT}, "id-slow")
+        deliver_report({"content": REPORT}, "id-slow", "id-slow")
 
     # The request reached the receiver: only its answer was lost.
     [(headers, body)] = receiver.requests
@@ -333,7 +337,7 @@ def test_delivery_to_a_port_nothing_listens_on_is_known_not_delivered(settings, 
     settings.RUNDESK_DELIVERY_URL = f"http://127.0.0.1:{free_port()}/reports"
 
     with pytest.raises(ToolFailed, match="unreachable"):
-        deliver_report({"content": REPORT}, "id-refused")
+        deliver_report({"content": REPORT}, "id-refused", "id-refused")
     assert journal.entries() == []
 
 
@@ -344,7 +348,7 @@ def test_delivery_to_an_address_with_credentials_sends_them_as_basic_auth(
     port = receiver.url.rsplit(":", 1)[1]
     settings.RUNDESK_DELIVERY_URL = f"http://rundesk:p%40ss w0rd@127.0.0.1:{port}/reports"
 
-    result = deliver_report({"content": REPORT}, "id-auth")
+    result = deliver_report({"content": REPORT}, "id-auth", "id-auth")
 
     [(headers, _)] = receiver.requests
     assert headers["Authorization"] == "Basic " + base64.b64encode(b"rundesk:p@ss w0rd").decode()
@@ -363,7 +367,7 @@ def test_a_webhooks_token_in_the_query_is_sent_but_never_kept(receiver, settings
     receiver.answer = answer
     settings.RUNDESK_DELIVERY_URL = receiver.url + "/hooks/reports?token=tok-SECRET-456#x"
 
-    result = deliver_report({"content": REPORT}, "id-token")
+    result = deliver_report({"content": REPORT}, "id-token", "id-token")
 
     assert paths == ["/hooks/reports?token=tok-SECRET-456"]
     assert result["delivered_to"] == receiver.url + "/hooks/reports"
@@ -379,7 +383,7 @@ def test_a_receiver_that_redirects_is_never_followed(receiver, settings, journal
         port = receiver.url.rsplit(":", 1)[1]
         settings.RUNDESK_DELIVERY_URL = f"http://svc:secret@127.0.0.1:{port}/reports"
         with pytest.raises(OutcomeUnknown, match=f"HTTP {code}"):
-            deliver_report({"content": REPORT}, "id-redirected")
+            deliver_report({"content": REPORT}, "id-redirected", "id-redirected")
         assert len(receiver.requests) == 1 and elsewhere.requests == []
 
 
@@ -387,19 +391,19 @@ def test_delivery_to_a_name_that_does_not_resolve_is_known_not_delivered(setting
     settings.RUNDESK_DELIVERY_URL = "http://no-such-receiver.invalid/reports"
 
     with pytest.raises(ToolFailed, match="unreachable"):
-        deliver_report({"content": REPORT}, "id-nowhere")
+        deliver_report({"content": REPORT}, "id-nowhere", "id-nowhere")
     assert journal.entries() == []
 
 
 # -- deliver_report to the outbox ----------------------------------------------
 
 
-def test_outbox_delivery_writes_the_report_once_under_its_identity(settings, _outbox, journal):
+def test_outbox_delivery_writes_the_report_once_under_its_key(settings, _outbox, journal):
     settings.RUNDESK_DELIVERY_URL = ""
 
-    first = deliver_report({"content": REPORT}, "rundesk:run-7:deliver")
+    first = deliver_report({"content": REPORT}, "rundesk:run-7:deliver", KEY)
 
-    target = _outbox / "rundesk%3Arun-7%3Adeliver.md"
+    target = _outbox / KEY_FILE
     assert first == {
         "delivered_to": str(target),
         "sha256": hashlib.sha256(REPORT.encode()).hexdigest(),
@@ -412,11 +416,11 @@ def test_outbox_delivery_repeated_with_the_same_content_is_already_delivered(
     settings, _outbox, journal
 ):
     settings.RUNDESK_DELIVERY_URL = ""
-    deliver_report({"content": REPORT}, "rundesk:run-7:deliver")
-    target = _outbox / "rundesk%3Arun-7%3Adeliver.md"
+    deliver_report({"content": REPORT}, "rundesk:run-7:deliver", KEY)
+    target = _outbox / KEY_FILE
     written = target.stat().st_mtime_ns, target.stat().st_ino
 
-    again = deliver_report({"content": REPORT}, "rundesk:run-7:deliver")
+    again = deliver_report({"content": REPORT}, "rundesk:run-7:deliver", KEY)
 
     assert again["already_delivered"] is True
     assert again["delivered_to"] == str(target)
@@ -427,16 +431,16 @@ def test_outbox_delivery_repeated_with_the_same_content_is_already_delivered(
     assert journal.counts("deliver_report") == {"rundesk:run-7:deliver": 1}
 
 
-def test_outbox_refuses_other_content_under_a_used_identity_and_keeps_the_first(
+def test_outbox_refuses_other_content_under_a_used_key_and_keeps_the_first(
     settings, _outbox, journal
 ):
     settings.RUNDESK_DELIVERY_URL = ""
-    deliver_report({"content": REPORT}, "rundesk:run-7:deliver")
+    deliver_report({"content": REPORT}, "rundesk:run-7:deliver", KEY)
 
-    with pytest.raises(ToolFailed, match="another report under this identity"):
-        deliver_report({"content": "# A different report\n"}, "rundesk:run-7:deliver")
+    with pytest.raises(ToolFailed, match="another report under this key"):
+        deliver_report({"content": "# A different report\n"}, "rundesk:run-7:deliver", KEY)
 
-    assert (_outbox / "rundesk%3Arun-7%3Adeliver.md").read_text() == REPORT
+    assert (_outbox / KEY_FILE).read_text() == REPORT
     assert journal.counts("deliver_report") == {"rundesk:run-7:deliver": 1}
 
 
@@ -446,16 +450,16 @@ def test_an_outbox_that_cannot_be_written_is_a_known_failure(settings, tmp_path,
     settings.RUNDESK_OUTBOX_DIR.write_text("not a folder")
 
     with pytest.raises(ToolFailed, match=r"outbox .*a-file"):
-        deliver_report({"content": REPORT}, "rundesk:run-7:deliver")
+        deliver_report({"content": REPORT}, "rundesk:run-7:deliver", KEY)
     assert journal.entries() == []
 
 
-def test_outbox_keeps_reports_of_different_identities_apart(settings, _outbox):
+def test_outbox_keeps_reports_of_different_keys_apart(settings, _outbox):
     settings.RUNDESK_DELIVERY_URL = ""
-    deliver_report({"content": "run 7\n"}, "rundesk:run-7:deliver")
-    deliver_report({"content": "run 8\n"}, "rundesk:run-8:deliver")
+    deliver_report({"content": "run 7\n"}, "rundesk:run-7:deliver", "rundesk:a:7")
+    deliver_report({"content": "run 8\n"}, "rundesk:run-8:deliver", "rundesk:a:8")
 
     assert {p.name: p.read_text() for p in _outbox.iterdir()} == {
-        "rundesk%3Arun-7%3Adeliver.md": "run 7\n",
-        "rundesk%3Arun-8%3Adeliver.md": "run 8\n",
+        "rundesk%3Aa%3A7.md": "run 7\n",
+        "rundesk%3Aa%3A8.md": "run 8\n",
     }

@@ -177,9 +177,8 @@ def test_delivery_whose_answer_is_lost_is_an_item_and_is_never_sent_again(journa
         # The receiver has it; the runtime does not know that.
         assert len(receiver.requests) == 1
         headers, _ = receiver.requests[0]
-        identity = f"rundesk:run-{run.pk}:deliver"
-        assert headers["Idempotency-Key"] == identity
         deliver = run.actions.get(step_key="deliver")
+        assert headers["Idempotency-Key"] == deliver.idempotency_key
         assert deliver.state == ActionState.UNKNOWN
         item = OutcomeItem.objects.get(run=run)
         assert (item.kind, item.state, item.action_id) == (
@@ -187,7 +186,7 @@ def test_delivery_whose_answer_is_lost_is_an_item_and_is_never_sent_again(journa
             OutcomeState.OPEN,
             deliver.pk,
         )
-        assert item.evidence["idempotency_key"] == identity
+        assert item.evidence["idempotency_key"] == deliver.idempotency_key
         assert settle_open_items().settled == 0  # only the receiver can settle an effect
 
         # Handed to an executor again, the run still does not send it.
@@ -207,8 +206,8 @@ def test_an_effects_receipt_refused_for_its_moment_is_written_again(journal, mon
     deliver = TOOLS["deliver_report"]
     released = []
 
-    def delivered_then_locked(input: dict, identity: str) -> dict:
-        result = deliver.run(input, identity)
+    def delivered_then_locked(input: dict, identity: str, key: str) -> dict:
+        result = deliver.run(input, identity, key)
         stranger = psycopg.connect(**connection.get_connection_params())
         stranger.execute("LOCK TABLE runs_receipt IN SHARE MODE")
         timer = threading.Timer(held_for, stranger.close)

@@ -37,12 +37,14 @@ class Command(BaseCommand):
             drill = start_drill(options["scenario"] or list(SCENARIOS), "manage.py drill")
         except DrillRunning as running:
             raise CommandError(f"not started: {running}") from None
-        results = run_drill(drill)
-        summary = report(results)
+        drilled = run_drill(drill)
+        summary = report(drilled)
         if options["json"]:
             self.stdout.write(json.dumps(summary, indent=2))
         else:
-            for result in results:
+            for line in drilled.leftovers:
+                self.stdout.write(f"before the drill: {line}")
+            for result in drilled.results:
                 self.stdout.write(f"{result.verdict:8} {result.scenario} ({result.seconds} s)")
                 if result.verdict != "passed":
                     for line in result.detail.splitlines():
