@@ -51,10 +51,10 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError, IntegrityError, transaction
-from django.db.models.functions import Now
 from django.utils import timezone
 from psycopg.types.json import Jsonb
 
+from runs import lifecycle
 from runs.models import (
     AUTHORISING,
     TERMINAL_STATUSES,
@@ -478,25 +478,18 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
                 f"{', '.join(sorted(offered)) or 'nothing is'} offered"
             )
         shown = request.shown or {"run": {"id": run.pk, "status": run.status}}
-        waiting = Run.objects.local().filter(pk=run_id, status=RunStatus.NEEDS_OPERATOR)
         if request.choice == DecisionChoice.RESUME:
-            changed = (
-                Run.objects.waiting_unheld()
-                .filter(pk=run_id)
-                .update(
-                    status=RunStatus.QUEUED,
-                    status_reason=f"resumed by {request.who.name}: {request.reason}",
-                    queued_at=Now(),
-                )
+            # The rule every resume follows: no open item holds the run.
+            changed = Run.objects.resume_if_settled(
+                run_id, f"resumed by {request.who.name}: {request.reason}"
             )
             after = RunStatus.QUEUED
         else:
-            changed = waiting.update(
-                status=RunStatus.CANCELLED,
-                status_reason=f"abandoned by {request.who.name}: {request.reason}",
-                cancel_requested_at=Now(),
-                cancel_requested_by=request.who.name,
-                finished_at=Now(),
+            changed = lifecycle.cancel(
+                run_id,
+                request.who.name,
+                f"abandoned by {request.who.name}: {request.reason}",
+                [RunStatus.NEEDS_OPERATOR],
             )
             after = RunStatus.CANCELLED
         if not changed:

@@ -47,6 +47,7 @@ import psycopg
 from django.conf import settings
 from django.db import connection
 
+from runs import lifecycle
 from runs.sql import application_name, socket_fd, this_backend
 from runs.timeline import EventKind, timeline
 
@@ -230,15 +231,23 @@ def steal_lease(run_id: int) -> None:
         )
 
 
+FAULT_PLAN = "the fault plan"
+
+
 def inject_cancel(run_id: int) -> None:
     """A cancel request arrives, from a second connection, as an operator's
     would (Run.request_cancel is the operator's own)."""
+    # The operator's statement (lifecycle.CANCEL), of a running run: it only
+    # marks it, and its owner ends it.
     with _side_connection() as side:
         side.execute(
-            "UPDATE runs_run SET cancel_requested_at = now(),"
-            " cancel_requested_by = 'the fault plan'"
-            " WHERE id = %s AND cancel_requested_at IS NULL",
-            (run_id,),
+            lifecycle.CANCEL_SQL,
+            {
+                "run": run_id,
+                "by": FAULT_PLAN,
+                "why": f"cancelled by {FAULT_PLAN}",
+                "sources": ["running"],
+            },
         )
 
 

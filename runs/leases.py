@@ -25,9 +25,9 @@ from typing import Any, ClassVar
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F
-from django.db.models.functions import Coalesce, Now
 
+from runs import lifecycle
+from runs.lifecycle import OWNER
 from runs.models import (
     ActionState,
     Phase,
@@ -46,13 +46,10 @@ from runs.sql import (
     unanswered_as,
 )
 
-# The ownership a lease grants: this owner and epoch, the run still running.
-# A claim raises the epoch, so once another owner has the run this matches
-# no more.  Writes that keep or end this ownership (renew, release,
-# enter_phase, finish) need no more than OWNER: past the lease's expiry,
-# until someone claims the run, this owner is still its only one.
-OWNER = """id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
-    AND status = 'running'"""
+# The ownership a lease grants (lifecycle.OWNER).  Writes that keep or end
+# this ownership (renew, release, enter_phase, finish) need no more than
+# OWNER: past the lease's expiry, until someone claims the run, this owner is
+# still its only one.
 # What every write that starts or shapes the run's work requires: the
 # ownership, and a lease that has not expired (a run whose lease expired may
 # be claimed any moment).  A receipt needs only OWNER (RECEIPT_CTES).
@@ -90,9 +87,6 @@ RECEIPT_CTES = f"""owned AS (
             rundesk_xid(false), now()
         FROM completed
         RETURNING action_id)"""
-# A cancelled run's status_reason names who asked.
-CANCELLED_BY = "'cancelled by ' || cancel_requested_by"
-
 # Publishing an answer revision: one statement, fenced like the others.  It
 # reads, writes and locks nothing of the evidence tables (the model calls it
 # used are named on its own row): no lock anyone holds there can hold an
@@ -196,53 +190,26 @@ class Lease:
 
     # -- taking and keeping ownership -------------------------------------
 
-    # Claims lock the run row FOR NO KEY UPDATE, not FOR UPDATE: a row that
-    # another transaction's foreign-key check holds FOR KEY SHARE (an event or
-    # an evidence row being written for the run) is not skipped by SKIP LOCKED.
-    # Each is its own transaction (`claiming`), which commits asynchronously.
-
     @classmethod
     def claim_next(cls, owner: str) -> Lease | None:
         """Claims the oldest claimable run, skipping runs other executors are
         claiming at this moment; of a drill's runs only in its lab's
         processes, and only those (RUNDESK_DRILL_LAB)."""
-        with claiming():
-            run = (
-                Run.objects.claimable()
-                .filter(is_drill=settings.RUNDESK_DRILL_LAB)
-                .select_for_update(skip_locked=True, no_key=True)
-                .order_by("created_at", "id")
-                .only("id")
-                .first()
-            )
-            return cls._grant(run.pk, owner) if run else None
+        return cls._claim(owner, None)
 
     @classmethod
     def claim(cls, run_id: int, owner: str) -> Lease | None:
         """Claims one run if it is claimable: queued, or its owner's lease
         expired.  A run another owner holds, or a finished run, gives None;
         so does a drill's run outside its lab, and any other inside it."""
-        with claiming():
-            run = (
-                Run.objects.claimable()
-                .select_for_update(skip_locked=True, no_key=True)
-                .filter(pk=run_id, is_drill=settings.RUNDESK_DRILL_LAB)
-                .only("id")
-                .first()
-            )
-            return cls._grant(run.pk, owner) if run else None
+        return cls._claim(owner, run_id)
 
     @classmethod
-    def _grant(cls, run_id: int, owner: str) -> Lease:
-        Run.objects.filter(pk=run_id).update(
-            status=RunStatus.RUNNING,
-            lease_owner=owner,
-            lease_epoch=F("lease_epoch") + 1,
-            lease_expires_at=Now() + lease_ttl(),
-            started_at=Coalesce(F("started_at"), Now()),
-        )
-        epoch = Run.objects.filter(pk=run_id).values_list("lease_epoch", flat=True).get()
-        return cls(run_id=run_id, owner=owner, epoch=epoch)
+    def _claim(cls, owner: str, run_id: int | None) -> Lease | None:
+        """lifecycle.CLAIM, in its own transaction (`claiming`)."""
+        with claiming():
+            row = lifecycle.claim(owner, lease_ttl(), lab=settings.RUNDESK_DRILL_LAB, run_id=run_id)
+        return cls(run_id=row[0], owner=owner, epoch=row[1]) if row else None
 
     def renew(self) -> bool:
         """Heartbeat.  False means the lease is gone: stop."""
@@ -257,19 +224,7 @@ class Lease:
         expiry; or, if a cancel was asked meanwhile, ends it as cancelled (a
         queued run with a cancel would wait for nothing).  The new status, or
         None when this owner no longer held the run."""
-        row = self._fetch_one(
-            f"""UPDATE runs_run SET lease_owner = '', lease_expires_at = NULL,
-                   status = CASE WHEN cancel_requested_at IS NULL THEN 'queued'
-                                 ELSE 'cancelled' END,
-                   status_reason = CASE WHEN cancel_requested_at IS NULL THEN status_reason
-                                        ELSE {CANCELLED_BY} END,
-                   queued_at = CASE WHEN cancel_requested_at IS NULL THEN now()
-                                    ELSE queued_at END,
-                   finished_at = CASE WHEN cancel_requested_at IS NULL THEN NULL ELSE now() END
-               WHERE {OWNER}
-               RETURNING status"""
-        )
-        return RunStatus(row[0]) if row else None
+        return lifecycle.release(self._params({}))
 
     def held(self) -> bool:
         return self._changes_rows(OWNED)
@@ -467,32 +422,18 @@ class Lease:
         row (and the receipt's action) and no item: an owner that ends
         waiting then locks the run, then its item, the one order of every
         decision (runs/decisions.py)."""
-        cancelled = (
-            "(%(status)s::text = 'cancelled' OR (%(status)s::text = 'needs_operator'"
-            " AND cancel_requested_at IS NOT NULL))"
-        )
-        row = self._fetch_one(
-            f"""WITH {RECEIPT_CTES}
-                UPDATE runs_run SET
-                   status = CASE WHEN {cancelled} THEN 'cancelled' ELSE %(status)s::text END,
-                   status_reason = CASE WHEN {cancelled} THEN {CANCELLED_BY} ELSE %(reason)s END,
-                   phase = CASE WHEN %(status)s::text = 'completed' THEN 'done' ELSE phase END,
-                   finished_at = CASE WHEN {cancelled}
-                                      OR %(status)s::text IN ('completed', 'failed')
-                                 THEN now() END,
-                   lease_owner = '', lease_expires_at = NULL
-                WHERE {OWNER}
-                  AND (%(receipt_action)s::bigint IS NULL OR EXISTS (SELECT 1 FROM receipt))
-                RETURNING status""",
-            status=status.value,
-            reason=reason,
+        ended = lifecycle.finish(
+            self._params({}),
+            status,
+            reason,
+            ctes=RECEIPT_CTES,
             **(receipt or PendingReceipt.NONE).params(),
         )
-        if row is None:
+        if ended is None:
             raise LeaseLost(
                 f"finish as {status} refused: run {self.run_id} epoch {self.epoch} not held"
             )
-        return RunStatus(row[0])
+        return ended
 
     # -- plumbing ----------------------------------------------------------
 

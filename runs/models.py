@@ -20,12 +20,13 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
-from django.db import connection, models, transaction
+from django.db import models, transaction
 from django.db.models import Count, Exists, F, Func, OuterRef, Q, Subquery, Value
 from django.db.models.functions import Cast, Coalesce, Concat, Now
 
-from runs import corpus
+from runs import corpus, lifecycle
 from runs.faults import MAX_STEPS, FaultPlan
+from runs.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
 from runs.timeline import EventKind, timeline
 
 
@@ -66,25 +67,14 @@ def new_idempotency_key() -> str:
     return f"rundesk:{name}:{uuid.uuid4().hex}"
 
 
-class RunStatus(models.TextChoices):
-    QUEUED = "queued"
-    RUNNING = "running"
-    NEEDS_OPERATOR = "needs_operator"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-TERMINAL_STATUSES = [RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED]
+# A run's statuses (RunStatus, TERMINAL_STATUSES, ACTIVE_STATUSES) and the
+# transitions between them have their own home: runs/lifecycle.py.
 
 
 class Phase(models.TextChoices):
     RESEARCH = "research"
     FINALIZING = "finalizing"  # only answers: no new tool reads
     DONE = "done"
-
-
-ACTIVE_STATUSES = [RunStatus.QUEUED, RunStatus.RUNNING]
 
 
 def page_cursor(row: models.Model) -> str:
@@ -162,60 +152,11 @@ class RunQuerySet(models.QuerySet["Run"]):
     def claimable(self) -> RunQuerySet:
         """Queued runs, and running runs whose owner stopped renewing its lease
         (a cancel asked of one of these is carried out by whoever claims it:
-        executor.drive ends it before anything else)."""
+        executor.drive ends it before anything else).  What a claim takes
+        (lifecycle.CLAIMABLE, of this process's kind of runs)."""
         return self.local().filter(
             Q(status=RunStatus.QUEUED) | Q(status=RunStatus.RUNNING, lease_expires_at__lt=Now())
         )
-
-    def abandoned(self) -> RunQuerySet:
-        """Running runs whose owner stopped renewing its lease."""
-        return self.local().filter(status=RunStatus.RUNNING, lease_expires_at__lt=Now())
-
-    def end_abandoned_cancels(self) -> list[int]:
-        """Ends, as cancelled, the runs whose cancel was asked and whose owner
-        died before it could carry it out.  The old owner's fenced writes
-        change nothing if it wakes up (the run is no longer running, nor
-        its)."""
-        with transaction.atomic():
-            ended = list(
-                self.abandoned()
-                .filter(cancel_requested_at__isnull=False)
-                .select_for_update(skip_locked=True, no_key=True)
-                .values_list("pk", flat=True)
-            )
-            self.filter(pk__in=ended).update(
-                status=RunStatus.CANCELLED,
-                status_reason=Concat(
-                    Value("cancelled by "),
-                    F("cancel_requested_by"),
-                    Value("; its owner had stopped"),
-                ),
-                lease_owner="",
-                lease_expires_at=None,
-                finished_at=Now(),
-            )
-        return ended
-
-    def requeue_abandoned(self) -> list[int]:
-        """Gives back to the queue the runs whose owner stopped renewing its
-        lease, so any executor or Celery worker resumes them from their
-        receipts (the next claim raises the epoch; the old owner's fenced
-        writes already change nothing: the run is no longer its)."""
-        with transaction.atomic():
-            requeued = list(
-                self.abandoned()
-                .filter(cancel_requested_at__isnull=True)
-                .select_for_update(skip_locked=True, no_key=True)
-                .values_list("pk", flat=True)
-            )
-            self.filter(pk__in=requeued).update(
-                status=RunStatus.QUEUED,
-                status_reason="its owner stopped renewing the lease: queued again",
-                lease_owner="",
-                lease_expires_at=None,
-                queued_at=Now(),
-            )
-        return requeued
 
     def waiting_unheld(self) -> RunQuerySet:
         """Runs of this installation that wait for an operator and that no
@@ -229,15 +170,12 @@ class RunQuerySet(models.QuerySet["Run"]):
 
     def resume_if_settled(self, run_id: int, why: str) -> bool:
         """Puts a run that waits for an operator back in the queue when none
-        of its outcome items holds it any more: it continues from its
-        receipts.  Called in the transaction that settles an item, after
-        locking the run row (locked), so two items settled at once
-        cannot both leave the run waiting."""
-        return bool(
-            self.waiting_unheld()
-            .filter(pk=run_id, cancel_requested_at__isnull=True)
-            .update(status=RunStatus.QUEUED, status_reason=why, queued_at=Now())
-        )
+        of its outcome items holds it any more (HOLDING_KINDS): it continues
+        from its receipts (lifecycle.RESUME).  Called in the transaction that
+        settles an item or decides for the run, after locking the run row
+        (locked), so two items settled at once cannot both leave the run
+        waiting."""
+        return lifecycle.resume(run_id, why, HOLDING_KINDS)
 
     def locked(self, run_id: int) -> Run | None:
         """Locks a run of this installation, whatever its status, and reads
@@ -274,14 +212,19 @@ class RunQuerySet(models.QuerySet["Run"]):
         return (expires - now).total_seconds() + 0.5, expires.isoformat()
 
     def waiting_in_queue(self, seconds: float) -> list[int]:
-        """Queued runs nobody has taken for `seconds`: their task may have
-        been lost with a worker.  Marks them queued again from now, so each
-        is handed out at most once per `seconds`."""
+        """Queued runs nobody has taken for `seconds`: their hand-over to a
+        worker may have been lost (runs/handover.py).  Marks them queued
+        again from now, so each is handed out at most once per `seconds`.
+        Of this process's kind only, as a claim (RUNDESK_DRILL_LAB: a
+        drill's lab, or the installation): refreshing the other's
+        `queued_at` would hold those runs back from their own sweep."""
         with transaction.atomic():
             stale = list(
                 self.local()
                 .filter(
-                    status=RunStatus.QUEUED, queued_at__lt=Now() - dt.timedelta(seconds=seconds)
+                    status=RunStatus.QUEUED,
+                    is_drill=settings.RUNDESK_DRILL_LAB,
+                    queued_at__lt=Now() - dt.timedelta(seconds=seconds),
                 )
                 .order_by("queued_at")
                 .select_for_update(skip_locked=True, no_key=True)
@@ -487,32 +430,21 @@ class Run(models.Model):
         (queued, or waiting for an operator) ends at once; a running one's
         owner stops before its next boundary (its fenced writes see the
         request), and if that owner died, whoever claims the run or the sweep
-        ends it.  Open outcome items stay open and visible: a cancelled run
-        waits for nothing.  False if the run had already ended, the cancel
-        was already asked, or the run is imported (read-only here)."""
-        # One statement: a run that moves between queued, running and waiting
-        # while the cancel is asked is cancelled all the same (the CASE sees
-        # the row as it is when the UPDATE takes it).
-        with connection.cursor() as cursor:
-            cursor.execute(
-                """UPDATE runs_run SET
-                       status = CASE WHEN status = 'running' THEN status ELSE 'cancelled' END,
-                       status_reason = CASE WHEN status = 'running' THEN status_reason
-                                            ELSE 'cancelled by ' || %(by)s END,
-                       finished_at = CASE WHEN status = 'running' THEN NULL ELSE now() END,
-                       cancel_requested_at = now(), cancel_requested_by = %(by)s
-                   WHERE id = %(run)s AND cancel_requested_at IS NULL
-                     AND status IN ('queued', 'running', 'needs_operator')
-                     AND imported_at IS NULL
-                   RETURNING status""",
-                {"run": self.pk, "by": by},
-            )
-            row = cursor.fetchone()
-        if row is None:
+        ends it (lifecycle.CANCEL, END_CANCELLED).  Open outcome items stay
+        open and visible: a cancelled run waits for nothing.  False if the
+        run had already ended, the cancel was already asked, or the run is
+        imported (read-only here)."""
+        after = lifecycle.cancel(
+            self.pk,
+            by,
+            f"cancelled by {by}",
+            [RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.NEEDS_OPERATOR],
+        )
+        if after is None:
             return False
         done = (
             "the run ended"
-            if row[0] == RunStatus.CANCELLED
+            if after == RunStatus.CANCELLED
             else "its owner stops before its next boundary"
         )
         timeline.record(

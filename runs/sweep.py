@@ -13,8 +13,12 @@ run:
   the last item a waiting run was held by puts it back in the queue;
 - a checkpoint left unknown, with no item, by an owner that stopped while
   it asked the evidence is settled by its xid;
-- with `redeliver_after`, queued runs nobody took for that long are handed
-  out again (their Celery task may have been lost with a worker).
+- with `redeliver_after`, queued runs of this process's kind nobody took for
+  that long are handed out again: the backstop for a hand-over lost after
+  the commit that made the run runnable (runs/handover.py).
+
+Every run it makes runnable again (requeued, resumed) is handed to a Celery
+worker when its transaction commits (runs/lifecycle.py).
 
 Each step is fenced like a claim, so a sweep racing an executor, another
 sweep or an old owner that wakes up changes each run once.  Each waits for
@@ -31,7 +35,7 @@ from dataclasses import dataclass, field
 
 from django.db import DatabaseError
 
-from runs import decisions
+from runs import decisions, lifecycle
 from runs.models import Run
 from runs.outcomes import settle_left_checkpoints
 from runs.sql import waits_bounded
@@ -49,22 +53,15 @@ class Swept:
     checkpoints: list[int] = field(default_factory=list)  # runs of those settled
     redelivered: list[int] = field(default_factory=list)
 
-    @property
-    def to_execute(self) -> list[int]:
-        """The runs that now wait for a worker."""
-        return [*self.requeued, *self.resumed, *self.redelivered]
-
 
 def sweep(*, redeliver_after: float | None = None) -> Swept:
     swept = Swept()
-    swept.cancelled = _step("ending abandoned cancels", Run.objects.end_abandoned_cancels)
+    swept.cancelled = _step("ending abandoned cancels", lifecycle.end_abandoned_cancels)
     for run_id in swept.cancelled:
         timeline.record(run_id, EventKind.RUN_CANCELLED, "cancelled: its owner had stopped")
-    swept.requeued = _step("requeueing abandoned runs", Run.objects.requeue_abandoned)
+    swept.requeued = _step("requeueing abandoned runs", lifecycle.requeue_abandoned)
     for run_id in swept.requeued:
-        timeline.record(
-            run_id, EventKind.RUN_REQUEUED, "its owner stopped renewing the lease: queued again"
-        )
+        timeline.record(run_id, EventKind.RUN_REQUEUED, lifecycle.REQUEUE_WHY)
     settled = decisions.settle_open_items()
     swept.settled, swept.resumed = settled.settled, settled.runs_resumed
     swept.checkpoints = _step("settling checkpoints left unknown", settle_left_checkpoints)

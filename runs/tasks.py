@@ -24,6 +24,7 @@ from evidence.capture import capture
 from runs import sweep as sweeping
 from runs.drills import report, run_drill
 from runs.executor import Ending, claim_and_drive
+from runs.handover import hand_over
 from runs.models import Drill, Run
 from runs.timeline import timeline
 
@@ -32,18 +33,6 @@ logger = logging.getLogger(__name__)
 # How many times a task comes back for a run it could not claim: enough to
 # outlast a dead owner's lease a few times over, never forever.
 CLAIM_RETRIES = 10
-
-
-def hand_over(task: Any, *args: Any) -> str:
-    """Sends `task` to the workers, its rows already committed: "" once the
-    broker took it, else why not.  Whatever the broker's client raises is
-    said, never raised: what was recorded stays, and its caller says what
-    happens to it."""
-    try:
-        task.delay(*args)
-    except Exception as error:  # kombu, redis, amqp: each raises its own
-        return f"{type(error).__name__}: {error}"
-    return ""
 
 
 @shared_task(bind=True, acks_late=True, reject_on_worker_lost=True, max_retries=CLAIM_RETRIES)
@@ -63,26 +52,21 @@ def execute_run(self: Any, run_id: int, seen_expiry: str | None = None) -> str:
 
 @shared_task
 def sweep() -> dict[str, int]:
-    """Beat's sweep (runs/sweep.py); the runs it leaves waiting for a worker
-    get a task each."""
+    """Beat's sweep (runs/sweep.py), which hands out again the runs that
+    waited in the queue too long."""
     swept = sweeping.sweep(redeliver_after=settings.RUNDESK_REDELIVER_SECONDS)
-    # Only the runs this process's workers may drive (a drill's lab, or
-    # the installation: RUNDESK_DRILL_LAB); the others' own sweep hands
-    # them to their own queue.
-    ours = set(
-        Run.objects.filter(
-            pk__in=swept.to_execute, is_drill=settings.RUNDESK_DRILL_LAB
-        ).values_list("pk", flat=True)
-    )
-    waiting = [run_id for run_id in swept.to_execute if run_id in ours]
-    for i, run_id in enumerate(waiting):
+    # The runs it requeued or resumed were handed over as their
+    # transactions committed (runs/lifecycle.py); those it hands out again
+    # are of this process's kind only (a drill's lab, or the installation:
+    # RUNDESK_DRILL_LAB), to its own queue.
+    for i, run_id in enumerate(swept.redelivered):
         if failed := hand_over(execute_run, run_id):
             # The broker did not take it (each hand-over waits for it up to
             # its timeout and retries): the rest would wait as long.  They
             # are queued, and the sweep hands them out again later.
             logger.warning(
                 "sweep: runs %s not handed to Celery (%s): handed out again in about %s s",
-                waiting[i:],
+                swept.redelivered[i:],
                 failed,
                 settings.RUNDESK_REDELIVER_SECONDS,
             )

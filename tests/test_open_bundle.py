@@ -22,6 +22,7 @@ import pytest
 from django.contrib.auth.models import Group, Permission, User
 from django.core.management import call_command
 from django.db import IntegrityError, connection, transaction
+from django.db.models import F
 from django.test import Client
 from django.utils import timezone
 
@@ -500,9 +501,9 @@ def test_an_imported_running_run_whose_lease_expired_is_never_claimed_or_requeue
     assert Run.objects.get(pk=copy.pk).cancel_requested_at is None
     assert not Action.objects.filter(run=copy).exists() and sum(journal.counts().values()) == 0
 
-    # And in the database: whatever picks it, a claim names an owner.
+    # And in the database: whatever writes it, an imported run gets no owner.
     with pytest.raises(IntegrityError, match="run_imported_never_owned"), transaction.atomic():
-        Lease._grant(copy.pk, "me")
+        Run.objects.filter(pk=copy.pk).update(lease_owner="me", lease_epoch=F("lease_epoch") + 1)
 
 
 def test_an_imported_queued_run_is_never_claimed_or_handed_out(journal, tmp_path):
