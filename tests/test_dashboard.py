@@ -429,7 +429,7 @@ def test_a_form_a_stranger_holds_answers_503_and_changes_nothing(operator, form,
     as the stranger held the lock, and the request with it."""
     monkeypatch.setattr("dashboard.security.PAGE_LOCK_WAIT", "300ms")
     run = Run.objects.submit(question="waits", documents=["a.md"])
-    Run.objects.filter(pk=run.pk).update(status=RunStatus.NEEDS_OPERATOR)
+    Lease.claim(run.pk, "owner").finish(RunStatus.NEEDS_OPERATOR, "waits for an operator")
     lock, url, data = forms_held(run)[form]
     before = {
         model: model.objects.count()

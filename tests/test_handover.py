@@ -40,12 +40,20 @@ AT_ONCE = 5.0
 @pytest.fixture
 def fresh_producers(broker: Path) -> Iterator[None]:
     """This process's Celery producers made anew for `broker`: the app's
-    pooled connections may still point at an earlier test's folder (a
+    pooled connections keep the broker folder of the test that made them (a
     harness need of this file only; tests/processes.enqueue opens a
-    connection of its own instead)."""
-    execute_run.app.close()
+    connection of its own instead, which a hand-over after commit cannot)."""
+    _drop_producers()
     yield
-    execute_run.app.close()
+    _drop_producers()
+
+
+def _drop_producers() -> None:
+    app = execute_run.app
+    if app._pool is not None:
+        app._pool.force_close_all()
+    app._pool = None
+    app.amqp._producer_pool = None
 
 
 def handed_over(folder: Path) -> list[tuple[int, str]]:

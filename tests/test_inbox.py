@@ -13,6 +13,7 @@ import psycopg
 import pytest
 from django.db import connection
 from django.test import Client
+from django.utils import timezone
 
 from runs.decisions import Request, Who, decide
 from runs.executor import claim_and_drive
@@ -56,11 +57,12 @@ def item_on(run_status: RunStatus, kind: OutcomeKind = OutcomeKind.PUBLICATION) 
     """An open item on a run in `run_status`, without executing anything:
     an unanswered publication whose transaction is not known (the probe
     finds no row)."""
-    run = Run.objects.submit(question=f"a run {run_status}", documents=["a.md"])
+    # Inserted in that status, as an imported run is: no transition of the
+    # lifecycle leads from queued to waiting without an owner.
     fields = {"status": run_status}
     if run_status in (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED):
-        fields["finished_at"] = run.created_at
-    Run.objects.filter(pk=run.pk).update(**fields)
+        fields["finished_at"] = timezone.now()
+    run = Run.objects.create(question=f"a run {run_status}", documents=["a.md"], **fields)
     return open_item(
         run_id=run.pk,
         kind=kind,
@@ -519,10 +521,10 @@ def test_a_drills_items_and_waiting_runs_stay_out_of_the_inbox(viewer):
     """A drill stages unknown outcomes and waits on purpose; they were left
     on the operators' list (and its count) after the drill had ended."""
     item = item_on(RunStatus.NEEDS_OPERATOR)
-    waiting = Run.objects.submit(question="a drill waiting", documents=["a.md"], drill=True)
-    Run.objects.filter(pk__in=[item.run_id, waiting.pk]).update(
-        is_drill=True, status=RunStatus.NEEDS_OPERATOR
+    waiting = Run.objects.create(
+        question="a drill waiting", documents=["a.md"], is_drill=True, status=item.run.status
     )
+    Run.objects.filter(pk=item.run_id).update(is_drill=True)
     page = viewer.get("/inbox/").content.decode()
     assert f"/inbox/{item.pk}/" not in page and f"/runs/{waiting.pk}/" not in page
     assert 'title="0 open outcome items">0</span>' in page

@@ -117,9 +117,15 @@ def test_a_sweep_without_a_database_does_what_it_can_and_raises_nothing(monkeypa
     assert "requeueing abandoned runs left to the next sweep" in caplog.text
 
 
-def test_a_run_held_by_two_items_goes_back_only_when_both_are_settled():
+def waiting_run() -> Run:
+    """A run that waits for an operator, as its owner left it."""
     run = Run.objects.submit(question="q", documents=DOCS[:1])
-    Run.objects.filter(pk=run.pk).update(status=RunStatus.NEEDS_OPERATOR)
+    Lease.claim(run.pk, "owner").finish(RunStatus.NEEDS_OPERATOR, "waits for its items")
+    return run
+
+
+def test_a_run_held_by_two_items_goes_back_only_when_both_are_settled():
+    run = waiting_run()
     first, second = (
         open_item(
             run_id=run.pk,
@@ -145,8 +151,7 @@ def test_a_run_held_by_two_items_goes_back_only_when_both_are_settled():
 
 
 def test_two_items_settled_at_the_same_moment_resume_the_run_once():
-    run = Run.objects.submit(question="q", documents=DOCS[:1])
-    Run.objects.filter(pk=run.pk).update(status=RunStatus.NEEDS_OPERATOR)
+    run = waiting_run()
     items = [
         open_item(
             run_id=run.pk,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from django.db import connection, transaction
 
 from runs.executor import Executor, claim_and_drive
 from runs.models import Action, AnswerRevision, Phase, Receipt, Run, RunStatus
@@ -148,8 +149,12 @@ def test_refused_delivery_fails_the_run_and_a_requeue_does_not_send_it_again(set
         run = Run.objects.submit(question="q", documents=DOCS[:1])
         assert claim_and_drive(run.pk) == RunStatus.FAILED
         assert Action.objects.get(run=run, step_key="deliver").state == "failed"
-        # Requeued by hand: the runtime must not decide to send the effect again.
-        Run.objects.filter(pk=run.pk).update(status=RunStatus.QUEUED, finished_at=None)
+        # Requeued by hand, past the lifecycle (a failed run never goes back
+        # to the queue): the runtime must not decide to send the effect again.
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE runs_run DISABLE TRIGGER run_lifecycle")
+            Run.objects.filter(pk=run.pk).update(status=RunStatus.QUEUED, finished_at=None)
+            cursor.execute("ALTER TABLE runs_run ENABLE TRIGGER run_lifecycle")
         assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
         run.refresh_from_db()
         assert "known not to have happened" in run.status_reason
