@@ -2,9 +2,10 @@
 is taken, and the one statement that takes each.
 
 Every change of a run's status is made here, by one conditional UPDATE of
-runs_run (its WHERE is the transition's condition; a transition out of
-`running` is fenced by the lease, OWNER), whoever asks: the leases (claim,
-release, finish), the sweep, decisions, cancels.  The database refuses any
+runs_run (its WHERE is the transition's condition: an owner's is fenced by
+its lease, OWNER; the sweep's take only runs whose lease expired, skipping
+rows others hold), whoever asks: the leases (claim, release, finish), the
+sweep, decisions, cancels (the fault plan's too).  The database refuses any
 other change of status: a trigger (`trigger_sql`, installed by migration
 0017 and generated from TRANSITIONS, the one source) checks OLD.status ->
 NEW.status against the table.  It fires only when the status changes, so
@@ -300,7 +301,9 @@ CANCEL_SQL = """UPDATE runs_run SET
     RETURNING status"""
 
 
-def claim(owner: str, ttl: dt.timedelta, *, lab: bool, run_id: int | None = None) -> Any:
+def claim(
+    owner: str, ttl: dt.timedelta, *, lab: bool, run_id: int | None = None
+) -> tuple[int, int] | None:
     """CLAIM: the oldest claimable run (or `run_id`, if claimable), for
     `owner`: (run id, new epoch), or None.  The caller's transaction
     (leases.claiming) commits it."""

@@ -12,6 +12,8 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from runs import lifecycle
+from runs.benchmarks import holding_run
+from runs.leases import Lease
 from runs.lifecycle import ALLOWED, TERMINAL_STATUSES, RunStatus
 from runs.models import Run
 
@@ -96,3 +98,12 @@ def test_the_trigger_fires_only_on_a_change_of_status():
 
 def test_the_design_document_lists_the_lifecycle_as_the_code_has_it():
     assert lifecycle.markdown_table() in DESIGN.read_text()
+
+
+def test_a_benchmarks_holding_run_ends_at_once_through_the_lifecycle():
+    run = holding_run("bench: rows only")
+    assert (run.status, run.status_reason) == (
+        RunStatus.CANCELLED,
+        "a benchmark's run: never executed",
+    )
+    assert run.finished_at is not None and Lease.claim_next("executor") is None

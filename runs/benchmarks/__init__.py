@@ -21,9 +21,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from django.db.models.functions import Now
-
-from runs.models import Run, RunStatus
+from runs import lifecycle
+from runs.models import Run
 
 
 @dataclass(frozen=True)
@@ -60,11 +59,7 @@ def holding_run(question: str) -> Run:
     once, so no executor of the database takes it, nor refuses to start
     (bench --throughput) because it waits to be claimed."""
     run = Run.objects.submit(question=question, documents=["(none)"])
-    Run.objects.filter(pk=run.pk).update(
-        status=RunStatus.CANCELLED,
-        status_reason="a benchmark's run: never executed",
-        finished_at=Now(),
-    )
+    lifecycle.cancel(run.pk, "a benchmark", "a benchmark's run: never executed", [run.status])
     run.refresh_from_db()
     return run
 
