@@ -21,13 +21,10 @@ from django.utils.http import urlencode
 from django.views.decorators.http import require_POST, require_safe
 from django_htmx.http import HttpResponseStopPolling
 
-from dashboard import charts
-from dashboard.context import plain, status_words
 from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.inbox import run_choices
-from dashboard.run_page import run_facts
 from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
-from evidence import bundles, pglog, tasks
+from evidence import bundles, charts, pglog, tasks
 from evidence.models import (
     BundleExport,
     CaptureGap,
@@ -37,11 +34,13 @@ from evidence.models import (
     IncidentSource,
     LockIncident,
 )
+from evidence.run_facts import run_facts
 from runs.decisions import OPERATE
 from runs.models import Phase, Run, RunStatus, older_than, page_cursor
 from runs.sql import unless_locked
 from runs.tasks import hand_over
 from runs.timeline import EventKind
+from runs.words import plain, status_words
 
 PAGE_SIZE = 50
 EVENTS_PAGE = 50

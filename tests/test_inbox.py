@@ -334,7 +334,7 @@ def test_a_decision_on_an_item_settled_meanwhile_is_refused_and_names_the_winner
             token=uuid.uuid4().hex,
             reason="the receiver has no record",
         ),
-    )
+    ).decision
     form = decision_form(page, choice="confirmed_happened", reason="I saw it there")
     response = operator.post(f"/inbox/{item.pk}/decide/", form, follow=True)
     said = response.content.decode()
@@ -485,7 +485,7 @@ def test_the_admin_shows_decisions_and_changes_none(lost_delivery, operator_user
             token=uuid.uuid4().hex,
             reason="in their log",
         ),
-    )
+    ).decision
     listing = staff.get("/admin/runs/operatordecision/")
     assert listing.status_code == 200 and "olga" in listing.content.decode()
     assert staff.get(f"/admin/runs/operatordecision/{decision.pk}/change/").status_code == 200

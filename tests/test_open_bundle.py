@@ -25,7 +25,6 @@ from django.db import IntegrityError, connection, transaction
 from django.test import Client
 from django.utils import timezone
 
-from dashboard.inbox import blocks
 from evidence import bundles
 from evidence.imports import ImportRefused, open_bundle
 from evidence.models import CaptureGap, EvidenceCopy, LockIncident, LockWait, ModelCall, Source
@@ -42,6 +41,7 @@ from runs.decisions import (
     settle_open_items,
 )
 from runs.executor import Executor, claim_and_drive
+from runs.inbox import blocks
 from runs.leases import Lease
 from runs.models import (
     Action,

@@ -298,7 +298,7 @@ def test_decide_on_an_item_settled_meanwhile_names_the_winner(lost_delivery, ope
             token=uuid.uuid4().hex,
             reason="the receiver has no record",
         ),
-    )
+    ).decision
     out = StringIO()
     with pytest.raises(CommandError, match="already settled by olga"):
         call_command(

@@ -16,8 +16,7 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
-from dashboard import charts
-from evidence import pglog
+from evidence import charts, pglog
 from evidence.models import IncidentSource, LockIncident, LockWait
 from tests.test_pglog_clients import detail
 

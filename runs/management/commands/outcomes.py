@@ -10,18 +10,6 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, DjangoHelpFormatter
 from django.utils import timezone
 
-from dashboard.context import Field
-from dashboard.inbox import (
-    Waiting,
-    blocks,
-    items_listed,
-    known,
-    listing_row,
-    panels,
-    receipts,
-    waiting_unheld,
-    what,
-)
 from runs.decisions import (
     OPERATE,
     DecisionRefused,
@@ -34,6 +22,17 @@ from runs.decisions import (
     offers,
     run_offers,
 )
+from runs.inbox import (
+    Waiting,
+    blocks,
+    items_listed,
+    known,
+    listing_row,
+    panels,
+    receipts,
+    waiting_unheld,
+    what,
+)
 from runs.models import (
     UNSTORABLE,
     DecisionChoice,
@@ -42,6 +41,7 @@ from runs.models import (
     OutcomeState,
     Run,
 )
+from runs.words import Field
 
 HELP = """\
 The operators' inbox on the command line: what the runtime could not settle
@@ -292,12 +292,11 @@ class Command(BaseCommand):
             reference=options["reference"],
         )
         try:
-            decision = decide(item.pk, request)
+            decided = decide(item.pk, request)
         except DecisionRefused as refused:
             self._refused(options, refused)
-        repeated = decision.repeated
+        decision, repeated, resumed = decided.decision, decided.repeated, decided.run_resumed
         item = self._item(item.pk)
-        resumed = decision.run_resumed
         document = {
             "decision": decision_json(decision),
             "repeated": repeated,
@@ -323,10 +322,10 @@ class Command(BaseCommand):
             reason=options["reason"],
         )
         try:
-            decision = decide_run(options["run_id"], request)
+            decided = decide_run(options["run_id"], request)
         except DecisionRefused as refused:
             self._refused(options, refused)
-        repeated = decision.repeated
+        decision, repeated = decided.decision, decided.repeated
         run = Run.objects.get(pk=options["run_id"])
         document = {
             "decision": decision_json(decision),

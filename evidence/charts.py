@@ -1,4 +1,6 @@
-"""The dashboard's plotly figures, built on the server as plain dicts.
+"""The plotly figures of a run's timeline, a lock incident and capture gaps,
+built on the server as plain dicts, for the dashboard's pages and a
+bundle's report.html alike.
 
 A template writes a figure into the page with `json_script` (a `<script
 type="application/json">` element) and static/js/rundesk.js draws it: no
@@ -20,11 +22,11 @@ from typing import Any
 import plotly.graph_objects as go
 from django.utils import timezone
 
-from dashboard.checkpoints import CheckpointRow
-from dashboard.context import plain
 from evidence.models import CaptureGap, GapReason, LockIncident
+from runs.checkpoint_rows import CheckpointRow
 from runs.models import Action, CheckpointOutcome, Run
 from runs.timeline import EventKind
+from runs.words import plain
 
 # Colours and legend names of action attempts, by how each ended.
 ATTEMPTS = {
