@@ -128,7 +128,7 @@ def _attempt(claimed: Claimed, delivered: Delivered) -> None:
             state=AlertState.FAILING,
             attempts=F("attempts") + 1,
             last_error=why,
-            next_try_at=Now() + _backoff(alert.attempts + 1),
+            next_try_at=Now() + retry_after(alert.attempts + 1),
         ):
             delivered.failing.append(alert.pk)
         return
@@ -151,7 +151,10 @@ def _record(claimed: Claimed, **changes: Any) -> bool:
     )
 
 
-def _backoff(attempts: int) -> dt.timedelta:
+def retry_after(attempts: int) -> dt.timedelta:
+    """How long after its `attempts`-th failed attempt an alert is tried
+    again: RUNDESK_ALERT_RETRY_SECONDS, doubled each time, at most
+    RUNDESK_ALERT_RETRY_MAX_SECONDS."""
     first = settings.RUNDESK_ALERT_RETRY_SECONDS
     return dt.timedelta(
         seconds=min(first * 2 ** min(attempts - 1, 32), settings.RUNDESK_ALERT_RETRY_MAX_SECONDS)
