@@ -92,8 +92,11 @@ def _lease(channel: str) -> dt.timedelta:
     blocking step (connect, send, read the answer), with a margin.  A
     receiver slower than this may be sent the alert again by another sweep;
     the Idempotency-Key header lets it tell."""
-    timeout = settings.EMAIL_TIMEOUT if channel == AlertChannel.EMAIL else None
-    return dt.timedelta(seconds=3 * (timeout or settings.RUNDESK_ALERT_TIMEOUT) + 5)
+    if channel == AlertChannel.EMAIL:
+        timeout = settings.EMAIL_TIMEOUT
+    else:
+        timeout = settings.RUNDESK_ALERT_TIMEOUT
+    return dt.timedelta(seconds=3 * timeout + 5)
 
 
 def _claim() -> Claimed | None:
