@@ -152,6 +152,7 @@ def _item_context(request: HttpRequest, item: OutcomeItem) -> dict[str, Any]:
         "effect": item.kind == OutcomeKind.EFFECT,
         "token": _token(),
         "decisions": history(item.decisions.all()),
+        "alerts": list(item.alerts.all()),
         **run_choices(request, run),
     }
 

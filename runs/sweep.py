@@ -14,7 +14,9 @@ run:
 - a checkpoint left unknown, with no item, by an owner that stopped while
   it asked the evidence is settled by its xid;
 - with `redeliver_after`, queued runs nobody took for that long are handed
-  out again (their Celery task may have been lost with a worker).
+  out again (their Celery task may have been lost with a worker);
+- due alerts are sent (runs/alerts.py), after the settlements: an item
+  evidence settled meanwhile is not announced.
 
 Each step is fenced like a claim, so a sweep racing an executor, another
 sweep or an old owner that wakes up changes each run once.  Each waits for
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 
 from django.db import DatabaseError
 
-from runs import decisions
+from runs import alerts, decisions
 from runs.models import Run
 from runs.outcomes import settle_left_checkpoints
 from runs.sql import waits_bounded
@@ -48,6 +50,7 @@ class Swept:
     resumed: list[int] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)  # runs of those settled
     redelivered: list[int] = field(default_factory=list)
+    alerted: list[int] = field(default_factory=list)  # alerts sent
 
     @property
     def to_execute(self) -> list[int]:
@@ -73,6 +76,8 @@ def sweep(*, redeliver_after: float | None = None) -> Swept:
             "handing out queued runs again",
             lambda: Run.objects.waiting_in_queue(redeliver_after),
         )
+    # Not a _step: no transaction may be open while an alert is sent.
+    swept.alerted = alerts.deliver_due().sent
     return swept
 
 

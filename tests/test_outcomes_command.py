@@ -136,7 +136,15 @@ def test_list_names_the_runs_that_wait_with_no_item_as_the_inbox_does(journal):
 def test_show_gives_the_evidence_gathered_now_and_the_choices(lost_delivery):
     run, item, _ = lost_delivery
     shown = outcomes_json("show", str(item.pk))
-    assert set(shown) == {"item", "known", "evidence", "offers", "run_offers", "decisions"}
+    assert set(shown) == {
+        "item",
+        "known",
+        "evidence",
+        "offers",
+        "run_offers",
+        "decisions",
+        "alerts",
+    }
     identity = f"rundesk:run-{run.pk}:deliver"
     key = run.actions.get(step_key="deliver").idempotency_key
     assert shown["evidence"]["delivery"]["idempotency_key"] == key

@@ -71,6 +71,10 @@ JSON (one document on stdout; keys are stable, new keys may be added):
              "state_after", "request_token", "evidence_digest" (SHA-256 of
              the evidence kept with it), "at" (ISO 8601)}
   OFFER     {"choice", "label", "does"}
+  ALERT     {"channel": email|webhook, "state": pending|sent|failing|withdrawn,
+             "attempts", "why" (the last failure), "next_try" (ISO 8601 or
+             null), "sent_at" (ISO 8601 or null)}: the operators told that
+             the item holds its run, once per channel, by the sweep
   WAITING   {"id", "status_reason", "waiting_since" (ISO 8601), "age_seconds",
              "offers": [OFFER, ...], "open_items": [ID, ...]}: a run waiting
              for an operator that no open item holds (an unknown
@@ -80,7 +84,8 @@ JSON (one document on stdout; keys are stable, new keys may be added):
               first ("waiting_runs" left out with --kind)
   show        {"item": ITEM, "known": [sentence, ...], "evidence": {...} (as
               gathered now: runs.decisions.gather), "offers": [OFFER, ...],
-              "run_offers": [OFFER, ...], "decisions": [DECISION, ...]}
+              "run_offers": [OFFER, ...], "decisions": [DECISION, ...],
+              "alerts": [ALERT, ...]}
   decide      {"decision": DECISION, "repeated": bool, "run_resumed": bool,
               "item": ITEM}
   decide-run  {"decision": DECISION, "repeated": bool,
@@ -249,6 +254,7 @@ class Command(BaseCommand):
         choices = offers(item, shown)
         for_run = run_offers(item.run)
         decisions = list(item.decisions.order_by("created_at", "id"))
+        alerts = list(item.alerts.all())
         document = {
             "item": listing_row(item, timezone.now()),
             "known": known(item, shown),
@@ -256,6 +262,7 @@ class Command(BaseCommand):
             "offers": [offer_json(offer) for offer in choices],
             "run_offers": [offer_json(offer) for offer in for_run],
             "decisions": [decision_json(decision) for decision in decisions],
+            "alerts": [alert.json() for alert in alerts],
         }
         found = blocks(item)
         text = [
@@ -277,6 +284,9 @@ class Command(BaseCommand):
             text += [f"  {offer.choice}: {offer.does}" for offer in for_run]
         text += ["", "Decisions" + ("" if decisions else ": none")]
         text += [_decision_line(decision) for decision in decisions]
+        if alerts:
+            text += ["", "Operators told"]
+            text += [f"  {alert.channel}: {alert.said()}" for alert in alerts]
         self.emit(options, document, text)
 
     # -- deciding ---------------------------------------------------------------
