@@ -61,8 +61,8 @@ def sqlstate(error: BaseException) -> str | None:
 
 class Command(BaseCommand):
     help = (
-        "Arranges the capture / publication / source-refresh lock cycle, with the incident's (wait) "
-        "or the repaired (nowait) capture, and reports publications, deadlocks and gaps."
+        "Arranges the capture / publication / source-refresh lock cycle, with the incident's "
+        "(wait) or the repaired (nowait) capture, and reports publications, deadlocks and gaps."
     )
 
     def add_arguments(self, parser: Any) -> None:
