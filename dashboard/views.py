@@ -26,7 +26,7 @@ from dashboard import params
 from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.inbox import run_choices
 from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
-from evidence import bundles, charts, pglog, tasks
+from evidence import bundles, charts, locks, pglog, tasks
 from evidence.models import (
     BundleExport,
     CaptureGap,
@@ -349,6 +349,7 @@ def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
         "waits": waits.filter(lead_up=False),
         "lead_up": waits.filter(lead_up=True),
         "graph": charts.lock_graph(incident),
+        "victim": locks.victim_of(incident),
         "plotly": True,
     }
     return render(request, "lock_detail.html", context)
