@@ -30,6 +30,7 @@ from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_POST, require_safe
 from django_htmx.http import HttpResponseStopPolling
 
+from dashboard import params
 from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
 from runs.decisions import (
@@ -82,12 +83,10 @@ def _after(rows: QuerySet[OutcomeItem], cursor: str) -> QuerySet[OutcomeItem]:
 
 
 def _filters(request: HttpRequest) -> dict[str, Any]:
-    kind = request.GET.get("kind", "")
-    if kind and kind not in OutcomeKind.values:
-        raise BadRequest(f"kind={kind!r} is not one of: {', '.join(OutcomeKind.values)}")
+    kind = params.choice(request, "kind", OutcomeKind.values)
     run = request.GET.get("run", "").strip()
     if run and not (run.isascii() and run.isdigit()):
-        raise BadRequest(f"run={run!r} is not a run number")
+        raise BadRequest(f"run={params.quoted(run)} is not a run number")
     return {"kind": kind, "run": int(run) if run else None}
 
 

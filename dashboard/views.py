@@ -2,7 +2,8 @@
 actions need the operate_run permission, checked here, in the view
 (permission_required: a client can post to any URL, whatever the page
 showed it).  A parameter a view cannot use answers 400 with what was wrong
-(security.rejects_bad_input), never a page that quietly ignored it."""
+(dashboard.params, security.rejects_bad_input), never a page that quietly
+ignored it."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from django.utils.http import urlencode
 from django.views.decorators.http import require_POST, require_safe
 from django_htmx.http import HttpResponseStopPolling
 
+from dashboard import params
 from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.inbox import run_choices
 from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
-from evidence import bundles, charts, pglog, tasks
+from evidence import bundles, charts, locks, pglog, tasks
 from evidence.models import (
     BundleExport,
     CaptureGap,
@@ -49,18 +51,6 @@ LOG_UPLOAD_LIMIT = 5 * 1024 * 1024
 CANCEL_LOCK_WAIT = "5s"
 
 
-def _choice(request: HttpRequest, name: str, choices: list[str]) -> str:
-    """The query parameter `name`, "" when absent or empty."""
-    value = request.GET.get(name, "")
-    if value and value not in choices:
-        raise BadRequest(f"{name}={value!r} is not one of: {', '.join(choices)}")
-    return value
-
-
-def _flag(request: HttpRequest, name: str) -> bool:
-    return _choice(request, name, ["0", "1"]) == "1"
-
-
 def _older_than(rows: QuerySet, cursor: str) -> QuerySet:
     try:
         return older_than(rows, cursor)
@@ -75,11 +65,11 @@ def _older_than(rows: QuerySet, cursor: str) -> QuerySet:
 @rejects_bad_input
 def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     filters = {
-        "status": _choice(request, "status", RunStatus.values),
-        "unknown": _flag(request, "unknown"),
-        "gaps": _flag(request, "gaps"),
-        "drills": _flag(request, "drills"),
-        "q": request.GET.get("q", "").strip(),
+        "status": params.choice(request, "status", RunStatus.values),
+        "unknown": params.flag(request, "unknown"),
+        "gaps": params.flag(request, "gaps"),
+        "drills": params.flag(request, "drills"),
+        "q": params.search(request),
     }
     runs = Run.objects.listing().only(
         "id",
@@ -117,6 +107,7 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "next_cursor": page_cursor(page[-1]) if more and page else "",
         "live": any(run.is_active for run in page),
         "now": timezone.now(),
+        "search_max": params.SEARCH_MAX,
     }
     if asks_for(request, "run-rows"):
         response = render(request, "runs_list.html#rows", context)
@@ -328,10 +319,10 @@ def _incidents() -> QuerySet[LockIncident]:
 @rejects_bad_input
 def locks_list(request: HttpRequest) -> HttpResponse:
     incidents = _incidents().order_by("-started_at", "-id")
-    source = _choice(request, "source", IncidentSource.values)
+    source = params.choice(request, "source", IncidentSource.values)
     if source:
         incidents = incidents.filter(source=source)
-    origin = _choice(request, "origin", list(INCIDENT_ORIGINS))
+    origin = params.choice(request, "origin", list(INCIDENT_ORIGINS))
     if origin == "here":
         incidents = incidents.local()
     elif origin == "imported":
@@ -358,6 +349,7 @@ def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
         "waits": waits.filter(lead_up=False),
         "lead_up": waits.filter(lead_up=True),
         "graph": charts.lock_graph(incident),
+        "victim": locks.victim_of(incident),
         "plotly": True,
     }
     return render(request, "lock_detail.html", context)

@@ -184,6 +184,10 @@ class LockIncident(models.Model):
     # An imported report's digest (pglog.Report.digest): a log imported
     # again, or one that overlaps it, stores none of its reports twice.
     report_digest = models.CharField(max_length=64, blank=True, db_default="")
+    # The process PostgreSQL ended to break a deadlock: the one whose log
+    # line carries the report (its ERROR "deadlock detected"), of an imported
+    # report that names it.  A sampled incident knows none.
+    victim_pid = models.IntegerField(null=True, blank=True)
     # Set: another installation's incident, opened with this imported run's
     # bundle.  Its pids, queries and times are that server's; only the run's
     # own side of each wait is known here.
