@@ -90,27 +90,38 @@ def _filters(request: HttpRequest) -> dict[str, Any]:
     return {"kind": kind, "run": int(run) if run else None}
 
 
-@require_safe
-@rejects_bad_input
-def inbox(request: HtmxHttpRequest) -> HttpResponse:
-    """Open items, oldest first (served by outcome_open_idx), a page at a
-    time; the rows refresh while anything is open."""
-    filters = _filters(request)
-    items = OutcomeItem.objects.in_inbox().filter(state=OutcomeState.OPEN)
+def _filtered(items: QuerySet[OutcomeItem], filters: dict[str, Any]) -> QuerySet[OutcomeItem]:
     if filters["kind"]:
         items = items.filter(kind=filters["kind"])
     if filters["run"] is not None:
         items = items.filter(run_id=filters["run"])
-    total = items.count()
-    if cursor := request.GET.get("after", ""):
-        items = _after(items, cursor)
-    page = list(items_listed(items).order_by("created_at", "id")[: PAGE_SIZE + 1])
-    more, page = len(page) > PAGE_SIZE, page[:PAGE_SIZE]
-    for item in page:
+    return items
+
+
+def _rows(items: QuerySet[OutcomeItem]) -> list[OutcomeItem]:
+    rows = list(items)
+    for item in rows:
         item.kind_label = plain(OutcomeKind, item.kind)
         item.what = what(item)
         item.blocks = blocks(item)
         item.run.status_label = status_words(item.run)
+    return rows
+
+
+@require_safe
+@rejects_bad_input
+def inbox(request: HtmxHttpRequest) -> HttpResponse:
+    """Open items of runs that have not ended, oldest first (served by
+    outcome_open_idx), a page at a time; the rows refresh while anything
+    is open.  Below them, on the whole page, the open items of runs that
+    have ended: they block nothing, and stay decidable for the record."""
+    filters = _filters(request)
+    items = _filtered(OutcomeItem.objects.in_inbox().needing_someone(), filters)
+    total = items.count()
+    if cursor := request.GET.get("after", ""):
+        items = _after(items, cursor)
+    page = _rows(items_listed(items).order_by("created_at", "id")[: PAGE_SIZE + 1])
+    more, page = len(page) > PAGE_SIZE, page[:PAGE_SIZE]
     context = {
         "items": page,
         "total": total,
@@ -125,6 +136,10 @@ def inbox(request: HtmxHttpRequest) -> HttpResponse:
         return response if context["live"] else HttpResponseStopPolling(response.content)
     # The whole page only: the rows refresh every 3 s and do not show them.
     context["waiting"] = [] if filters["kind"] else waiting_unheld(filters["run"])
+    ended = _filtered(OutcomeItem.objects.in_inbox().no_longer_blocking(), filters)
+    context["ended_total"] = ended.count()
+    # The newest first: the runs that ended last are the ones still in mind.
+    context["ended"] = _rows(items_listed(ended).order_by("-created_at", "-id")[:PAGE_SIZE])
     return render(request, "inbox.html", context)
 
 

@@ -11,6 +11,7 @@ import datetime as dt
 from typing import Any
 
 from django.contrib import messages
+from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import permission_required
 from django.core.exceptions import BadRequest
 from django.db.models import QuerySet, Sum
@@ -37,6 +38,7 @@ from evidence.models import (
     LockIncident,
 )
 from evidence.run_facts import run_facts
+from runs.attention import needing_you, unblocking
 from runs.decisions import OPERATE
 from runs.models import Phase, Run, RunStatus, older_than, page_cursor
 from runs.sql import unless_locked
@@ -56,6 +58,31 @@ def _older_than(rows: QuerySet, cursor: str) -> QuerySet:
         return older_than(rows, cursor)
     except ValueError as error:
         raise BadRequest(str(error)) from None
+
+
+# -- what needs an operator --------------------------------------------------------
+
+
+class SignIn(auth_views.LoginView):
+    """Sign-in lands on "Needs you" (LOGIN_REDIRECT_URL), also when the
+    sign-in was asked for the site's root: whoever types the address wants
+    first what needs them.  Any other page asked for is returned to."""
+
+    def get_redirect_url(self) -> str:
+        asked = super().get_redirect_url()
+        return "" if asked == "/" else asked
+
+
+@require_safe
+@rejects_bad_input
+def needs_you(request: HtmxHttpRequest) -> HttpResponse:
+    """What needs an operator now, each line linking to where it is acted
+    on (runs.attention); the lines refresh every few seconds, always: new
+    trouble may come at any time."""
+    context = {"attention": needing_you(timezone.now())}
+    if asks_for(request, "needs-you-lines"):
+        return render(request, "needs_you.html#lines", context)
+    return render(request, "needs_you.html", context)
 
 
 # -- runs -------------------------------------------------------------------------
@@ -122,14 +149,25 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     given: the "load older events" link without htmx."""
     run = get_object_or_404(Run, pk=run_id)
     context = {
-        "run": run,
-        **run_facts(run),
+        **_live(request, run),
         **_events(run, request.GET.get("events_before", "")),
         **_bundles(run, timezone.now()),
         "origin_signer": bundles.signer_of(run.origin_manifest) if run.is_imported else None,
         "plotly": True,
     }
-    return render(request, "run_detail.html", {**context, **run_choices(request, run)})
+    return render(request, "run_detail.html", context)
+
+
+def _live(request: HttpRequest, run: Run) -> dict[str, Any]:
+    """The run page's live region: the facts, and for a run that waits for
+    an operator the choices that let it go on, at its top (a decision
+    returns to the run page, wherever the region was drawn from)."""
+    return {
+        **run_facts(run),
+        **run_choices(request, run),
+        "back": reverse("run-detail", args=[run.pk]),
+        "unblocking": unblocking(run),
+    }
 
 
 @require_safe
@@ -140,7 +178,7 @@ def run_live(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
     if not request.htmx:
         return redirect("run-detail", run_id=run.pk)
-    response = render(request, "run_detail.html#live", {"run": run, **run_facts(run)})
+    response = render(request, "run_detail.html#live", _live(request, run))
     return response if run.is_active else HttpResponseStopPolling(response.content)
 
 
@@ -201,7 +239,7 @@ def run_cancel(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
         # Said in the region it replaces, not left for whatever page comes next.
         def live() -> HttpResponse:
             run.refresh_from_db()
-            context = {"run": run, **run_facts(run), "notice": said}
+            context = {**_live(request, run), "notice": said}
             return render(request, "run_detail.html#live", context)
 
         page = reverse("run-detail", args=[run.pk])

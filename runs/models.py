@@ -734,6 +734,18 @@ class OutcomeItemQuerySet(models.QuerySet["OutcomeItem"]):
         """Open items their run must wait for (HOLDING_KINDS)."""
         return self.filter(state=OutcomeState.OPEN, kind__in=HOLDING_KINDS)
 
+    def needing_someone(self) -> OutcomeItemQuerySet:
+        """Open items of runs that have not ended: what the inbox's badge
+        counts.  Still worth an operator's decision even when it holds
+        nothing this instant (an unknown checkpoint): the run goes on."""
+        return self.filter(state=OutcomeState.OPEN).exclude(run__status__in=TERMINAL_STATUSES)
+
+    def no_longer_blocking(self) -> OutcomeItemQuerySet:
+        """Open items of runs that have ended (completed, failed, cancelled
+        or abandoned): nothing waits for them any more; they stay decidable
+        for the record."""
+        return self.filter(state=OutcomeState.OPEN, run__status__in=TERMINAL_STATUSES)
+
 
 class OutcomeItem(models.Model):
     """Something the runtime could not settle itself: a write whose COMMIT
@@ -803,6 +815,11 @@ class AlertQuerySet(models.QuerySet["Alert"]):
         """Alerts to send now, the longest due first.  The database's clock
         decides, as it set next_try_at: executors on several hosts agree."""
         return self.filter(state__in=UNSENT, next_try_at__lte=Now()).order_by("next_try_at", "id")
+
+    def failing(self) -> AlertQuerySet:
+        """Alerts whose last attempt failed, the longest failing first: the
+        operators may not have been told."""
+        return self.filter(state=AlertState.FAILING).order_by("created_at", "id")
 
 
 class Alert(models.Model):

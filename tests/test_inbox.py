@@ -168,10 +168,12 @@ def test_the_inbox_lists_open_items_oldest_first_with_what_each_blocks(viewer):
     assert rows == [
         ("whole_run", str(waiting.pk)),
         ("nothing", str(checkpoint.pk)),
-        ("nothing", str(cancelled.pk)),
         ("further_effects", str(requeued.pk)),
+        # Its run has ended: listed apart, as no longer blocking.
+        ("nothing", str(cancelled.pk)),
     ]
-    assert "4 open" in page and f'href="/runs/{waiting.run_id}/"' in page
+    assert page.index('id="inbox-ended"') < page.index(f'href="/inbox/{cancelled.pk}/"')
+    assert "3 open, 1 no longer blocking" in page and f'href="/runs/{waiting.run_id}/"' in page
     assert "the whole run" in page and "further effects" in page
 
 
