@@ -24,3 +24,9 @@ if not _workers.isdigit() or int(_workers) < 1:
 workers = int(_workers)
 worker_class = "gthread"
 threads = 4
+# The longest request line (method, address, query) gunicorn reads; a longer
+# one gets its bare "414 URI Too Long", never a page of the site's.  Said
+# here, not left to its default, because the list pages' search box is
+# sized to stay inside it (dashboard/params.py SEARCH_MAX): a longer search
+# from elsewhere that still fits reaches the page, which says it is too long.
+limit_request_line = 4094

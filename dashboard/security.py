@@ -23,7 +23,7 @@ from django.contrib.auth.views import redirect_to_login
 from django.contrib.messages import get_messages
 from django.core.exceptions import BadRequest
 from django.db import DatabaseError, OperationalError, connection, transaction
-from django.http import HttpRequest, HttpResponse, HttpResponseForbidden
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, HttpResponseForbidden
 from django.middleware import csrf
 from django.shortcuts import resolve_url
 from django.template.loader import render_to_string
@@ -337,9 +337,16 @@ def nul_parameter(request: HttpRequest) -> str | None:
     return None
 
 
-def bad_request(message: str) -> HttpResponse:
-    # Plain text: the message quotes what the client sent.
-    return HttpResponse(message, status=400, content_type="text/plain; charset=utf-8")
+def not_understood(request: HttpRequest, problem: str) -> HttpResponse:
+    """The page that says what of a request was not understood (400), in
+    the site's layout, with a way back: the page without its parameters,
+    or, for a form, the page it was sent from."""
+    if request.method in ("GET", "HEAD"):
+        back = request.path
+    else:
+        back = _this_site(request, request.headers.get("Referer", "")) or resolve_url("runs-list")
+    context = {"problem": problem, "back": back}
+    return HttpResponseBadRequest(render_to_string("400.html", context, request=request))
 
 
 def rejects_bad_input(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
@@ -350,12 +357,13 @@ def rejects_bad_input(view: Callable[..., HttpResponse]) -> Callable[..., HttpRe
     @wraps(view)
     def checked(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         if (name := nul_parameter(request)) is not None:
-            return bad_request(
-                f"parameter {name!r} holds a NUL character (%00), which no text here may contain"
+            return not_understood(
+                request,
+                f"parameter {name!r} holds a NUL character (%00), which no text here may contain",
             )
         try:
             return view(request, *args, **kwargs)
         except BadRequest as error:
-            return bad_request(str(error))
+            return not_understood(request, str(error))
 
     return checked

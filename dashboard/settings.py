@@ -278,7 +278,7 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
 LOGIN_URL = "login"
-LOGIN_REDIRECT_URL = "runs-list"
+LOGIN_REDIRECT_URL = "needs-you"
 LOGOUT_REDIRECT_URL = "login"
 
 LANGUAGE_CODE = "en-us"
@@ -463,9 +463,15 @@ CELERY_BEAT_SCHEDULE["rundesk-bundles"] = {
 }
 
 # Alerts (runs/alerts.py): when a run starts waiting for an operator, once
-# per item, email to the `operators` group and/or a JSON POST to this URL.
+# per item, email to the `operators` group and/or a JSON POST to this URL,
+# sent by the sweep.  A failed send is tried again after RETRY seconds,
+# doubling each time up to RETRY_MAX.
 RUNDESK_ALERT_URL = env_url("RUNDESK_ALERT_URL")
 RUNDESK_ALERT_TIMEOUT = env_float("RUNDESK_ALERT_TIMEOUT", 5.0, minimum=0.1)
+RUNDESK_ALERT_RETRY_SECONDS = env_float("RUNDESK_ALERT_RETRY_SECONDS", 30.0, minimum=0.1)
+RUNDESK_ALERT_RETRY_MAX_SECONDS = env_float(
+    "RUNDESK_ALERT_RETRY_MAX_SECONDS", 3600.0, minimum=RUNDESK_ALERT_RETRY_SECONDS
+)
 # Where the dashboard is reached, for links in alerts.
 RUNDESK_SITE_URL = env_str("RUNDESK_SITE_URL", "http://127.0.0.1:8000").rstrip("/")
 EMAIL_BACKEND = env_str(

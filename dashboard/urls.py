@@ -8,6 +8,7 @@ from dashboard import drills, inbox, views
 
 urlpatterns = [
     path("", views.runs_list, name="runs-list"),
+    path("needs-you/", views.needs_you, name="needs-you"),
     path("runs/<int:run_id>/", views.run_detail, name="run-detail"),
     path("runs/<int:run_id>/live/", views.run_live, name="run-live"),
     path("runs/<int:run_id>/events/", views.run_events, name="run-events"),
@@ -26,7 +27,7 @@ urlpatterns = [
     path("drills/", drills.drills, name="drills"),
     path("drills/start/", drills.drill_start, name="drill-start"),
     path("drills/<int:drill_id>/progress/", drills.drill_progress, name="drill-progress"),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("login/", views.SignIn.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
 ]

@@ -2,7 +2,8 @@
 actions need the operate_run permission, checked here, in the view
 (permission_required: a client can post to any URL, whatever the page
 showed it).  A parameter a view cannot use answers 400 with what was wrong
-(security.rejects_bad_input), never a page that quietly ignored it."""
+(dashboard.params, security.rejects_bad_input), never a page that quietly
+ignored it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import datetime as dt
 from typing import Any
 
 from django.contrib import messages
+from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import permission_required
 from django.core.exceptions import BadRequest
 from django.db.models import QuerySet, Sum
@@ -21,13 +23,11 @@ from django.utils.http import urlencode
 from django.views.decorators.http import require_POST, require_safe
 from django_htmx.http import HttpResponseStopPolling
 
-from dashboard import charts
-from dashboard.context import plain, status_words
+from dashboard import params
 from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.inbox import run_choices
-from dashboard.run_page import run_facts
 from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
-from evidence import bundles, pglog, tasks
+from evidence import bundles, charts, locks, pglog, tasks
 from evidence.models import (
     BundleExport,
     CaptureGap,
@@ -37,29 +37,20 @@ from evidence.models import (
     IncidentSource,
     LockIncident,
 )
+from evidence.run_facts import run_facts
+from runs.attention import needing_you, unblocking
 from runs.decisions import OPERATE
 from runs.models import Phase, Run, RunStatus, older_than, page_cursor
 from runs.sql import unless_locked
 from runs.tasks import hand_over
 from runs.timeline import EventKind
+from runs.words import plain, status_words
 
 PAGE_SIZE = 50
 EVENTS_PAGE = 50
 BUNDLES_SHOWN = 10
 LOG_UPLOAD_LIMIT = 5 * 1024 * 1024
 CANCEL_LOCK_WAIT = "5s"
-
-
-def _choice(request: HttpRequest, name: str, choices: list[str]) -> str:
-    """The query parameter `name`, "" when absent or empty."""
-    value = request.GET.get(name, "")
-    if value and value not in choices:
-        raise BadRequest(f"{name}={value!r} is not one of: {', '.join(choices)}")
-    return value
-
-
-def _flag(request: HttpRequest, name: str) -> bool:
-    return _choice(request, name, ["0", "1"]) == "1"
 
 
 def _older_than(rows: QuerySet, cursor: str) -> QuerySet:
@@ -69,6 +60,31 @@ def _older_than(rows: QuerySet, cursor: str) -> QuerySet:
         raise BadRequest(str(error)) from None
 
 
+# -- what needs an operator --------------------------------------------------------
+
+
+class SignIn(auth_views.LoginView):
+    """Sign-in lands on "Needs you" (LOGIN_REDIRECT_URL), also when the
+    sign-in was asked for the site's root: whoever types the address wants
+    first what needs them.  Any other page asked for is returned to."""
+
+    def get_redirect_url(self) -> str:
+        asked = super().get_redirect_url()
+        return "" if asked == "/" else asked
+
+
+@require_safe
+@rejects_bad_input
+def needs_you(request: HtmxHttpRequest) -> HttpResponse:
+    """What needs an operator now, each line linking to where it is acted
+    on (runs.attention); the lines refresh every few seconds, always: new
+    trouble may come at any time."""
+    context = {"attention": needing_you(timezone.now())}
+    if asks_for(request, "needs-you-lines"):
+        return render(request, "needs_you.html#lines", context)
+    return render(request, "needs_you.html", context)
+
+
 # -- runs -------------------------------------------------------------------------
 
 
@@ -76,11 +92,11 @@ def _older_than(rows: QuerySet, cursor: str) -> QuerySet:
 @rejects_bad_input
 def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     filters = {
-        "status": _choice(request, "status", RunStatus.values),
-        "unknown": _flag(request, "unknown"),
-        "gaps": _flag(request, "gaps"),
-        "drills": _flag(request, "drills"),
-        "q": request.GET.get("q", "").strip(),
+        "status": params.choice(request, "status", RunStatus.values),
+        "unknown": params.flag(request, "unknown"),
+        "gaps": params.flag(request, "gaps"),
+        "drills": params.flag(request, "drills"),
+        "q": params.search(request),
     }
     runs = Run.objects.listing().only(
         "id",
@@ -118,6 +134,7 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "next_cursor": page_cursor(page[-1]) if more and page else "",
         "live": any(run.is_active for run in page),
         "now": timezone.now(),
+        "search_max": params.SEARCH_MAX,
     }
     if asks_for(request, "run-rows"):
         response = render(request, "runs_list.html#rows", context)
@@ -132,14 +149,25 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     given: the "load older events" link without htmx."""
     run = get_object_or_404(Run, pk=run_id)
     context = {
-        "run": run,
-        **run_facts(run),
+        **_live(request, run),
         **_events(run, request.GET.get("events_before", "")),
         **_bundles(run, timezone.now()),
         "origin_signer": bundles.signer_of(run.origin_manifest) if run.is_imported else None,
         "plotly": True,
     }
-    return render(request, "run_detail.html", {**context, **run_choices(request, run)})
+    return render(request, "run_detail.html", context)
+
+
+def _live(request: HttpRequest, run: Run) -> dict[str, Any]:
+    """The run page's live region: the facts, and for a run that waits for
+    an operator the choices that let it go on, at its top (a decision
+    returns to the run page, wherever the region was drawn from)."""
+    return {
+        **run_facts(run),
+        **run_choices(request, run),
+        "back": reverse("run-detail", args=[run.pk]),
+        "unblocking": unblocking(run),
+    }
 
 
 @require_safe
@@ -150,7 +178,7 @@ def run_live(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
     run = get_object_or_404(Run, pk=run_id)
     if not request.htmx:
         return redirect("run-detail", run_id=run.pk)
-    response = render(request, "run_detail.html#live", {"run": run, **run_facts(run)})
+    response = render(request, "run_detail.html#live", _live(request, run))
     return response if run.is_active else HttpResponseStopPolling(response.content)
 
 
@@ -211,7 +239,7 @@ def run_cancel(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
         # Said in the region it replaces, not left for whatever page comes next.
         def live() -> HttpResponse:
             run.refresh_from_db()
-            context = {"run": run, **run_facts(run), "notice": said}
+            context = {**_live(request, run), "notice": said}
             return render(request, "run_detail.html#live", context)
 
         page = reverse("run-detail", args=[run.pk])
@@ -329,10 +357,10 @@ def _incidents() -> QuerySet[LockIncident]:
 @rejects_bad_input
 def locks_list(request: HttpRequest) -> HttpResponse:
     incidents = _incidents().order_by("-started_at", "-id")
-    source = _choice(request, "source", IncidentSource.values)
+    source = params.choice(request, "source", IncidentSource.values)
     if source:
         incidents = incidents.filter(source=source)
-    origin = _choice(request, "origin", list(INCIDENT_ORIGINS))
+    origin = params.choice(request, "origin", list(INCIDENT_ORIGINS))
     if origin == "here":
         incidents = incidents.local()
     elif origin == "imported":
@@ -359,6 +387,7 @@ def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
         "waits": waits.filter(lead_up=False),
         "lead_up": waits.filter(lead_up=True),
         "graph": charts.lock_graph(incident),
+        "victim": locks.victim_of(incident),
         "plotly": True,
     }
     return render(request, "lock_detail.html", context)

@@ -2,7 +2,7 @@
 opens offline in any browser.
 
 What it shows is what the run page shows, built by the same code
-(dashboard.run_page.run_facts: plain labels, evidence as labelled fields, one row
+(evidence.run_facts.run_facts: plain labels, evidence as labelled fields, one row
 per checkpoint, answers rendered and sanitised, the plotly timeline), plus
 what an investigator without the dashboard needs on the page: the decisions
 on each item and on the run, and the event log.
@@ -34,17 +34,18 @@ from django.utils import timezone
 from django.utils.safestring import SafeString, mark_safe
 from plotly.offline import get_plotlyjs
 
-from dashboard.context import evidence_fields, plain
-from dashboard.inbox import history
-from dashboard.run_page import answer_html, run_facts
 from evidence.models import CaptureGap, EvidenceCopy, LockWait
+from evidence.run_facts import run_facts
+from runs.answers import answer_html
+from runs.inbox import history
 from runs.models import Run
 from runs.timeline import EventKind
+from runs.words import evidence_fields, plain
 
 TEMPLATE = "bundle_report.html"
 # The event log shows the oldest this many; events.jsonl holds them all.
 EVENTS_SHOWN = 2000
-# What the run page shows of copies, gaps and lock waits (dashboard.run_page.run_facts).
+# What the run page shows of copies, gaps and lock waits (evidence.run_facts.run_facts).
 ROWS_SHOWN = 50
 
 
@@ -117,7 +118,7 @@ def _redacted(evidence: Any, redact: Callable[[str], str]) -> Any:
 
 
 def _offline(html: str) -> tuple[SafeString, int]:
-    """An answer as the run page renders it (run_page.answer_html, which
+    """An answer as the run page renders it (runs.answers.answer_html, which
     keeps no image), without the addresses of links that point off the
     page: the report loads nothing and leads nowhere (revisions.jsonl keeps the text as
     written).  Also the number of addresses left out."""

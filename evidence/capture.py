@@ -21,8 +21,8 @@ CaptureGap; it is never retried, so the wait cannot come back.  A full
 queue, an oversized copy, a database error and shutdown each leave a gap
 with their reason.  A gap is never reported as a save.
 
-The `wait` policy is the old behaviour (wait for the model-record lock),
-kept only so `reproduce_contention` can show what it did.
+The `wait` policy (wait for the model-record lock, as capture did at the
+incident) is kept only so `reproduce_contention` can show what it did.
 """
 
 from __future__ import annotations

@@ -206,6 +206,29 @@ def store(
     return incident
 
 
+@dataclass(frozen=True)
+class Victim:
+    """The process PostgreSQL ended to break a deadlock, as the incident
+    knows it."""
+
+    pid: int
+    role: str
+    run_id: int | None
+
+
+def victim_of(incident: LockIncident) -> Victim | None:
+    """The incident's victim (LockIncident.victim_pid), with the role and
+    run its wait names; None where no process is known to have been ended."""
+    if incident.victim_pid is None:
+        return None
+    wait = (
+        incident.waits.filter(lead_up=False, waiter_pid=incident.victim_pid).order_by("id").first()
+    )
+    if wait is None:
+        return Victim(incident.victim_pid, "", None)
+    return Victim(wait.waiter_pid, wait.waiter_role, wait.waiter_run_id)
+
+
 def _known_runs(graph: Graph) -> set[int]:
     """The runs named by the processes that still exist (a log may name
     others) among this installation's: an imported run's id here is not the

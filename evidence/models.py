@@ -13,7 +13,7 @@ from pathlib import Path
 
 from django.conf import settings
 from django.db import models
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 from django.db.models.functions import Now
 
 from runs.models import Action, Run
@@ -184,6 +184,10 @@ class LockIncident(models.Model):
     # An imported report's digest (pglog.Report.digest): a log imported
     # again, or one that overlaps it, stores none of its reports twice.
     report_digest = models.CharField(max_length=64, blank=True, db_default="")
+    # The process PostgreSQL ended to break a deadlock: the one whose log
+    # line carries the report (its ERROR "deadlock detected"), of an imported
+    # report that names it.  A sampled incident knows none.
+    victim_pid = models.IntegerField(null=True, blank=True)
     # Set: another installation's incident, opened with this imported run's
     # bundle.  Its pids, queries and times are that server's; only the run's
     # own side of each wait is known here.
@@ -280,6 +284,9 @@ BUNDLE_STALLED_AFTER = dt.timedelta(minutes=15)
 # export can be asked for.  Workers take one task at a time, so a busy
 # queue delays an export by its runs: an hour is well past that.
 BUNDLE_UNCLAIMED_AFTER = dt.timedelta(hours=1)
+# A failed export stays on the "Needs you" page this long, unless a later
+# export of its run was asked for (someone acted on it).
+BUNDLE_FAILURE_SHOWN = dt.timedelta(hours=24)
 
 
 def bundle_file_name() -> str:
@@ -303,6 +310,21 @@ class BundleExportQuerySet(models.QuerySet["BundleExport"]):
         """Running exports no worker has moved for BUNDLE_STALLED_AFTER
         (bundle_running_idx)."""
         return self.filter(state=BundleState.RUNNING, progressed_at__lt=now - BUNDLE_STALLED_AFTER)
+
+    def failing(self, now: dt.datetime) -> BundleExportQuerySet:
+        """Exports that failed within BUNDLE_FAILURE_SHOWN, or that no
+        worker moves (stalled or unclaimed: the sweep fails them soon), and
+        whose run has no later export: nobody has asked again yet.  Oldest
+        first."""
+        broken = (
+            Q(state=BundleState.FAILED, finished_at__gte=now - BUNDLE_FAILURE_SHOWN)
+            | Q(state=BundleState.RUNNING, progressed_at__lt=now - BUNDLE_STALLED_AFTER)
+            | Q(state=BundleState.QUEUED, created_at__lt=now - BUNDLE_UNCLAIMED_AFTER)
+        )
+        later = BundleExport.objects.filter(
+            run=OuterRef("run"), created_at__gt=OuterRef("created_at")
+        )
+        return self.filter(broken).exclude(Exists(later)).order_by("created_at", "id")
 
     def unclaimed(self, now: dt.datetime) -> BundleExportQuerySet:
         """Queued exports no worker took for BUNDLE_UNCLAIMED_AFTER: their

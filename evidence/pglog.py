@@ -142,6 +142,16 @@ class Report:
     earlier: list[LoggedWait] = field(default_factory=list, repr=False)
 
     @property
+    def victim(self) -> int | None:
+        """The process PostgreSQL ended to break the deadlock: the one that
+        found it reports it (DeadLockReport) and its transaction is the one
+        rolled back, so the report is logged under its pid.  None where the
+        log names no process, or one not in the report."""
+        if self.reporter in self.graph.processes:
+            return self.reporter
+        return None
+
+    @property
     def digest(self) -> str:
         """What tells this report from every other, for an import that meets
         it again (a log uploaded twice, or one that overlaps the last): its
@@ -547,6 +557,7 @@ def record(report: Report, origin: str, digest: str) -> LockIncident:
             summary=summary,
             unread=report.unread,
             report_digest=digest,
+            victim_pid=report.victim,
         )
         waits = [
             locks._wait(incident, graph, edge, runs, when, when) for edge in report.graph.edges

@@ -391,15 +391,15 @@ class Redactor:
                 )
             return walked
         if isinstance(value, list | tuple):
-            if value and all(_is_pair(item) for item in value):
-                # A header list: [["Authorization", "Basic ..."], ...]
-                return [
-                    [self._string(name, counts), self._hidden(item, kind, counts)]
-                    if (kind := secret_kind(name))
-                    else [self._string(name, counts), self._walk(item, counts)]
-                    for name, item in value
-                ]
-            return [self._walk(item, counts) for item in value]
+            # A header list's pair, [["Authorization", "Basic ..."], ...], is
+            # read as a name and its value wherever it sits, among items of
+            # other shapes too ({"name": ..., "value": ...} beside it).
+            return [
+                [self._string(item[0], counts), self._hidden(item[1], kind, counts)]
+                if _is_pair(item) and (kind := secret_kind(item[0]))
+                else self._walk(item, counts)
+                for item in value
+            ]
         return value
 
     def _hidden(self, value: Any, kind: str, counts: Counter[str]) -> Any:

@@ -356,36 +356,47 @@ class Request:
     shown: dict[str, Any] = field(default_factory=dict)
 
 
-def decide(item_id: int, request: Request) -> OperatorDecision:
-    """Takes a decision on an open item; returns it (or the first one taken
-    with the same token: `repeated`), with `run_resumed` saying whether it
-    put the run back in the queue.  DecisionRefused says why not.  One
-    transaction, what it reads included, its lock waits bounded."""
+@dataclass(frozen=True)
+class Decided:
+    """What a call to decide / decide_run did: the decision that stands for
+    its request (when `repeated`, the one taken earlier with the same token:
+    this call changed nothing), and whether this call put the run back in
+    the queue."""
+
+    decision: OperatorDecision
+    repeated: bool = False
+    run_resumed: bool = False
+
+
+def decide(item_id: int, request: Request) -> Decided:
+    """Takes a decision on an open item, or finds the one taken earlier
+    with the same token.  DecisionRefused says why not.  One transaction,
+    what it reads included, its lock waits bounded."""
     try:
         with _deciding(f"item {item_id} or its run"):
-            item, decision = _decided(item_id, request)
+            item, decided = _decided(item_id, request)
     except IntegrityError:
         # The same token, committed by a concurrent submit: that one stands.
         if (earlier := _by_token(request, item_id=item_id)) is not None:
-            return earlier
+            return Decided(earlier, repeated=True)
         raise
-    if decision.repeated:
-        return decision
-    _tell(item.run_id, decision, item.subject)
-    if decision.run_resumed:
+    if decided.repeated:
+        return decided
+    _tell(item.run_id, decided.decision, item.subject)
+    if decided.run_resumed:
         timeline.record(
             item.run_id,
             EventKind.RUN_REQUEUED,
             f"{item.subject} settled by {request.who.name}: continues from its receipts",
         )
-    return decision
+    return decided
 
 
-def _decided(item_id: int, request: Request) -> tuple[OutcomeItem | None, OperatorDecision]:
+def _decided(item_id: int, request: Request) -> tuple[OutcomeItem | None, Decided]:
     """decide(), inside its transaction: the item (None for a repeat) and
     the decision."""
     if (earlier := _by_token(request, item_id=item_id)) is not None:
-        return None, earlier
+        return None, Decided(earlier, repeated=True)
     _check_person(request)
     item = (
         OutcomeItem.objects.select_related("run", "action", "checkpoint").filter(pk=item_id).first()
@@ -405,7 +416,7 @@ def _decided(item_id: int, request: Request) -> tuple[OutcomeItem | None, Operat
     )
     item.run = run
     if (earlier := _by_token(request, item_id=item_id)) is not None:
-        return None, earlier
+        return None, Decided(earlier, repeated=True)
     if item.state != OutcomeState.OPEN:
         first = item.decisions.filter(state_after=OutcomeState.RESOLVED).first()
         if first is None:
@@ -417,13 +428,12 @@ def _decided(item_id: int, request: Request) -> tuple[OutcomeItem | None, Operat
     settlement = check(item) if request.choice == DecisionChoice.CHECK_AGAIN else None
     outcome = _outcome(item, request.choice, settlement)
     decision = _record(item.run_id, item, item.action_id, request, shown, outcome)
-    decision.repeated = False
     if outcome is not None:
         _apply(item, decision, outcome)
-    decision.run_resumed = outcome is not None and Run.objects.resume_if_settled(
+    resumed = outcome is not None and Run.objects.resume_if_settled(
         item.run_id, f"{item.subject} settled by {request.who.name}: continues"
     )
-    return item, decision
+    return item, Decided(decision, run_resumed=resumed)
 
 
 def _check_offered(item: OutcomeItem, shown: dict[str, Any], choice: str) -> None:
@@ -454,12 +464,12 @@ def _check_offered(item: OutcomeItem, shown: dict[str, Any], choice: str) -> Non
     )
 
 
-def decide_run(run_id: int, request: Request) -> OperatorDecision:
+def decide_run(run_id: int, request: Request) -> Decided:
     """`resume` or `abandon` a run that waits for an operator: one
     transaction, what it reads included, its lock waits bounded."""
     with _deciding(f"run {run_id}"):
         if (earlier := _by_token(request, run_id=run_id)) is not None:
-            return earlier
+            return Decided(earlier, repeated=True)
         _check_person(request)
         run = Run.objects.filter(pk=run_id).first()
         if run is None:
@@ -470,7 +480,7 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
         # offered is read under its lock.
         run = Run.objects.locked(run_id)
         if (earlier := _by_token(request, run_id=run_id)) is not None:
-            return earlier
+            return Decided(earlier, repeated=True)
         offered = {offer.choice for offer in run_offers(run)}
         if request.choice not in offered:
             raise DecisionRefused(
@@ -495,9 +505,8 @@ def decide_run(run_id: int, request: Request) -> OperatorDecision:
         if not changed:
             raise DecisionRefused(f"run {run_id} changed meanwhile: nothing was decided")
         decision = _record(run_id, None, None, request, shown, after, before=run.status)
-        decision.repeated, decision.run_resumed = False, after == RunStatus.QUEUED
     _tell(run_id, decision, f"run {run_id}")
-    return decision
+    return Decided(decision, run_resumed=after == RunStatus.QUEUED)
 
 
 def resume_if_settled_meanwhile(run_id: int, item_id: int) -> bool:
@@ -519,7 +528,7 @@ def resume_if_settled_meanwhile(run_id: int, item_id: int) -> bool:
     return resumed
 
 
-def settle_by_evidence(item: OutcomeItem, settlement: Settlement) -> OperatorDecision | None:
+def settle_by_evidence(item: OutcomeItem, settlement: Settlement) -> Decided | None:
     """The sweep's settlement of an item, as a system decision (the same
     path as an operator's).  None if another decision settled it first."""
     choice = (
@@ -598,8 +607,6 @@ def _by_token(request: Request, **about: int) -> OperatorDecision | None:
     earlier = OperatorDecision.objects.filter(request_token=request.token).first()
     if earlier is None:
         return None
-    # It was taken before: this call changed nothing.
-    earlier.repeated, earlier.run_resumed = True, False
     item_id, run_id = about.get("item_id"), about.get("run_id")
     if (item_id is not None and earlier.item_id != item_id) or (
         run_id is not None and (earlier.run_id != run_id or earlier.item_id is not None)
@@ -764,7 +771,7 @@ def settle_open_items() -> Settled:
         try:
             with waits_bounded(LOCK_WAIT):
                 settlement = check(item)
-                decision = (
+                decided = (
                     None
                     if settlement.outcome == "unknown"
                     else settle_by_evidence(item, settlement)
@@ -776,8 +783,8 @@ def settle_open_items() -> Settled:
             # One item that cannot be asked about holds up no other.
             logger.exception("sweep: item %s not settled", item.pk)
             continue
-        if decision is not None and decision.state_after == OutcomeState.RESOLVED:
+        if decided is not None and decided.decision.state_after == OutcomeState.RESOLVED:
             swept.settled += 1
-            if decision.run_resumed:
+            if decided.run_resumed:
                 swept.runs_resumed.append(item.run_id)
     return swept

@@ -666,6 +666,18 @@ class OutcomeItemQuerySet(models.QuerySet["OutcomeItem"]):
         """Open items their run must wait for (HOLDING_KINDS)."""
         return self.filter(state=OutcomeState.OPEN, kind__in=HOLDING_KINDS)
 
+    def needing_someone(self) -> OutcomeItemQuerySet:
+        """Open items of runs that have not ended: what the inbox's badge
+        counts.  Still worth an operator's decision even when it holds
+        nothing this instant (an unknown checkpoint): the run goes on."""
+        return self.filter(state=OutcomeState.OPEN).exclude(run__status__in=TERMINAL_STATUSES)
+
+    def no_longer_blocking(self) -> OutcomeItemQuerySet:
+        """Open items of runs that have ended (completed, failed, cancelled
+        or abandoned): nothing waits for them any more; they stay decidable
+        for the record."""
+        return self.filter(state=OutcomeState.OPEN, run__status__in=TERMINAL_STATUSES)
+
 
 class OutcomeItem(models.Model):
     """Something the runtime could not settle itself: a write whose COMMIT
@@ -711,6 +723,101 @@ class OutcomeItem(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.subject} ({self.state})"
+
+
+class AlertChannel(models.TextChoices):
+    EMAIL = "email"  # to the active members of the `operators` group that have an address
+    WEBHOOK = "webhook"  # a JSON POST to RUNDESK_ALERT_URL
+
+
+class AlertState(models.TextChoices):
+    PENDING = "pending"  # not tried yet
+    SENT = "sent"  # the receiver took it (2xx; the mail server accepted it)
+    FAILING = "failing"  # tried: last_error says why, next_try_at when again
+    # Its item was settled before it went out: nobody waits for it any more.
+    WITHDRAWN = "withdrawn"
+
+
+# The states the sweep still sends (runs/alerts.py).
+UNSENT = [AlertState.PENDING, AlertState.FAILING]
+
+
+class AlertQuerySet(models.QuerySet["Alert"]):
+    def due(self) -> AlertQuerySet:
+        """Alerts to send now, the longest due first.  The database's clock
+        decides, as it set next_try_at: executors on several hosts agree."""
+        return self.filter(state__in=UNSENT, next_try_at__lte=Now()).order_by("next_try_at", "id")
+
+    def failing(self) -> AlertQuerySet:
+        """Alerts whose last attempt failed, the longest failing first: the
+        operators may not have been told."""
+        return self.filter(state=AlertState.FAILING).order_by("created_at", "id")
+
+
+class Alert(models.Model):
+    """Telling the operators that an item holds a run, on one channel.  The
+    row is written in the transaction that opens the item, so the alert
+    cannot be lost with a process that dies after the commit; the sweep
+    sends it (runs/alerts.py), once per item and channel when the receiver
+    answers."""
+
+    item = models.ForeignKey(OutcomeItem, on_delete=models.PROTECT, related_name="alerts")
+    channel = models.CharField(max_length=10, choices=AlertChannel)
+    state = models.CharField(max_length=10, choices=AlertState, default=AlertState.PENDING)
+    attempts = models.PositiveIntegerField(default=0)  # attempts finished
+    last_error = models.TextField(blank=True)  # why the last attempt failed
+    # When the sweep may try it (again).  While an attempt is under way, the
+    # end of its lease: a sweep that died mid-send leaves it due again then.
+    next_try_at = models.DateTimeField(null=True, blank=True, db_default=Now())
+    sent_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+
+    objects = AlertQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["item", "channel"]
+        constraints = [
+            models.UniqueConstraint(fields=["item", "channel"], name="alert_once_per_item_channel"),
+            models.CheckConstraint(
+                condition=Q(state__in=UNSENT, next_try_at__isnull=False, sent_at__isnull=True)
+                | Q(state=AlertState.SENT, next_try_at__isnull=True, sent_at__isnull=False)
+                | Q(state=AlertState.WITHDRAWN, next_try_at__isnull=True, sent_at__isnull=True),
+                name="alert_state_times",
+            ),
+        ]
+        indexes = [
+            # Alert.objects.due(), the sweep's claim: "state IN ('pending',
+            # 'failing') AND next_try_at <= now() ORDER BY next_try_at",
+            # over the few rows still to send, not every alert ever sent.
+            models.Index(
+                fields=["next_try_at"], name="alert_due_idx", condition=Q(state__in=UNSENT)
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.channel} alert of item {self.item_id} ({self.state})"
+
+    def said(self) -> str:
+        """Where it stands, in a sentence for the item page and `outcomes show`."""
+        tries = f"{self.attempts} attempt{'s' if self.attempts != 1 else ''}"
+        when = self.next_try_at.isoformat(timespec="seconds") if self.next_try_at else ""
+        if self.state == AlertState.SENT:
+            return f"sent {self.sent_at.isoformat(timespec='seconds')} ({tries})"
+        if self.state == AlertState.FAILING:
+            return f"failing after {tries}: {self.last_error}; next try {when}"
+        if self.state == AlertState.WITHDRAWN:
+            return "not sent: the item was settled first"
+        return f"pending: not sent yet; the sweep sends it from {when}"
+
+    def json(self) -> dict[str, Any]:
+        return {
+            "channel": self.channel,
+            "state": self.state,
+            "attempts": self.attempts,
+            "why": self.last_error,
+            "next_try": self.next_try_at.isoformat() if self.next_try_at else None,
+            "sent_at": self.sent_at.isoformat() if self.sent_at else None,
+        }
 
 
 class DecisionChoice(models.TextChoices):

@@ -244,10 +244,10 @@ def open_item(
                 evidence=evidence,
                 **about,
             )
+            alerts.item_opened(item)  # its alerts commit with it, or neither does
     except IntegrityError:
         return OutcomeItem.objects.get(subject=subject)
     timeline.record(run_id, EventKind.OUTCOME_OPEN, f"{kind}: {summary}", subject=subject)
-    alerts.item_opened(item)
     return item
 
 

@@ -15,7 +15,9 @@ run:
   it asked the evidence is settled by its xid;
 - with `redeliver_after`, queued runs of this process's kind nobody took for
   that long are handed out again: the backstop for a hand-over lost after
-  the commit that made the run runnable (runs/handover.py).
+  the commit that made the run runnable (runs/handover.py);
+- due alerts are sent (runs/alerts.py), after the settlements: an item
+  evidence settled meanwhile is not announced.
 
 Every run it makes runnable again (requeued, resumed) is handed to a Celery
 worker when its transaction commits (runs/lifecycle.py).
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 
 from django.db import DatabaseError
 
-from runs import decisions, lifecycle
+from runs import alerts, decisions, lifecycle
 from runs.models import Run
 from runs.outcomes import settle_left_checkpoints
 from runs.sql import waits_bounded
@@ -52,6 +54,7 @@ class Swept:
     resumed: list[int] = field(default_factory=list)
     checkpoints: list[int] = field(default_factory=list)  # runs of those settled
     redelivered: list[int] = field(default_factory=list)
+    alerted: list[int] = field(default_factory=list)  # alerts sent
 
 
 def sweep(*, redeliver_after: float | None = None) -> Swept:
@@ -70,6 +73,8 @@ def sweep(*, redeliver_after: float | None = None) -> Swept:
             "handing out queued runs again",
             lambda: Run.objects.waiting_in_queue(redeliver_after),
         )
+    # Not a _step: no transaction may be open while an alert is sent.
+    swept.alerted = alerts.deliver_due().sent
     return swept
 
 

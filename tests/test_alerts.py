@@ -1,6 +1,6 @@
 """Operators are told once per item that a run waits for them, by email and
-by a POST to RUNDESK_ALERT_URL; an alert that cannot be sent changes
-nothing for the run."""
+by a POST to RUNDESK_ALERT_URL, sent by the sweep; an alert that cannot be
+sent changes nothing for the run.  (Delivery itself: test_alert_delivery.py.)"""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import pytest
 from django.contrib.auth.models import Group, User
 from django.core import mail
 
-from runs.models import OutcomeItem, RunStatus
-from tests.faultruns import run_with, wait_for
+from runs.models import Alert, AlertState, OutcomeItem, RunStatus
+from runs.sweep import sweep
+from tests.faultruns import run_with
 from tests.receivers import LocalServer, status
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -36,7 +37,9 @@ def test_a_run_that_starts_waiting_alerts_the_operators_once(operators, settings
         run, outcome = run_with([{"point": "delivery_timeout"}])
         assert outcome == RunStatus.NEEDS_OPERATOR
         item = OutcomeItem.objects.get(run=run)
-        wait_for(lambda: len(alerts.requests) == 1 and len(mail.outbox) == 1)
+        assert sorted(sweep().alerted) == sorted(item.alerts.values_list("pk", flat=True))
+        assert sweep().alerted == []  # told once
+        assert len(alerts.requests) == 1 and len(mail.outbox) == 1
         _, body = alerts.requests[0]
         sent = json.loads(body)
         assert (sent["item"], sent["run"], sent["kind"]) == (item.pk, run.pk, "effect")
@@ -48,14 +51,20 @@ def test_a_run_that_starts_waiting_alerts_the_operators_once(operators, settings
 def test_an_alert_that_cannot_be_sent_changes_nothing_for_the_run(settings, journal, caplog):
     with LocalServer(status(500)) as broken:
         settings.RUNDESK_ALERT_URL = broken.url
-        _, outcome = run_with([{"point": "delivery_timeout"}])
-        wait_for(lambda: len(broken.requests) == 1)
+        run, outcome = run_with([{"point": "delivery_timeout"}])
+        swept = sweep()
+        assert len(broken.requests) == 1
     assert outcome == RunStatus.NEEDS_OPERATOR
-    wait_for(lambda: "POST not delivered" in caplog.text)
+    assert swept.alerted == [] and "HTTP 500" in caplog.text
+    run.refresh_from_db()
+    assert run.status == RunStatus.NEEDS_OPERATOR
+    assert Alert.objects.get().state == AlertState.FAILING
     settings.RUNDESK_ALERT_URL = "http://127.0.0.1:9"  # nothing listens
     again, outcome = run_with([{"point": "delivery_timeout"}])
+    sweep()
     assert outcome == RunStatus.NEEDS_OPERATOR
     assert OutcomeItem.objects.filter(run=again).count() == 1
+    assert Alert.objects.get(item__run=again).state == AlertState.FAILING
 
 
 def test_an_unknown_checkpoint_alerts_nobody(settings, journal):
@@ -66,4 +75,6 @@ def test_an_unknown_checkpoint_alerts_nobody(settings, journal):
         run, outcome = run_with([{**fault, "outcome": "late", "stall_ms": 2000}])
         assert outcome == RunStatus.COMPLETED  # the run went on: nobody is waited for
         assert OutcomeItem.objects.filter(run=run).exists()
+        assert not Alert.objects.exists()
+        sweep()
         assert alerts.requests == []

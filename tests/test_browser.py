@@ -68,7 +68,7 @@ def page(browser: Browser, live_server, operator_user: User) -> Iterator[Page]:
     page.fill("input[name=username]", operator_user.get_username())
     page.fill("input[name=password]", PASSWORD)
     page.click("button[type=submit]")
-    expect(page.locator("h1")).to_have_text("Runs")
+    expect(page.locator("h1")).to_have_text("Needs you")  # where sign-in lands
     yield page
     assert page.problems == []  # type: ignore[attr-defined]  # console errors, CSP refusals
     context.close()

@@ -196,7 +196,7 @@ def test_the_report_points_nowhere_and_runs_no_model_output(settled):
     ]
     assert outside == []
     assert "tracker.example" not in html and "evil.example" not in html
-    # The image is no part of an answer (run_page.answer_html); two links lose their address.
+    # The image is no part of an answer (runs.answers.answer_html); two links lose their address.
     assert "2 addresses of links pointing off this page left out" in html
     # Escaped where it is text, removed where it is rendered markdown.
     assert "&lt;script&gt;window.pwned = &#x27;question&#x27;&lt;/script&gt;" in html

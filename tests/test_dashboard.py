@@ -15,8 +15,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import OperationalError, connection
 from django.test import Client
 
-from dashboard import charts
-from evidence import locks, pglog
+from evidence import charts, locks, pglog
 from evidence.capture import record_gaps
 from evidence.models import BundleExport, IncidentSource, LockIncident
 from runs.executor import claim_and_drive

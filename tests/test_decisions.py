@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from dataclasses import FrozenInstanceError
 
 import psycopg
 import pytest
@@ -15,7 +16,16 @@ from django.contrib.auth.models import Group, Permission, User
 from django.db import DatabaseError, IntegrityError, connection, transaction
 
 from runs.agent import ResearchAgent
-from runs.decisions import DecisionRefused, Request, Who, decide, decide_run, gather, offers
+from runs.decisions import (
+    Decided,
+    DecisionRefused,
+    Request,
+    Who,
+    decide,
+    decide_run,
+    gather,
+    offers,
+)
 from runs.executor import claim_and_drive
 from runs.models import (
     Action,
@@ -71,11 +81,11 @@ def keys(receiver: LocalServer) -> list[str]:
 
 def test_confirmed_happened_completes_the_run_without_sending_again(lost_delivery, operator):
     run, item, receiver = lost_delivery
-    decision = decide(
+    decided = decide(
         item.pk,
         asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="in their log", reference="D-7"),
     )
-    assert decision.run_resumed and decision.state_after == OutcomeState.RESOLVED
+    assert decided.run_resumed and decided.decision.state_after == OutcomeState.RESOLVED
     receipt = Receipt.objects.get(action=item.action)
     assert receipt.verifies(receipt.action)
     assert receipt.result["confirmed_by"] == "olga" and receipt.result["reference"] == "D-7"
@@ -294,20 +304,41 @@ def test_check_again_settles_what_the_evidence_now_can(journal, operator):
     run, _ = run_with([{**fault, "outcome": "late", "stall_ms": 3000}])
     item = OutcomeItem.objects.get(run=run)
     wait_for(lambda: xact_status(item.xid) == "committed")
-    decision = decide(item.pk, asked(DecisionChoice.CHECK_AGAIN, operator, reason="look again"))
-    assert decision.state_after == OutcomeState.RESOLVED and decision.run_resumed
+    decided = decide(item.pk, asked(DecisionChoice.CHECK_AGAIN, operator, reason="look again"))
+    assert decided.decision.state_after == OutcomeState.RESOLVED and decided.run_resumed
 
 
 # -- the decisions themselves ----------------------------------------------------------
 
 
-def test_the_same_token_twice_is_one_decision(lost_delivery, operator):
+def test_the_same_token_twice_is_one_decision_and_the_repeat_says_it_changed_nothing(
+    lost_delivery, operator
+):
     _, item, _ = lost_delivery
     request = asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="in their log")
     first = decide(item.pk, request)
     again = decide(item.pk, request)
-    assert again.pk == first.pk and not again.run_resumed
+    assert first == Decided(first.decision, repeated=False, run_resumed=True)
+    assert again == Decided(first.decision, repeated=True, run_resumed=False)
     assert OperatorDecision.objects.filter(item=item).count() == 1
+    # What the call did is said by its result: the rows are left as they are.
+    for decided in (first, again):
+        assert not {"repeated", "run_resumed"} & set(vars(decided.decision))
+    with pytest.raises(FrozenInstanceError):
+        again.repeated = False  # type: ignore[misc]
+
+
+def test_a_repeated_run_decision_is_the_first_one_and_says_it_changed_nothing(
+    lost_delivery, operator
+):
+    run, _, _ = lost_delivery
+    request = asked(DecisionChoice.ABANDON, operator, reason="customer withdrew")
+    first = decide_run(run.pk, request)
+    again = decide_run(run.pk, request)
+    assert first == Decided(first.decision, repeated=False, run_resumed=False)
+    assert again == Decided(first.decision, repeated=True, run_resumed=False)
+    assert first.decision.state_after == RunStatus.CANCELLED
+    assert not {"repeated", "run_resumed"} & set(vars(again.decision))
 
 
 def test_the_same_token_with_another_choice_or_person_is_refused_and_names_what_stands(
@@ -317,7 +348,9 @@ def test_the_same_token_with_another_choice_or_person_is_refused_and_names_what_
     another person, is not that request, and saying "already recorded"
     would tell them their decision was taken."""
     _, item, _ = lost_delivery
-    first = decide(item.pk, asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="seen"))
+    first = decide(
+        item.pk, asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="seen")
+    ).decision
     other = User.objects.create_user("omar")
     other.groups.add(Group.objects.get(name="operators"))
     for choice, user in [
@@ -358,7 +391,7 @@ def test_two_operators_at_once_one_decision_settles_the_item(lost_delivery, oper
         thread.start()
     for thread in threads:
         thread.join(20)
-    decisions = [o for o in outcomes if isinstance(o, OperatorDecision)]
+    decisions = [o.decision for o in outcomes if isinstance(o, Decided)]
     refused = [o for o in outcomes if isinstance(o, DecisionRefused)]
     assert len(decisions) == 1 and len(refused) == 1
     assert refused[0].decision.pk == decisions[0].pk  # the loser sees the winner
@@ -377,7 +410,9 @@ def test_people_without_the_permission_or_a_reason_cannot_decide(lost_delivery, 
 
 def test_a_decision_cannot_be_changed_or_deleted(lost_delivery, operator):
     _, item, _ = lost_delivery
-    decision = decide(item.pk, asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="seen"))
+    decision = decide(
+        item.pk, asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="seen")
+    ).decision
     for sql in (
         "UPDATE runs_operatordecision SET reason = 'rewritten' WHERE id = %s",
         "DELETE FROM runs_operatordecision WHERE id = %s",

@@ -170,10 +170,12 @@ def test_the_inbox_lists_open_items_oldest_first_with_what_each_blocks(viewer):
     assert rows == [
         ("whole_run", str(waiting.pk)),
         ("nothing", str(checkpoint.pk)),
-        ("nothing", str(cancelled.pk)),
         ("further_effects", str(requeued.pk)),
+        # Its run has ended: listed apart, as no longer blocking.
+        ("nothing", str(cancelled.pk)),
     ]
-    assert "4 open" in page and f'href="/runs/{waiting.run_id}/"' in page
+    assert page.index('id="inbox-ended"') < page.index(f'href="/inbox/{cancelled.pk}/"')
+    assert "3 open, 1 no longer blocking" in page and f'href="/runs/{waiting.run_id}/"' in page
     assert "the whole run" in page and "further effects" in page
 
 
@@ -336,7 +338,7 @@ def test_a_decision_on_an_item_settled_meanwhile_is_refused_and_names_the_winner
             token=uuid.uuid4().hex,
             reason="the receiver has no record",
         ),
-    )
+    ).decision
     form = decision_form(page, choice="confirmed_happened", reason="I saw it there")
     response = operator.post(f"/inbox/{item.pk}/decide/", form, follow=True)
     said = response.content.decode()
@@ -487,7 +489,7 @@ def test_the_admin_shows_decisions_and_changes_none(lost_delivery, operator_user
             token=uuid.uuid4().hex,
             reason="in their log",
         ),
-    )
+    ).decision
     listing = staff.get("/admin/runs/operatordecision/")
     assert listing.status_code == 200 and "olga" in listing.content.decode()
     assert staff.get(f"/admin/runs/operatordecision/{decision.pk}/change/").status_code == 200

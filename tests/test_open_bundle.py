@@ -26,7 +26,6 @@ from django.db.models import F
 from django.test import Client
 from django.utils import timezone
 
-from dashboard.inbox import blocks
 from evidence import bundles
 from evidence.imports import ImportRefused, open_bundle
 from evidence.models import CaptureGap, EvidenceCopy, LockIncident, LockWait, ModelCall, Source
@@ -43,6 +42,7 @@ from runs.decisions import (
     settle_open_items,
 )
 from runs.executor import Executor, claim_and_drive
+from runs.inbox import blocks
 from runs.leases import Lease
 from runs.models import (
     Action,

@@ -136,7 +136,15 @@ def test_list_names_the_runs_that_wait_with_no_item_as_the_inbox_does(journal):
 def test_show_gives_the_evidence_gathered_now_and_the_choices(lost_delivery):
     run, item, _ = lost_delivery
     shown = outcomes_json("show", str(item.pk))
-    assert set(shown) == {"item", "known", "evidence", "offers", "run_offers", "decisions"}
+    assert set(shown) == {
+        "item",
+        "known",
+        "evidence",
+        "offers",
+        "run_offers",
+        "decisions",
+        "alerts",
+    }
     identity = f"rundesk:run-{run.pk}:deliver"
     key = run.actions.get(step_key="deliver").idempotency_key
     assert shown["evidence"]["delivery"]["idempotency_key"] == key
@@ -298,7 +306,7 @@ def test_decide_on_an_item_settled_meanwhile_names_the_winner(lost_delivery, ope
             token=uuid.uuid4().hex,
             reason="the receiver has no record",
         ),
-    )
+    ).decision
     out = StringIO()
     with pytest.raises(CommandError, match="already settled by olga"):
         call_command(

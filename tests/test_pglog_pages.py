@@ -16,8 +16,7 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.utils import timezone
 
-from dashboard import charts
-from evidence import pglog
+from evidence import charts, pglog
 from evidence.models import IncidentSource, LockIncident, LockWait
 from tests.test_pglog_clients import detail
 
@@ -174,7 +173,8 @@ CASES = {
 
 
 def layout(figure: dict) -> tuple[list, list]:
-    """The arrows (tail, head) and the label boxes of a lock graph."""
+    """The arrows (tail, head) and the label boxes of a lock graph, in the
+    order of their waits."""
     notes = figure["layout"]["annotations"]
     arrows = [((a["ax"], a["ay"]), (a["x"], a["y"])) for a in notes if a["showarrow"]]
     labels = [
@@ -187,14 +187,19 @@ def layout(figure: dict) -> tuple[list, list]:
 
 @pytest.mark.parametrize("case", CASES)
 def test_graph_labels_cover_no_arrow_and_no_other_label(case):
+    """A label sits on its own arrow (tests/test_lock_graph.py), where it
+    covers no other, but those joining the same two processes beside it."""
     edges, cycle = CASES[case]
     figure = charts.lock_graph(incident_with(edges, cycle))
     arrows, labels = layout(figure)
     assert len(arrows) == len(labels) == len(edges)
     for first, second in itertools.combinations(labels, 2):
         assert not first.overlaps(second)
-    for label, (tail, head) in itertools.product(labels, arrows):
-        assert not label.crosses(tail, head)
+    pairs = [{waiter, blocker} for waiter, blocker, *_ in edges]
+    for label, own, pair in zip(labels, arrows, pairs, strict=True):
+        assert label.crosses(*own)
+        for arrow, other in zip(arrows, pairs, strict=True):
+            assert other == pair or not label.crosses(*arrow)
     # A label is as wide as its longest line at a generous width per letter.
     longest = max(
         len(line) for a in figure["layout"]["annotations"] for line in a["text"].split("<br>")
@@ -219,7 +224,7 @@ def test_arrows_between_the_same_two_processes_are_drawn_apart(case):
     arrows, _ = layout(charts.lock_graph(incident_with(edges, cycle)))
     first, second = arrows[0], arrows[-1]  # both join the cycle's first two processes
     middle = [((t[0] + h[0]) / 2, (t[1] + h[1]) / 2) for t, h in (first, second)]
-    assert math.dist(*middle) >= 0.9 * charts.PARALLEL_GAP
+    assert math.dist(*middle) >= 0.9 * charts.PARALLEL_GAP[0]
     # Side by side: parallel, so neither runs across the other.
     direction = [(h[0] - t[0], h[1] - t[1]) for t, h in (first, second)]
     cross = direction[0][0] * direction[1][1] - direction[0][1] * direction[1][0]

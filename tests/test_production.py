@@ -350,6 +350,8 @@ def test_the_production_server_serves_pages_static_files_and_its_own_404(
     page.fill("input[name=username]", operator_user.get_username())
     page.fill("input[name=password]", PASSWORD)
     page.click("button[type=submit]")
+    expect(page.locator("h1")).to_have_text("Needs you")  # where sign-in lands
+    page.get_by_role("link", name="Runs", exact=True).click()
     expect(page.locator("h1")).to_have_text("Runs")
     page.locator("#run-rows tr", has_text="Which fund is cheapest").locator("a").first.click()
     expect(page.locator("#run-live > h1")).to_contain_text(f"Run {run.pk}")

@@ -103,11 +103,11 @@ def test_an_xid_in_the_future_reads_as_unknown_to_this_server_on_the_item_page(s
 
 def test_check_again_on_an_xid_in_the_future_keeps_the_item_open(settings, operator_user):
     item = future_item(settings)
-    decision = decide(
+    decided = decide(
         item.pk,
         Request(DecisionChoice.CHECK_AGAIN, Who(user=operator_user), "t-1", reason="again"),
     )
-    assert decision.state_after == OutcomeState.OPEN
+    assert decided.decision.state_after == OutcomeState.OPEN
     item.refresh_from_db()
     assert item.state == OutcomeState.OPEN
 

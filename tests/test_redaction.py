@@ -446,3 +446,22 @@ def _completed_run() -> Run:
     run = Run.objects.submit(question="Compare these funds", documents=DOCS[:1])
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     return run
+
+
+def test_a_header_pair_among_items_of_other_shapes_loses_its_value():
+    redactor = Redactor(secrets={})
+    headers = [
+        ["Cookie", "sessionid=abcd1234; csrftoken=wxyz5678"],
+        {"name": "Set-Cookie", "value": "a=b"},
+        ["Accept", "text/html"],
+        "no pair",
+    ]
+    assert redactor.value({"headers": headers}, "actions.jsonl") == {
+        "headers": [
+            ["Cookie", "[REDACTED:cookie]"],
+            {"name": "Set-Cookie", "value": "[REDACTED:cookie]"},
+            ["Accept", "text/html"],
+            "no pair",
+        ]
+    }
+    assert redactor.report() == {"actions.jsonl": {"cookie": 2}}

@@ -155,8 +155,9 @@ def test_item_evidence_is_labelled_fields_never_a_python_dict(viewer):
     assert "<dt>Extra</dt>" in evidence and "<dt>Nested</dt>" in evidence
     # An open item's evidence is shown at once; after settling, what settled it too.
     assert f'<details id="item-{item.pk}-evidence" open>' in page
-    decision = settle_by_evidence(item, Settlement("committed", {"xid": 98765}))
-    assert decision is not None
+    decided = settle_by_evidence(item, Settlement("committed", {"xid": 98765}))
+    assert decided is not None
+    decision = decided.decision
     page = viewer.get(f"/runs/{run.pk}/").content.decode()
     evidence = section(page, f'<details id="item-{item.pk}-evidence"', "</details>")
     assert f"<dt>Settled by decision</dt>\n  <dd>{decision.pk}</dd>" in evidence

@@ -12,16 +12,16 @@ entry points:
 - a source refresh as it was at the incident: it held the run row, then
   asked for the source row (SourceRefresh.mark_sources).
 
-Today neither publication nor the refresh takes those first locks (no
-statement of the main path touches an evidence table, and the refresh no
-longer locks the run row), so the cycle cannot close in production.  The
-two old first locks are frozen here, as they were at the incident, to
-show what the capture policy alone changes.
+Neither publication nor the refresh takes those first locks in Rundesk
+(no statement of the main path touches an evidence table, and the refresh
+does not lock the run row), so the cycle cannot close in production.  The
+incident's two first locks are taken here, as they were then, to show what
+the capture policy alone changes.
 
 Each trial arranges that order: capture takes the source, the refresh takes
 the run row, the publication takes the model record and waits for the run
 row; then capture and the refresh ask for their second lock at once.  Under
-`--policy wait` (the old capture) that closes a cycle and PostgreSQL's
+`--policy wait` (capture as it was at the incident) that closes a cycle and PostgreSQL's
 deadlock detector breaks it after deadlock_timeout; under `nowait` capture
 gives up at once, leaving a gap, and nothing waits for it.  Baseline trials,
 interleaved with them, run the same publications with capture switched off.
@@ -61,8 +61,8 @@ def sqlstate(error: BaseException) -> str | None:
 
 class Command(BaseCommand):
     help = (
-        "Arranges the capture / publication / source-refresh lock cycle, with the old (wait) "
-        "or the repaired (nowait) capture, and reports publications, deadlocks and gaps."
+        "Arranges the capture / publication / source-refresh lock cycle, with the incident's "
+        "(wait) or the repaired (nowait) capture, and reports publications, deadlocks and gaps."
     )
 
     def add_arguments(self, parser: Any) -> None:

@@ -10,18 +10,6 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, DjangoHelpFormatter
 from django.utils import timezone
 
-from dashboard.context import Field
-from dashboard.inbox import (
-    Waiting,
-    blocks,
-    items_listed,
-    known,
-    listing_row,
-    panels,
-    receipts,
-    waiting_unheld,
-    what,
-)
 from runs.decisions import (
     OPERATE,
     DecisionRefused,
@@ -34,6 +22,17 @@ from runs.decisions import (
     offers,
     run_offers,
 )
+from runs.inbox import (
+    Waiting,
+    blocks,
+    items_listed,
+    known,
+    listing_row,
+    panels,
+    receipts,
+    waiting_unheld,
+    what,
+)
 from runs.models import (
     UNSTORABLE,
     DecisionChoice,
@@ -42,6 +41,7 @@ from runs.models import (
     OutcomeState,
     Run,
 )
+from runs.words import Field
 
 HELP = """\
 The operators' inbox on the command line: what the runtime could not settle
@@ -71,6 +71,10 @@ JSON (one document on stdout; keys are stable, new keys may be added):
              "state_after", "request_token", "evidence_digest" (SHA-256 of
              the evidence kept with it), "at" (ISO 8601)}
   OFFER     {"choice", "label", "does"}
+  ALERT     {"channel": email|webhook, "state": pending|sent|failing|withdrawn,
+             "attempts", "why" (the last failure), "next_try" (ISO 8601 or
+             null), "sent_at" (ISO 8601 or null)}: the operators told that
+             the item holds its run, once per channel, by the sweep
   WAITING   {"id", "status_reason", "waiting_since" (ISO 8601), "age_seconds",
              "offers": [OFFER, ...], "open_items": [ID, ...]}: a run waiting
              for an operator that no open item holds (an unknown
@@ -80,7 +84,8 @@ JSON (one document on stdout; keys are stable, new keys may be added):
               first ("waiting_runs" left out with --kind)
   show        {"item": ITEM, "known": [sentence, ...], "evidence": {...} (as
               gathered now: runs.decisions.gather), "offers": [OFFER, ...],
-              "run_offers": [OFFER, ...], "decisions": [DECISION, ...]}
+              "run_offers": [OFFER, ...], "decisions": [DECISION, ...],
+              "alerts": [ALERT, ...]}
   decide      {"decision": DECISION, "repeated": bool, "run_resumed": bool,
               "item": ITEM}
   decide-run  {"decision": DECISION, "repeated": bool,
@@ -249,6 +254,7 @@ class Command(BaseCommand):
         choices = offers(item, shown)
         for_run = run_offers(item.run)
         decisions = list(item.decisions.order_by("created_at", "id"))
+        alerts = list(item.alerts.all())
         document = {
             "item": listing_row(item, timezone.now()),
             "known": known(item, shown),
@@ -256,6 +262,7 @@ class Command(BaseCommand):
             "offers": [offer_json(offer) for offer in choices],
             "run_offers": [offer_json(offer) for offer in for_run],
             "decisions": [decision_json(decision) for decision in decisions],
+            "alerts": [alert.json() for alert in alerts],
         }
         found = blocks(item)
         text = [
@@ -277,6 +284,9 @@ class Command(BaseCommand):
             text += [f"  {offer.choice}: {offer.does}" for offer in for_run]
         text += ["", "Decisions" + ("" if decisions else ": none")]
         text += [_decision_line(decision) for decision in decisions]
+        if alerts:
+            text += ["", "Operators told"]
+            text += [f"  {alert.channel}: {alert.said()}" for alert in alerts]
         self.emit(options, document, text)
 
     # -- deciding ---------------------------------------------------------------
@@ -292,12 +302,11 @@ class Command(BaseCommand):
             reference=options["reference"],
         )
         try:
-            decision = decide(item.pk, request)
+            decided = decide(item.pk, request)
         except DecisionRefused as refused:
             self._refused(options, refused)
-        repeated = decision.repeated
+        decision, repeated, resumed = decided.decision, decided.repeated, decided.run_resumed
         item = self._item(item.pk)
-        resumed = decision.run_resumed
         document = {
             "decision": decision_json(decision),
             "repeated": repeated,
@@ -323,10 +332,10 @@ class Command(BaseCommand):
             reason=options["reason"],
         )
         try:
-            decision = decide_run(options["run_id"], request)
+            decided = decide_run(options["run_id"], request)
         except DecisionRefused as refused:
             self._refused(options, refused)
-        repeated = decision.repeated
+        decision, repeated = decided.decision, decided.repeated
         run = Run.objects.get(pk=options["run_id"])
         document = {
             "decision": decision_json(decision),

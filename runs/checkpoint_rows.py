@@ -1,6 +1,7 @@
 """A run's checkpoints as an operator sees them: one row per checkpoint
 number, with its final outcome and its history.  Shown by the run page
-(dashboard/run_page.py) and drawn on its timeline (dashboard/charts.py)."""
+and a bundle's report (evidence/run_facts.py) and drawn on their timeline
+(evidence/charts.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dashboard.context import plain
 from runs.models import Checkpoint, CheckpointOutcome
+from runs.words import plain
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""The dashboard's plotly figures, built on the server as plain dicts.
+"""The plotly figures of a run's timeline, a lock incident and capture gaps,
+built on the server as plain dicts, for the dashboard's pages and a
+bundle's report.html alike.
 
 A template writes a figure into the page with `json_script` (a `<script
 type="application/json">` element) and static/js/rundesk.js draws it: no
@@ -20,11 +22,11 @@ from typing import Any
 import plotly.graph_objects as go
 from django.utils import timezone
 
-from dashboard.checkpoints import CheckpointRow
-from dashboard.context import plain
 from evidence.models import CaptureGap, GapReason, LockIncident
+from runs.checkpoint_rows import CheckpointRow
 from runs.models import Action, CheckpointOutcome, Run
 from runs.timeline import EventKind
+from runs.words import plain
 
 # Colours and legend names of action attempts, by how each ended.
 ATTEMPTS = {
@@ -336,9 +338,11 @@ def _lease_label(event: dict[str, Any]) -> str:
 
 
 # The lock graph is laid out in data units drawn at a fixed scale, so that a
-# label's size in pixels is known in data units: labels are placed where
-# they cover no arrow and no other label, and the figure is sized to fit.
-GRAPH_SCALE = 160  # pixels per unit; the processes sit on a circle of radius 1
+# label's size in pixels is known in data units: each label sits on its own
+# arrow, where it covers no other arrow, no process and no other label, and
+# the figure is sized to fit.  Waits that share no process (independent
+# waits) are drawn apart, each set in a band of its own.
+GRAPH_SCALE = 160  # pixels per unit; a band's processes sit on a circle of radius 1 or more
 GRAPH_FONT = 11
 CHAR_EM = 0.62  # a character's width, in ems: generous for the sans-serif font
 LINE_EM = 1.35
@@ -346,13 +350,22 @@ GRAPH_PAD = 4  # pixels around a label's text
 GRAPH_MARGIN = 12  # pixels around the drawing
 GRAPH_LABEL_CHARS = 30  # a label's lines are wrapped at this many characters
 NODE_MARKER = 13  # pixels: the radius of a process's marker
-PARALLEL_GAP = 0.14  # units between arrows joining the same two processes
-LABEL_GAP = 0.04  # units between an arrow and its label
-LABEL_STEP = 0.05  # units a label moves away when its place is taken
-LABEL_TRIES = 60
-# Where along its arrow a label is tried, from the middle out.
-LABEL_ALONG = (0.5, 0.4, 0.6, 0.3, 0.7)
+# Units between arrows joining the same two processes: at least this, and
+# enough for their labels side by side up to the most; beyond it a label
+# moves along its arrow instead.
+PARALLEL_GAP = (0.14, 0.4)
+LABEL_GAP = 0.04  # units between labels side by side
+ARROW_SHOWN = 18 / GRAPH_SCALE  # units of an arrow left in view at each end of its label
+BAND_GAP = 0.3  # units between the bands of independent waits
+# Where along its arrow a label is tried, from the middle out; a band whose
+# labels find no free place grows (its circle's radius times GROWTH).
+LABEL_ALONG = (0.5, 0.4, 0.6, 0.3, 0.7, 0.2, 0.8)
+GROWTH = 1.35
+GROWTH_TRIES = 8
 DATABASE_SUFFIX = re.compile(r" of database \d+$")
+CYCLE_COLOUR, WAIT_COLOUR = "#d9473b", "#5b6570"
+
+Point = tuple[float, float]
 
 
 @dataclass(frozen=True)
@@ -373,7 +386,7 @@ class Box:
             self.x0 < other.x1 and other.x0 < self.x1 and self.y0 < other.y1 and other.y0 < self.y1
         )
 
-    def crosses(self, a: tuple[float, float], b: tuple[float, float]) -> bool:
+    def crosses(self, a: Point, b: Point) -> bool:
         """Whether the segment a-b passes through the box (Liang-Barsky)."""
         (ax, ay), (bx, by) = a, b
         dx, dy = bx - ax, by - ay
@@ -397,6 +410,9 @@ class Box:
                 return False
         return True
 
+    def moved(self, dx: float, dy: float) -> Box:
+        return Box(self.x0 + dx, self.y0 + dy, self.x1 + dx, self.y1 + dy)
+
 
 def text_size(text: str, font: float = GRAPH_FONT) -> tuple[float, float]:
     """A label's width and height in data units, with its padding."""
@@ -406,68 +422,114 @@ def text_size(text: str, font: float = GRAPH_FONT) -> tuple[float, float]:
     return width / GRAPH_SCALE, height / GRAPH_SCALE
 
 
+@dataclass
+class Band:
+    """One set of waits that share processes, laid out on its own: where
+    each process is and where its name goes, each wait's arrow (tail,
+    head) and its label's centre, and every box drawn."""
+
+    place: dict[int, Point]
+    sides: dict[int, str]
+    arrows: list[tuple[Point, Point]]
+    labels: list[Point]
+    boxes: list[Box]
+
+    def moved(self, dx: float, dy: float) -> Band:
+        def at(point: Point) -> Point:
+            return point[0] + dx, point[1] + dy
+
+        return Band(
+            {pid: at(point) for pid, point in self.place.items()},
+            self.sides,
+            [(at(tail), at(head)) for tail, head in self.arrows],
+            [at(label) for label in self.labels],
+            [box.moved(dx, dy) for box in self.boxes],
+        )
+
+
 def lock_graph(incident: LockIncident) -> dict[str, Any]:
-    """The waits-for graph: processes on a circle, each named outside it, an
-    arrow from each waiter to its blocker (arrows between the same two
-    processes side by side), each labelled with its lock beside it, covering
-    no arrow, no process and no other label; the cycle's arrows in red.  An
-    imported report's lead-up waits are not edges of its graph."""
+    """The waits-for graph: an arrow from each waiter to its blocker, its
+    label (the lock, and who holds it) on it; waits that share processes
+    drawn together, processes on a circle (in the order the cycle goes,
+    arrows between the same two processes side by side), each named outside
+    it; independent waits in bands of their own, one under the other, so
+    that no arrow of one crosses another's.  The cycle's arrows in red; the
+    process PostgreSQL ended to break a deadlock (`victim_pid`) marked and
+    named.  An imported report's lead-up waits are not edges of its graph."""
     waits = list(incident.waits.filter(lead_up=False).order_by("id"))
-    labels: dict[int, str] = {}
+    victim = incident.victim_pid
+    names: dict[int, str] = {}
     for wait in waits:
-        labels.setdefault(
+        names.setdefault(
             wait.waiter_pid, _node_label(wait.waiter_role, wait.waiter_pid, wait.waiter_run_id)
         )
-        labels.setdefault(
+        names.setdefault(
             wait.blocker_pid, _node_label(wait.blocker_role, wait.blocker_pid, wait.blocker_run_id)
         )
-    pids = sorted(labels)
-    place = {
-        pid: (math.cos(2 * math.pi * i / len(pids)), math.sin(2 * math.pi * i / len(pids)))
-        for i, pid in enumerate(pids)
-    }
+    if victim in names:
+        names[victim] += "<br>ended by PostgreSQL"
     cycle = list(incident.cycle or [])
     cycle_edges = set(zip(cycle, cycle[1:] + cycle[:1], strict=True)) if cycle else set()
-    sides = {pid: _outside(place[pid]) for pid in pids}
-    taken = [box for pid in pids for box in _node_boxes(place[pid], labels[pid], sides[pid])]
-    arrows = [_arrow(wait, waits, place) for wait in waits]
-    lines = [(tail, head) for tail, head, _ in arrows]
+    texts = [_edge_label(wait) for wait in waits]
+    place: dict[int, Point] = {}
+    sides: dict[int, str] = {}
+    drawn: dict[int, tuple[Point, Point, Point]] = {}
+    boxes: list[Box] = []
+    top = 0.0
+    for pids in wait_groups(waits, cycle):
+        members = [i for i, wait in enumerate(waits) if wait.waiter_pid in pids]
+        band = _lay_out(pids, [waits[i] for i in members], names, [texts[i] for i in members])
+        # Under the bands before it, centred on the same line.
+        left, right = min(b.x0 for b in band.boxes), max(b.x1 for b in band.boxes)
+        band = band.moved(-(left + right) / 2, top - max(b.y1 for b in band.boxes))
+        top = min(b.y0 for b in band.boxes) - BAND_GAP
+        place.update(band.place)
+        sides.update(band.sides)
+        boxes.extend(band.boxes)
+        for i, arrow, label in zip(members, band.arrows, band.labels, strict=True):
+            drawn[i] = (*arrow, label)
     figure = go.Figure()
-    for wait, (tail, head, side) in zip(waits, arrows, strict=True):
-        colour = "#d9473b" if (wait.waiter_pid, wait.blocker_pid) in cycle_edges else "#5b6570"
+    for i, wait in enumerate(waits):
+        tail, head, centre = drawn[i]
+        colour = CYCLE_COLOUR if (wait.waiter_pid, wait.blocker_pid) in cycle_edges else WAIT_COLOUR
+        # The same name on a wait's arrow and its label: which label is whose.
+        name = f"wait {wait.pk}"
         figure.add_annotation(
-            x=head[0], y=head[1], ax=tail[0], ay=tail[1], xref="x", yref="y", axref="x", ayref="y",
+            name=name, x=head[0], y=head[1], ax=tail[0], ay=tail[1],
+            xref="x", yref="y", axref="x", ayref="y",
             showarrow=True, arrowhead=3, arrowcolor=colour, text="",
-            arrowwidth=2.5 if colour == "#d9473b" else 1.5,
+            arrowwidth=2.5 if colour == CYCLE_COLOUR else 1.5,
         )  # fmt: skip
-        text = _edge_label(wait)
-        centre = _label_place(tail, head, side, text_size(text), lines, taken)
-        taken.append(Box.around(*centre, *text_size(text)))
         figure.add_annotation(
-            x=centre[0], y=centre[1], xref="x", yref="y", showarrow=False, text=text,
-            xanchor="center", yanchor="middle", align="center", borderpad=GRAPH_PAD - 1,
-            bgcolor="rgba(255,255,255,0.85)", font={"size": GRAPH_FONT, "color": colour},
+            name=name, x=centre[0], y=centre[1], xref="x", yref="y", showarrow=False,
+            text=texts[i], xanchor="center", yanchor="middle", align="center",
+            borderpad=GRAPH_PAD - 1, bgcolor="rgba(255,255,255,0.92)",
+            bordercolor=colour, borderwidth=1, font={"size": GRAPH_FONT, "color": colour},
             hovertext=f"{wait.waiter_pid} waits for {inert(wait.mode)} on "
             f"{inert(wait.locked or wait.lock_type)}, held by {wait.blocker_pid}",
         )  # fmt: skip
+    pids = list(place)
     figure.add_trace(
         go.Scatter(
             mode="markers+text",
             x=[place[p][0] for p in pids],
             y=[place[p][1] for p in pids],
-            text=[labels[p] for p in pids],
+            customdata=pids,
+            text=[names[p] for p in pids],
             textposition=[sides[p] for p in pids],
             textfont={"size": GRAPH_FONT},
             marker={
                 "size": 2 * NODE_MARKER,
-                "color": ["#d9473b" if p in cycle else "#3b7dd8" for p in pids],
+                "color": [CYCLE_COLOUR if p in cycle else "#3b7dd8" for p in pids],
+                "symbol": ["circle-x" if p == victim else "circle" for p in pids],
+                "line": {"width": [2 if p == victim else 0 for p in pids], "color": "#1f2328"},
             },
             hovertext=[_queries(waits, p) for p in pids],
             hoverinfo="text",
             showlegend=False,
         )
     )
-    bounds = taken or [Box(-1, -1, 1, 1)]
+    bounds = boxes or [Box(-1, -1, 1, 1)]
     x = [min(b.x0 for b in bounds) - 0.05, max(b.x1 for b in bounds) + 0.05]
     y = [min(b.y0 for b in bounds) - 0.05, max(b.y1 for b in bounds) + 0.05]
     margin = {"l": GRAPH_MARGIN, "r": GRAPH_MARGIN, "t": GRAPH_MARGIN, "b": GRAPH_MARGIN}
@@ -481,65 +543,139 @@ def lock_graph(incident: LockIncident) -> dict[str, Any]:
     return figure.to_dict()
 
 
-Point = tuple[float, float]
+def wait_groups(waits: Sequence[Any], cycle: Sequence[int]) -> list[list[int]]:
+    """The processes of each set of waits that share a process (the
+    connected components of the waits-for graph, the cycle's first), each
+    in the order its circle places them: a walk from process to process
+    along the waits that takes a process's other waits before going on
+    round the cycle, so that neither the cycle's arrows nor a chain's cross."""
+    neighbours: dict[int, set[int]] = {}
+    for wait in waits:
+        neighbours.setdefault(wait.waiter_pid, set()).add(wait.blocker_pid)
+        neighbours.setdefault(wait.blocker_pid, set()).add(wait.waiter_pid)
+    round_cycle = {pid: i for i, pid in enumerate(cycle)}
+
+    def taken_after(pid: int) -> Callable[[int], tuple[int, int]]:
+        # Off the cycle first, then the cycle's processes in its order from pid.
+        here = round_cycle.get(pid, 0)
+        return lambda other: (
+            (1, (round_cycle[other] - here) % len(cycle)) if other in round_cycle else (0, other)
+        )
+
+    seen: set[int] = set()
+    groups = []
+    for start in [*cycle[:1], *(wait.waiter_pid for wait in waits)]:
+        if start in seen or start not in neighbours:
+            continue
+        group, stack = [], [start]
+        while stack:
+            pid = stack.pop()
+            if pid in seen:
+                continue
+            seen.add(pid)
+            group.append(pid)
+            stack.extend(sorted(neighbours[pid] - seen, key=taken_after(pid), reverse=True))
+        groups.append(group)
+    return groups
 
 
-def _arrow(wait: Any, waits: list[Any], place: dict[int, Point]) -> tuple[Point, Point, Point]:
-    """(tail, head, side) of a wait's arrow: from the waiter to the blocker,
+def _lay_out(pids: list[int], waits: list[Any], names: dict[int, str], texts: list[str]) -> Band:
+    """One band: its processes on a circle, in `pids`' order, and each
+    label on its arrow where it covers no other arrow, no process, no name
+    and no other label; where one finds no such place the circle grows."""
+    radius = 1.0
+    for _ in range(GROWTH_TRIES):
+        band, fits = _on_circle(pids, waits, names, texts, radius)
+        if fits:
+            break
+        radius *= GROWTH
+    return band
+
+
+def _on_circle(
+    pids: list[int], waits: list[Any], names: dict[int, str], texts: list[str], radius: float
+) -> tuple[Band, bool]:
+    place = {
+        pid: (
+            radius * math.cos(math.pi - 2 * math.pi * i / len(pids)),
+            radius * math.sin(math.pi - 2 * math.pi * i / len(pids)),
+        )
+        for i, pid in enumerate(pids)
+    }
+    sides = {pid: _outside(place[pid]) for pid in pids}
+    boxes = [box for pid in pids for box in _node_boxes(place[pid], names[pid], sides[pid])]
+    sizes = [text_size(text) for text in texts]
+    arrows = [_arrow(wait, waits, sizes, place) for wait in waits]
+    fits, labels = True, []
+    for wait, (tail, head), size in zip(waits, arrows, sizes, strict=True):
+        pair = {wait.waiter_pid, wait.blocker_pid}
+        # Its own pair's other arrows run beside it: a label may cover them.
+        others = [
+            arrow
+            for other, arrow in zip(waits, arrows, strict=True)
+            if {other.waiter_pid, other.blocker_pid} != pair
+        ]
+        centre = _label_place(tail, head, size, others, boxes)
+        if centre is None:
+            fits, centre = False, ((tail[0] + head[0]) / 2, (tail[1] + head[1]) / 2)
+        labels.append(centre)
+        boxes.append(Box.around(*centre, *size))
+    return Band(place, sides, arrows, labels, boxes), fits
+
+
+def _arrow(
+    wait: Any, waits: list[Any], sizes: list[tuple[float, float]], place: dict[int, Point]
+) -> tuple[Point, Point]:
+    """(tail, head) of a wait's arrow: from the waiter to the blocker,
     short of both; arrows joining the same two processes (either way) are
-    spread apart.  `side` is the unit vector, square to the arrow, to the
-    side its label goes: away from the other arrows of its pair, or, for an
-    arrow alone, away from the circle's centre (the other arrows are inside)."""
+    spread apart, far enough for their labels side by side where that is
+    not too far from the processes they join."""
     pair = sorted((wait.waiter_pid, wait.blocker_pid))
-    joined = [w for w in waits if sorted((w.waiter_pid, w.blocker_pid)) == pair]
-    offset = (joined.index(wait) - (len(joined) - 1) / 2) * PARALLEL_GAP
+    joined = [i for i, w in enumerate(waits) if sorted((w.waiter_pid, w.blocker_pid)) == pair]
     (px, py), (qx, qy) = place[pair[0]], place[pair[1]]
     length = math.hypot(qx - px, qy - py) or 1.0
     nx, ny = -(qy - py) / length, (qx - px) / length  # square to the pair's own line
-    if offset:
-        sign = math.copysign(1, offset)
-    else:
-        sign = 1.0 if nx * (px + qx) + ny * (py + qy) >= 0 else -1.0
+    width = max(sizes[i][0] for i in joined)
+    height = max(sizes[i][1] for i in joined)
+    # Labels at the same place along two such arrows are clear of each other
+    # when their centres are a box's width apart across, or its height.
+    apart = min(width / abs(nx) if nx else math.inf, height / abs(ny) if ny else math.inf)
+    gap = min(max(apart + LABEL_GAP, PARALLEL_GAP[0]), PARALLEL_GAP[1])
+    offset = (joined.index(waits.index(wait)) - (len(joined) - 1) / 2) * gap
     (ax, ay), (bx, by) = place[wait.waiter_pid], place[wait.blocker_pid]
     ux, uy = (bx - ax) / length, (by - ay) / length
     short = (NODE_MARKER + 8) / GRAPH_SCALE
     tail = (ax + nx * offset + ux * short, ay + ny * offset + uy * short)
     head = (bx + nx * offset - ux * short, by + ny * offset - uy * short)
-    return tail, head, (sign * nx, sign * ny)
+    return tail, head
 
 
 def _label_place(
     tail: Point,
     head: Point,
-    side: Point,
     size: tuple[float, float],
     arrows: list[tuple[Point, Point]],
     taken: list[Box],
-) -> Point:
-    """The centre of an arrow's label: beside the arrow, on its side, as
-    near its middle as a place is free of arrows, processes and labels;
-    else on the other side; else further out.  Beside the arrow (no nearer
-    than the box's half-extent square to it), its own line never runs
-    through it."""
+) -> Point | None:
+    """The centre of an arrow's label, on the arrow, as near its middle as
+    a place leaves some of the arrow in view at both ends and covers no
+    other arrow and nothing `taken`; None where there is none."""
     width, height = size
     (ax, ay), (bx, by) = tail, head
-    nx, ny = side
-    reach = abs(nx) * width / 2 + abs(ny) * height / 2
-    tries = [(1, range(LABEL_TRIES // 4)), (-1, range(LABEL_TRIES // 4))]
-    tries.append((1, range(LABEL_TRIES // 4, LABEL_TRIES)))
-    for direction, steps in tries:
-        for step in steps:
-            away = direction * (LABEL_GAP + reach + step * LABEL_STEP)
-            for along in LABEL_ALONG:
-                x = ax + (bx - ax) * along + nx * away
-                y = ay + (by - ay) * along + ny * away
-                box = Box.around(x, y, width, height)
-                if not any(box.crosses(a, b) for a, b in arrows) and not any(
-                    box.overlaps(other) for other in taken
-                ):
-                    return x, y
-    away = LABEL_GAP + reach + LABEL_TRIES * LABEL_STEP
-    return (ax + bx) / 2 + nx * away, (ay + by) / 2 + ny * away
+    length = math.hypot(bx - ax, by - ay) or 1.0
+    ux, uy = (bx - ax) / length, (by - ay) / length
+    # How far the label reaches along its arrow either side of its centre.
+    reach = abs(ux) * width / 2 + abs(uy) * height / 2 + ARROW_SHOWN
+    for along in LABEL_ALONG:
+        if min(along, 1 - along) * length < reach:
+            continue
+        x, y = ax + (bx - ax) * along, ay + (by - ay) * along
+        box = Box.around(x, y, width, height)
+        if not any(box.crosses(a, b) for a, b in arrows) and not any(
+            box.overlaps(other) for other in taken
+        ):
+            return x, y
+    return None
 
 
 def _outside(centre: Point) -> str:
@@ -568,9 +704,14 @@ def _node_boxes(centre: Point, label: str, position: str) -> list[Box]:
 
 def _edge_label(wait: Any) -> str:
     """The lock and what it is on (without the database, which the hover
-    and the table below give), wrapped; how long the wait was seen."""
+    and the table below give), wrapped; who holds it (a transaction's lock
+    is its own process's); how long the wait was seen."""
     locked = DATABASE_SUFFIX.sub("", wait.locked) or wait.lock_type
     lines = textwrap.wrap(f"{wait.mode} on {locked}", GRAPH_LABEL_CHARS)
+    holder = f"process {wait.blocker_pid}" + (
+        f" · run {wait.blocker_run_id}" if wait.blocker_run_id else ""
+    )
+    lines.append(f"held by {holder}")
     if wait.waited_ms:
         lines.append(f"seen {wait.waited_ms} ms")
     return "<br>".join(inert(line) for line in lines if line)

@@ -1,0 +1,246 @@
+"""Words shown to operators, below all who show them (the pages, the
+`outcomes` command, a bundle's report.html), so that all say the same.
+
+The plain words for the runtime's internal names (`failed_before_write` is
+"failed before write", `needs_operator` "waits for an operator"), and an
+outcome item's or a decision's evidence (JSON) as labelled fields.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db.models import TextChoices
+from django.utils import timezone
+
+from evidence.models import GapReason
+from runs.models import (
+    ActionState,
+    CheckpointOutcome,
+    EffectClass,
+    OutcomeKind,
+    OutcomeState,
+    Phase,
+    Run,
+    RunStatus,
+)
+from runs.timeline import EventKind
+
+PLAIN: dict[type[TextChoices], dict[str, str]] = {
+    RunStatus: {
+        RunStatus.QUEUED: "queued",
+        RunStatus.RUNNING: "running",
+        RunStatus.NEEDS_OPERATOR: "waits for an operator",
+        RunStatus.COMPLETED: "completed",
+        RunStatus.FAILED: "failed",
+        RunStatus.CANCELLED: "cancelled",
+    },
+    Phase: {
+        Phase.RESEARCH: "research",
+        Phase.FINALIZING: "finalizing: answers only, no new reads",
+        Phase.DONE: "done",
+    },
+    ActionState: {
+        ActionState.DISPATCHED: "dispatched, no receipt yet",
+        ActionState.COMPLETED: "completed",
+        ActionState.FAILED: "failed: known not to have happened",
+        ActionState.UNKNOWN: "outcome unknown",
+    },
+    EffectClass: {
+        EffectClass.READ: "read (repeatable)",
+        EffectClass.EFFECT: "outside effect (irreversible)",
+    },
+    CheckpointOutcome: {
+        CheckpointOutcome.COMMITTED: "committed",
+        CheckpointOutcome.FAILED_BEFORE_WRITE: "failed before write",
+        CheckpointOutcome.UNKNOWN: "unknown: COMMIT sent, no answer",
+        CheckpointOutcome.RESOLVED_COMMITTED: "committed (settled by evidence)",
+        CheckpointOutcome.RESOLVED_NOT_WRITTEN: "not written (settled by evidence)",
+    },
+    OutcomeKind: {
+        OutcomeKind.CHECKPOINT: "checkpoint",
+        OutcomeKind.RECEIPT: "receipt",
+        OutcomeKind.PUBLICATION: "answer publication",
+        OutcomeKind.EFFECT: "outside effect",
+    },
+    OutcomeState: {
+        OutcomeState.OPEN: "open",
+        OutcomeState.RESOLVED: "settled",
+    },
+    EventKind: {
+        EventKind.SUBMITTED: "submitted",
+        EventKind.LEASE_ACQUIRED: "lease taken",
+        EventKind.LEASE_RELEASED: "lease given back",
+        EventKind.LEASE_LOST: "lease lost",
+        EventKind.RESUMED: "resumed from its receipts",
+        EventKind.ACTION_DISPATCHED: "action dispatched",
+        EventKind.ACTION_REDISPATCHED: "dispatched again",
+        EventKind.ACTION_REUSED: "receipt reused, not dispatched again",
+        EventKind.ACTION_COMPLETED: "action completed",
+        EventKind.ACTION_FAILED: "action failed",
+        EventKind.ACTION_UNKNOWN: "action outcome unknown",
+        EventKind.WRITE_FENCED: "write refused: lease no longer held",
+        EventKind.REVISION_PUBLISHED: "answer revision published",
+        EventKind.PHASE_CHANGED: "phase changed",
+        EventKind.NEEDS_OPERATOR: "waits for an operator",
+        EventKind.RUN_COMPLETED: "run completed",
+        EventKind.RUN_FAILED: "run failed",
+        EventKind.RUN_CANCELLED: "run cancelled",
+        EventKind.CHECKPOINT_SAVED: "checkpoint saved",
+        EventKind.CHECKPOINT_FAILED: "checkpoint failed before write",
+        EventKind.CHECKPOINT_USED: "continued from a checkpoint",
+        EventKind.CHECKPOINT_IGNORED: "checkpoint not used",
+        EventKind.COMMIT_UNANSWERED: "COMMIT got no answer",
+        EventKind.OUTCOME_SETTLED: "outcome settled",
+        EventKind.OUTCOME_OPEN: "left for an operator",
+        EventKind.FAULT_INJECTED: "fault injected",
+        EventKind.SOURCE_CHANGED: "document changed since read",
+        EventKind.REVISION_KEPT: "revision kept as published",
+        EventKind.CANCEL_REQUESTED: "cancel requested",
+        EventKind.RUN_REQUEUED: "back in the queue",
+        EventKind.DECISION: "decision taken",
+        EventKind.EVENTS_LOST: "events lost",
+    },
+    GapReason: {
+        GapReason.QUEUE_FULL: "capture queue full",
+        GapReason.LOCK_NOT_AVAILABLE: "lock not available",
+        GapReason.TOO_LARGE: "too large to copy",
+        GapReason.DB_ERROR: "database error",
+        GapReason.SHUTDOWN: "process stopping",
+    },
+}
+
+
+def plain(choices: type[TextChoices], value: str) -> str:
+    """The operator's words for `value` of `choices`.  A value this table
+    does not know yet (a new state) is still shown, without underscores."""
+    return PLAIN.get(choices, {}).get(value) or str(value).replace("_", " ")
+
+
+def status_words(run: Run) -> str:
+    """A run's status, and for a cancelled run who cancelled it."""
+    if run.status == RunStatus.CANCELLED:
+        who = run.cancel_requested_by
+        return f"cancelled by {who}" if who else "cancelled (who asked was not recorded)"
+    return plain(RunStatus, run.status)
+
+
+def words(name: str) -> str:
+    """An internal name (a tool's, a key's) as words: read_document → read document."""
+    return name.replace("_", " ")
+
+
+# -- evidence as labelled fields ----------------------------------------------------
+
+EVIDENCE_LABELS = {
+    "identity": "Action identity",
+    "idempotency_key": "Idempotency-Key sent",
+    "xid": "Transaction id (xid)",
+    "xid_from": "xid read from",
+    "backend_pid": "Writer's backend pid",
+    "backend_start": "Writer's backend started",
+    "error": "What the writer saw",
+    "checks": "Checks",
+    "lease_epoch": "Lease epoch",
+    "afterwards": "Afterwards",
+    "settled_by": "Settled by",
+    "decision": "Settled by decision",
+    "at": "Time",
+    "xid_status": "xid status",
+    "row_found": "Row found",
+    "backend_alive": "Writer alive",
+}
+# A column of a table (a check) where a key means something else, and
+# the order of a check's columns.
+COLUMN_LABELS = {"error": "Error"}
+COLUMN_ORDER = ["at", "xid_status", "row_found", "backend_alive", "error"]
+# The order known keys are shown in; other keys follow, in their own order.
+EVIDENCE_ORDER = list(EVIDENCE_LABELS)
+# What a missing value means, where it means something.
+EVIDENCE_NONE = {
+    "xid": "none announced",
+    "xid_status": "no status (no xid, or too old to tell)",
+    "backend_pid": "not known",
+    "backend_start": "not known",
+}
+TIMES = {"at", "backend_start"}
+MAX_DEPTH = 3
+
+
+@dataclass
+class Table:
+    columns: list[str]
+    rows: list[list[str]]
+
+
+@dataclass
+class Field:
+    """One labelled piece of evidence: text, a table (a list of records,
+    e.g. the checks) or nested fields (e.g. what settled the item)."""
+
+    key: str
+    label: str
+    text: str = ""
+    table: Table | None = None
+    fields: list[Field] = field(default_factory=list)
+
+    @property
+    def multiline(self) -> bool:
+        return "\n" in self.text
+
+
+def evidence_fields(evidence: Any, depth: int = 0) -> list[Field]:
+    """An outcome item's evidence (JSON) as labelled fields, known keys first.
+    Every key is shown, the unknown ones labelled by their name; values are
+    text the template escapes."""
+    if not isinstance(evidence, dict):
+        return [Field("value", "Value", text=_text("value", evidence))]
+    return [_field(key, evidence[key], depth) for key in _ordered(evidence, EVIDENCE_ORDER)]
+
+
+def _ordered(keys: Iterable[str], order: list[str]) -> list[str]:
+    """`keys`, those of `order` first in its order, then the others as they came."""
+    return sorted(keys, key=lambda k: order.index(k) if k in order else len(order))
+
+
+def _label(key: str) -> str:
+    return EVIDENCE_LABELS.get(key) or (words(str(key)).capitalize() or "(no name)")
+
+
+def _field(key: str, value: Any, depth: int) -> Field:
+    label = _label(key)
+    if isinstance(value, dict) and value and depth < MAX_DEPTH:
+        return Field(key, label, fields=evidence_fields(value, depth + 1))
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        columns = _ordered(dict.fromkeys(k for row in value for k in row), COLUMN_ORDER)
+        rows = [[_text(c, row.get(c)) if c in row else "" for c in columns] for row in value]
+        return Field(
+            key, label, table=Table([COLUMN_LABELS.get(c) or _label(c) for c in columns], rows)
+        )
+    return Field(key, label, text=_text(key, value))
+
+
+def _text(key: str, value: Any) -> str:
+    if value is None:
+        return EVIDENCE_NONE.get(key, "—")
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if key in TIMES and isinstance(value, str):
+        try:
+            moment = dt.datetime.fromisoformat(value)
+        except ValueError:
+            return value
+        if timezone.is_aware(moment):
+            moment = timezone.localtime(moment)
+        return moment.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(not isinstance(v, dict | list) for v in value):
+        return ", ".join(_text(key, v) for v in value) or "none"
+    if isinstance(value, dict | list):
+        return json.dumps(value, indent=1, ensure_ascii=False, sort_keys=True)
+    return str(value)
