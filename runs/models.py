@@ -158,6 +158,11 @@ class RunQuerySet(models.QuerySet["Run"]):
             Q(status=RunStatus.QUEUED) | Q(status=RunStatus.RUNNING, lease_expires_at__lt=Now())
         )
 
+    def abandoned(self) -> RunQuerySet:
+        """Running runs whose owner stopped renewing its lease: what the
+        sweep requeues or ends (lifecycle.ABANDONED)."""
+        return self.local().filter(status=RunStatus.RUNNING, lease_expires_at__lt=Now())
+
     def waiting_unheld(self) -> RunQuerySet:
         """Runs of this installation that wait for an operator and that no
         open item holds (HOLDING_KINDS; an unknown checkpoint's item holds
