@@ -24,8 +24,9 @@ from django.conf import settings
 logger = logging.getLogger(__name__)
 
 EXECUTE_RUN = "runs.tasks.execute_run"
-# Celery's default queue, the installation's (dashboard/settings.py: a drill's
-# lab takes RUNDESK_DRILL_QUEUE instead).
+# The installation's queue as the settings name it (dashboard/settings.py:
+# CELERY_TASK_DEFAULT_QUEUE), which a drill's lab makes RUNDESK_DRILL_QUEUE
+# for itself.
 INSTALLATION_QUEUE = "celery"
 
 
@@ -39,8 +40,13 @@ def hand_over(task: Any, *args: Any) -> str:
 
 def queue_of(is_drill: bool) -> str:
     """The queue whose workers may drive a run of this kind: a drill's runs
-    only its lab's (RUNDESK_DRILL_LAB), the installation's only its own."""
-    return settings.RUNDESK_DRILL_QUEUE if is_drill else INSTALLATION_QUEUE
+    only its lab's (RUNDESK_DRILL_LAB), the installation's only its own.
+    Outside a lab the installation's queue is the app's default one, as its
+    workers were started with it (a deployment, or a benchmark's workers on
+    a queue of their own, may name another than the settings')."""
+    if is_drill:
+        return settings.RUNDESK_DRILL_QUEUE
+    return INSTALLATION_QUEUE if settings.RUNDESK_DRILL_LAB else current_app.conf.task_default_queue
 
 
 def hand_over_run(run_id: int, is_drill: bool) -> str:
