@@ -15,6 +15,7 @@ from django.conf import settings as django_settings
 from django.contrib.auth.models import Group, Permission, User
 from django.db import connection, connections
 from django.test import Client, TransactionTestCase
+from playwright.sync_api import Browser, Page, expect, sync_playwright
 from psycopg import sql
 
 from evidence.capture import capture
@@ -316,3 +317,49 @@ def manage(*args: str, env: dict[str, str], **kwargs: object) -> subprocess.Pope
         text=True,
         **kwargs,
     )
+
+
+# -- a real browser ---------------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Browser]:
+    """Debian's Chromium, started once per test process (an xdist worker)
+    by the first test that asks, for every browser test after it."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium")
+    # Playwright's sync API keeps an event loop running on this thread from
+    # now on; the ORM calls the tests make (between browser steps, and in
+    # the tests after) are plain sync code: Rundesk has no async code for
+    # Django's guard to protect.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            yield browser
+            browser.close()
+    finally:
+        del os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"]
+
+
+@pytest.fixture
+def page(browser: Browser, live_server, operator_user: User) -> Iterator[Page]:
+    """Chromium signed in as the operator, through the sign-in form."""
+    context = browser.new_context(base_url=live_server.url, viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.problems = []  # type: ignore[attr-defined]
+    page.on(
+        "console",
+        lambda message: message.type == "error" and page.problems.append(message.text),  # type: ignore[attr-defined]
+    )
+    page.on("pageerror", lambda error: page.problems.append(str(error)))  # type: ignore[attr-defined]
+    page.goto("/login/")
+    page.fill("input[name=username]", operator_user.get_username())
+    page.fill("input[name=password]", PASSWORD)
+    page.click("button[type=submit]")
+    expect(page.locator("h1")).to_have_text("Runs")
+    yield page
+    assert page.problems == []  # type: ignore[attr-defined]  # console errors, CSP refusals
+    context.close()
