@@ -106,7 +106,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """xdist's controller drops the template its workers cloned (on a
     connection of its own: the controller is not let use Django's)."""
     config = session.config
-    if getattr(config, "workerinput", None) is not None or config.getoption("dist", "no") == "no":
+    if getattr(config, "workerinput", None) is not None or not config.getoption("numprocesses", 0):
         return
     params = {**connection.get_connection_params(), "dbname": "postgres"}
     with psycopg.connect(**params, autocommit=True) as maintenance:
