@@ -48,8 +48,13 @@ static: $(STATIC_MANIFEST)
 demo: install static
 	$(PRODUCTION) $(PY) manage.py demo
 
+# The suite's processes mostly wait (on PostgreSQL, brokers, workers they
+# start): on two cores, three test processes finish it soonest; each has a
+# database of its own (tests/conftest.py).  TEST_WORKERS=0 runs it in one.
+TEST_WORKERS ?= 3
+
 test: install $(CHROMIUM)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 lint: install
 	$(VENV)/bin/ruff format --check .

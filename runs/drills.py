@@ -37,11 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import os
 import pwd
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,6 +63,14 @@ from evidence.capture import Capture
 from evidence.models import CaptureStats
 from runs import decisions
 from runs.executor import Ending, claim_and_drive
+from runs.harness import (
+    WAIT_SECONDS,
+    GroupProcess,
+    Journal,
+    database_url,
+    evidence_tables,
+    wait_for,
+)
 from runs.leases import Lease
 from runs.models import (
     Action,
@@ -96,7 +101,6 @@ CHECKS = (
     "original_action_executed_once",
     "boundaries_kept",
 )
-WAIT_SECONDS = 60.0  # the longest a drill waits for a run or a process
 # The longest a drill waits for a lock on a table production uses (and so
 # the longest production's writes can queue behind that wait).
 LOCK_TIMEOUT = "2s"
@@ -135,7 +139,7 @@ class Lab:
         self.journal = folder / "tool-journal.jsonl"
         self.outbox = folder / "outbox"
         self.runs: list[Run] = []
-        self.processes: list[subprocess.Popen[bytes]] = []
+        self.processes: list[GroupProcess] = []
 
     @contextmanager
     def settings(self) -> Iterator[None]:
@@ -163,10 +167,7 @@ class Lab:
         return ending
 
     def executions(self) -> Counter[str]:
-        if not self.journal.exists():
-            return Counter()
-        lines = self.journal.read_text().splitlines()
-        return Counter(json.loads(line)["identity"] for line in lines)
+        return Journal(self.journal).counts()
 
     def env(self) -> dict[str, str]:
         """For a process of this installation working for the drill."""
@@ -183,36 +184,15 @@ class Lab:
             "PYTHONUNBUFFERED": "1",
         }
 
-    def start(self, *args: str) -> subprocess.Popen[bytes]:
-        process = subprocess.Popen(
-            [sys.executable, *args],
-            cwd=ROOT,
-            env=self.env(),
-            stdout=subprocess.DEVNULL,
-            stderr=(self.folder / f"process-{len(self.processes)}.log").open("wb"),
-            start_new_session=True,
-        )
+    def start(self, *args: str) -> GroupProcess:
+        log = self.folder / f"process-{len(self.processes)}.log"
+        process = GroupProcess([sys.executable, *args], self.env(), log)
         self.processes.append(process)
         return process
 
     def stop_processes(self) -> None:
         for process in self.processes:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-
-
-def database_url() -> str:
-    """This process's database, as a URL another process can use."""
-    db = connection.settings_dict
-    host = db.get("HOST") or db.get("OPTIONS", {}).get("host", "")
-    port = db.get("PORT") or 5432
-    user = db.get("USER") or "postgres"
-    password = f":{db['PASSWORD']}" if db.get("PASSWORD") else ""
-    if not host or host.startswith("/"):
-        socket_dir = f"?host={host}" if host else ""
-        return f"postgresql://{user}{password}@/{db['NAME']}{socket_dir}"
-    return f"postgresql://{user}{password}@{host}:{port}/{db['NAME']}"
+            process.kill()
 
 
 @contextmanager
@@ -235,27 +215,10 @@ def another_session(*statements: str) -> Iterator[psycopg.Connection[Any]]:
             side.rollback()
 
 
-def wait_for(condition: Callable[[], object], what: str, timeout: float = WAIT_SECONDS) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.05)
-
-
 def expire_lease(run: Run) -> None:
     """Fast-forwards a dead owner's lease to its expiry (what waiting the
     lease's time to live would do)."""
     Run.objects.filter(pk=run.pk).update(lease_expires_at=timezone.now() - dt.timedelta(seconds=1))
-
-
-def evidence_tables() -> list[str]:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
-            " AND tablename LIKE 'evidence\\_%%' ORDER BY tablename"
-        )
-        return [name for (name,) in cursor.fetchall()]
 
 
 # -- what the drill does to tables production uses --------------------------------------
@@ -676,14 +639,13 @@ def executor_killed(lab: Lab) -> Finding:
     run = _slow_run(lab)
     process = lab.start("manage.py", "executor", "--run", str(run.pk))
     wait_for(lambda: _receipts(run) >= 3, "the executor's third receipt")
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=30)
+    process.kill()
     expire_lease(run)
     lab.drive(run)
     return full_run_checks(lab, run, (run.lease_epoch >= 2, "a new epoch resumed the run"))
 
 
-def _worker(lab: Lab) -> subprocess.Popen[bytes]:
+def _worker(lab: Lab) -> GroupProcess:
     return lab.start(
         "-m", "celery", "-A", "dashboard", "worker", "--pool", "solo",
         "--without-heartbeat", "--without-mingle", "--without-gossip",
@@ -699,8 +661,7 @@ def celery_worker_killed(lab: Lab) -> Finding:
         "runs.tasks.execute_run", args=[run.pk], queue=settings.RUNDESK_DRILL_QUEUE
     )
     wait_for(lambda: _receipts(run) >= 3, "the worker's third receipt")
-    os.killpg(worker.pid, signal.SIGKILL)
-    worker.wait(timeout=30)
+    worker.kill()
     _worker(lab)
     expire_lease(run)
     current_app.send_task("runs.tasks.sweep", queue=settings.RUNDESK_DRILL_QUEUE)

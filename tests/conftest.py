@@ -1,22 +1,25 @@
 from __future__ import annotations
 
-import json
+import functools
 import os
 import subprocess
 import sys
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 from django.conf import global_settings
 from django.conf import settings as django_settings
 from django.contrib.auth.models import Group, Permission, User
-from django.db import connection
-from django.test import Client
+from django.db import connection, connections
+from django.test import Client, TransactionTestCase
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+from psycopg import sql
 
 from evidence.capture import capture
+from runs.harness import Journal, database_url
 from runs.timeline import timeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +32,133 @@ django_settings.PASSWORD_HASHERS = [
     "django.contrib.auth.hashers.MD5PasswordHasher",
     *global_settings.PASSWORD_HASHERS,
 ]
+
+
+# -- one database per xdist worker, cloned from one migrated template ----------------
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings_xdist_suffix() -> None:
+    """The test database's name stays unsuffixed: under xdist it is the
+    template that django_db_setup migrates once and clones per worker."""
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(
+    request: pytest.FixtureRequest,
+    django_test_environment: None,
+    django_db_blocker: object,
+    django_db_modify_db_settings: None,
+    django_db_keepdb: bool,
+) -> Iterator[None]:
+    """The test database: migrated as Django makes it; under xdist, the
+    first worker migrates a template (test_<name>) once per run and each
+    worker clones its own (test_<name>_gw0, ...) from it, so the workers
+    share no table, lock or session.  The workers take turns on a session
+    lock of the server's (an advisory lock in its maintenance database), and
+    the template says which run made it (its comment: xdist's testrunuid)."""
+    verbosity = request.config.option.verbose
+    workerinput = getattr(request.config, "workerinput", None)
+    creation = connection.creation
+    with django_db_blocker.unblock():
+        if workerinput is None:
+            old_name = creation.create_test_db(
+                verbosity, autoclobber=True, serialize=False, keepdb=django_db_keepdb
+            )
+        else:
+            old_name, template = connection.settings_dict["NAME"], _template_name()
+            run = workerinput["testrunuid"]
+            with creation._nodb_cursor() as turns:
+                turns.execute("SELECT pg_advisory_lock(hashtext(%s))", [template])
+                try:
+                    turns.execute(
+                        "SELECT shobj_description(oid, 'pg_database') FROM pg_database"
+                        " WHERE datname = %s",
+                        [template],
+                    )
+                    made_by = turns.fetchone()
+                    if made_by is None or made_by[0] != run:
+                        creation.create_test_db(verbosity, autoclobber=True, serialize=False)
+                        with connection.cursor() as cursor:
+                            cursor.execute(
+                                f"COMMENT ON DATABASE {connection.ops.quote_name(template)} IS %s",
+                                [run],
+                            )
+                    connection.settings_dict["NAME"] = template
+                    creation.clone_test_db(workerinput["workerid"], verbosity, autoclobber=True)
+                finally:
+                    turns.execute("SELECT pg_advisory_unlock(hashtext(%s))", [template])
+            connection.settings_dict.update(
+                creation.get_test_db_clone_settings(workerinput["workerid"])
+            )
+    yield
+    if workerinput is not None or not django_db_keepdb:
+        with django_db_blocker.unblock():
+            creation.destroy_test_db(old_name, verbosity)
+
+
+def _template_name() -> str:
+    """test_<name>: what Django names the test database."""
+    return connection.creation._get_test_db_name()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """xdist's controller drops the template its workers cloned (on a
+    connection of its own: the controller is not let use Django's)."""
+    config = session.config
+    if getattr(config, "workerinput", None) is not None or not config.getoption("numprocesses", 0):
+        return
+    params = {**connection.get_connection_params(), "dbname": "postgres"}
+    with psycopg.connect(**params, autocommit=True) as maintenance:
+        maintenance.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {}").format(sql.Identifier(_template_name()))
+        )
+
+
+# -- what a transactional test leaves is emptied, narrowly --------------------------
+
+# What migrate made that no test changes: Django's flush empties these too,
+# then makes every content type and permission again (a third of a second
+# a test, on two cores); here they are kept.
+KEPT_TABLES = frozenset({"django_content_type", "auth_permission"})
+
+
+@functools.cache
+def _emptied_tables(alias: str) -> tuple[str, ...]:
+    tables = connections[alias].introspection.django_table_names(
+        only_existing=True, include_views=False
+    )
+    return tuple(sorted(set(tables) - KEPT_TABLES))
+
+
+def _empty_tables_that_got_rows(test: TransactionTestCase) -> None:
+    """A transactional test's teardown: the tables that got rows are
+    truncated (with what references them), the others are left as they
+    are, and content types and permissions are kept; what Django's flush
+    leaves is the same, at a fraction of its cost.  A test that asks for
+    more (available apps, serialized rollback, reset sequences) gets
+    Django's own flush."""
+    if test.available_apps is not None or test.serialized_rollback or test.reset_sequences:
+        _flush_everything(test)
+        return
+    for alias in test._databases_names(include_mirrors=False):
+        conn = connections[alias]
+        quote = conn.ops.quote_name
+        with conn.cursor() as cursor:
+            cursor.execute(
+                " UNION ALL ".join(
+                    f"SELECT %s WHERE EXISTS (SELECT FROM {quote(table)})"
+                    for table in _emptied_tables(alias)
+                ),
+                _emptied_tables(alias),
+            )
+            filled = [table for (table,) in cursor.fetchall()]
+            if filled:
+                cursor.execute(f"TRUNCATE {', '.join(map(quote, filled))} CASCADE")
+
+
+_flush_everything = TransactionTestCase._fixture_teardown
+TransactionTestCase._fixture_teardown = _empty_tables_that_got_rows
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -132,22 +262,6 @@ def staff() -> Client:
     return signed_in(User.objects.create_superuser("admin", password=PASSWORD))
 
 
-class Journal:
-    """The tool journal: one line per real tool execution, written outside
-    the database.  Counting lines counts executions."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def entries(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines()]
-
-    def counts(self, tool: str | None = None) -> Counter[str]:
-        return Counter(e["identity"] for e in self.entries() if tool in (None, e["tool"]))
-
-
 @pytest.fixture
 def journal(tmp_path: Path, settings: object) -> Journal:
     path = tmp_path / "tool-journal.jsonl"
@@ -172,16 +286,6 @@ def _checkpoint_every_action(settings: object) -> None:
 def _outbox(tmp_path: Path, settings: object) -> Path:
     settings.RUNDESK_OUTBOX_DIR = tmp_path / "outbox"
     return settings.RUNDESK_OUTBOX_DIR
-
-
-def database_url() -> str:
-    """The test database, as a URL other processes can use."""
-    db = connection.settings_dict
-    host = db.get("HOST") or db.get("OPTIONS", {}).get("host", "")
-    user = db.get("USER") or "postgres"
-    if host.startswith("/"):
-        return f"postgresql://{user}@/{db['NAME']}?host={host}"
-    return f"postgresql://{user}@{host}:{db.get('PORT') or 5432}/{db['NAME']}"
 
 
 @pytest.fixture
@@ -213,3 +317,49 @@ def manage(*args: str, env: dict[str, str], **kwargs: object) -> subprocess.Pope
         text=True,
         **kwargs,
     )
+
+
+# -- a real browser ---------------------------------------------------------------
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Browser]:
+    """Debian's Chromium, started once per test process (an xdist worker)
+    by the first test that asks, for every browser test after it."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium")
+    # Playwright's sync API keeps an event loop running on this thread from
+    # now on; the ORM calls the tests make (between browser steps, and in
+    # the tests after) are plain sync code: Rundesk has no async code for
+    # Django's guard to protect.
+    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            yield browser
+            browser.close()
+    finally:
+        del os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"]
+
+
+@pytest.fixture
+def page(browser: Browser, live_server, operator_user: User) -> Iterator[Page]:
+    """Chromium signed in as the operator, through the sign-in form."""
+    context = browser.new_context(base_url=live_server.url, viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.problems = []  # type: ignore[attr-defined]
+    page.on(
+        "console",
+        lambda message: message.type == "error" and page.problems.append(message.text),  # type: ignore[attr-defined]
+    )
+    page.on("pageerror", lambda error: page.problems.append(str(error)))  # type: ignore[attr-defined]
+    page.goto("/login/")
+    page.fill("input[name=username]", operator_user.get_username())
+    page.fill("input[name=password]", PASSWORD)
+    page.click("button[type=submit]")
+    expect(page.locator("h1")).to_have_text("Needs you")  # where sign-in lands
+    yield page
+    assert page.problems == []  # type: ignore[attr-defined]  # console errors, CSP refusals
+    context.close()

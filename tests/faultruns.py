@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from django.db import connection
 
 from runs.executor import claim_and_drive
+from runs.harness import wait_for as wait_for  # the tests' waits are the harness's
 from runs.models import Action, Run, action_identity
 from runs.timeline import EventKind, timeline
 
@@ -49,10 +49,3 @@ def write_in_flight() -> bool:
             " WHERE wait_event = 'PgSleep' AND datname = current_database())"
         )
         return cursor.fetchone()[0]
-
-
-def wait_for(predicate: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.05)

@@ -7,13 +7,13 @@ worker which dies unasked fails the test, with its output.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from runs.benchmarks.scale import CeleryWorker
+from runs.harness import wait_for
 from runs.tasks import execute_run
 
 
@@ -62,9 +62,6 @@ class Worker(CeleryWorker):
 def wait_until(
     condition: Callable[[], object], timeout: float, what: str, *workers: Worker
 ) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        for worker in workers:
-            worker.alive()
-        time.sleep(0.05)
+    """Waits for `condition`; a worker of `workers` that dies meanwhile
+    fails the test at once, with its output."""
+    wait_for(condition, what, timeout, watching=[worker.alive for worker in workers])

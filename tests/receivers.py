@@ -28,7 +28,11 @@ class LocalServer:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # Looks for shutdown() every 20 ms (serve_forever's default, 0.5 s, is
+        # what each test would wait at its end).
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
 
     def __enter__(self) -> LocalServer:
         self.thread.start()

@@ -21,8 +21,6 @@ from tests.conftest import ROOT, database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-COUNTED = "rundesk_peer_count_test"
-
 
 def extra_installed() -> bool:
     return (
@@ -35,15 +33,17 @@ def extra_installed() -> bool:
 
 @pytest.fixture
 def counted_database() -> Iterator[str]:
-    """A database of its own on the test server, dropped afterwards."""
+    """A database of its own on the test server, dropped afterwards; named
+    for the test database (another suite's, or xdist worker's, has its own)."""
     params = peers.connection_params(connection.settings_dict["NAME"])
-    name = sql.Identifier(COUNTED)
+    counted = f"{connection.settings_dict['NAME']}_peer_count"
+    name = sql.Identifier(counted)
     with psycopg.connect(**params, autocommit=True) as admin:
         admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
         admin.execute(sql.SQL("CREATE DATABASE {} TEMPLATE template0").format(name))
-    with psycopg.connect(**peers.connection_params(COUNTED), autocommit=True) as setup:
+    with psycopg.connect(**peers.connection_params(counted), autocommit=True) as setup:
         setup.execute("CREATE TABLE counted (id bigserial PRIMARY KEY)")
-    yield COUNTED
+    yield counted
     with psycopg.connect(**params, autocommit=True) as admin:
         admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(name))
 

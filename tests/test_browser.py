@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from django.contrib.auth.models import User
 from django.utils import timezone
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 from evidence import locks, pglog
 from evidence.models import IncidentSource
@@ -27,51 +24,13 @@ from runs.leases import Lease
 from runs.models import OutcomeKind, Run
 from runs.outcomes import open_item
 from runs.timeline import EventKind, timeline
-from tests.conftest import PASSWORD, ROOT
+from tests.conftest import ROOT
 from tests.test_pglog import THREE_WAY
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
-CHROMIUM = "/usr/bin/chromium"
 SCREENSHOTS = ROOT / os.environ.get("RUNDESK_SCREENSHOTS", "var/screenshots")
 DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md", "meridian-world-equity.md"]
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: `make test` installs Debian's chromium")
-    # Playwright's sync API keeps an event loop running on this thread; the
-    # ORM calls the tests make between browser steps are plain sync code.
-    os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
-    try:
-        with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-            yield browser
-            browser.close()
-    finally:
-        del os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"]
-
-
-@pytest.fixture
-def page(browser: Browser, live_server, operator_user: User) -> Iterator[Page]:
-    """Chromium signed in as the operator, through the sign-in form."""
-    context = browser.new_context(base_url=live_server.url, viewport={"width": 1280, "height": 900})
-    page = context.new_page()
-    page.problems = []  # type: ignore[attr-defined]
-    page.on(
-        "console",
-        lambda message: message.type == "error" and page.problems.append(message.text),  # type: ignore[attr-defined]
-    )
-    page.on("pageerror", lambda error: page.problems.append(str(error)))  # type: ignore[attr-defined]
-    page.goto("/login/")
-    page.fill("input[name=username]", operator_user.get_username())
-    page.fill("input[name=password]", PASSWORD)
-    page.click("button[type=submit]")
-    expect(page.locator("h1")).to_have_text("Needs you")  # where sign-in lands
-    yield page
-    assert page.problems == []  # type: ignore[attr-defined]  # console errors, CSP refusals
-    context.close()
 
 
 def completed_run() -> Run:

@@ -18,11 +18,7 @@ from playwright.sync_api import Page, expect
 
 from evidence import bundles, tasks
 from evidence.models import BundleExport
-from tests import test_browser
 from tests.test_browser import SCREENSHOTS, completed_run
-
-# The signed-in operator's page in Chromium, as tests/test_browser.py has it.
-browser, page = test_browser.browser, test_browser.page
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 

@@ -13,7 +13,6 @@ from playwright.sync_api import Page, expect
 
 from runs.executor import claim_and_drive
 from runs.models import OperatorDecision, OutcomeItem, OutcomeKind, OutcomeState, RunStatus
-from tests import test_browser
 from tests.faultruns import run_with
 from tests.receivers import LocalServer, status
 from tests.test_browser import SCREENSHOTS
@@ -23,10 +22,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.usefixtures("short_settle"),
 ]
-
-# Debian's Chromium, started once per module, and the signed-in operator's
-# page in it, as tests/test_browser.py has them.
-browser, page = test_browser.browser, test_browser.page
 
 
 @pytest.fixture

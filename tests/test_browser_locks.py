@@ -15,7 +15,7 @@ from evidence import locks, pglog
 from evidence.locks import Edge, Graph, Process
 from evidence.models import IncidentSource
 from runs.models import Run
-from tests.test_browser import SCREENSHOTS, browser, page  # noqa: F401  (fixtures)
+from tests.test_browser import SCREENSHOTS
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -39,7 +39,7 @@ DRAWN = """() => {
 }"""
 
 
-def test_the_lock_graph_draws_labels_on_their_arrows_and_names_the_victim(page: Page):  # noqa: F811
+def test_the_lock_graph_draws_labels_on_their_arrows_and_names_the_victim(page: Page):
     victim_run, owner_run = (Run.objects.submit(question=q, documents=["a.md"]) for q in "vo")
     text = (FIXTURES / "three_way.csv").read_text()
     text = text.replace("run-3", f"run-{victim_run.pk}").replace("run-2", f"run-{owner_run.pk}")

@@ -18,7 +18,6 @@ from playwright.sync_api import Browser, Page, expect
 
 from runs.executor import claim_and_drive
 from runs.models import OutcomeItem, OutcomeKind, OutcomeState, RunStatus
-from tests import test_browser
 from tests.conftest import PASSWORD
 from tests.faultruns import run_with
 from tests.receivers import LocalServer, status
@@ -29,9 +28,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.usefixtures("short_settle"),
 ]
-
-# Debian's Chromium, started once per module, as tests/test_browser.py has it.
-browser = test_browser.browser
 
 VIEWPORT = {"width": 1280, "height": 900}
 

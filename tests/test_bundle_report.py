@@ -34,7 +34,6 @@ from runs.models import (
     RunStatus,
 )
 from runs.timeline import timeline
-from tests import test_browser
 from tests.conftest import manage
 from tests.faultruns import DOCS
 from tests.receivers import LocalServer, status
@@ -42,8 +41,6 @@ from tests.test_browser import SCREENSHOTS
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("short_settle")]
 
-# Debian's Chromium, started once per module, as tests/test_browser.py has it.
-browser = test_browser.browser
 HOSTILE_QUESTION = (
     "Deliver the fund comparison <script>window.pwned = 'question'</script>"
     "<img src=x onerror=\"window.pwned = 'img'\">"

@@ -247,7 +247,7 @@ def _waiting(role: str) -> bool:
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND application_name LIKE %s)",
+            " AND application_name LIKE %s AND datname = current_database())",
             [f"{role}%"],
         )
         return cursor.fetchone()[0]
@@ -343,7 +343,7 @@ def test_a_lost_database_connection_is_a_gap_and_the_writer_reconnects(evidence,
     with psycopg.connect(database_url(), autocommit=True) as other:
         other.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-            " WHERE application_name = 'rundesk:capture'"
+            " WHERE application_name = 'rundesk:capture' AND datname = current_database()"
         )
     assert submit(writer, copy) and writer.flush()  # the cut connection: a gap
     assert submit(writer, copy) and writer.flush()  # reconnected: no second gap

@@ -19,6 +19,7 @@ from evidence.models import CaptureGap, CaptureStats, EvidenceCopy, ModelCall
 from evidence.records import record_model_call
 from runs.background import GAP_INTERVAL
 from runs.executor import claim_and_drive
+from runs.harness import evidence_tables
 from runs.leases import Lease
 from runs.models import AnswerRevision, Run, RunStatus
 from runs.timeline import EventKind, timeline
@@ -26,15 +27,6 @@ from tests.conftest import database_url
 from tests.faultruns import DOCS, KEYS, events, executions, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def evidence_tables() -> list[str]:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
-            " AND tablename LIKE 'evidence\\_%%' ORDER BY tablename"
-        )
-        return [name for (name,) in cursor.fetchall()]
 
 
 @contextmanager

@@ -34,16 +34,12 @@ from playwright.sync_api import Browser, Page, expect
 
 from dashboard.settings import process_role
 from runs.management.commands.demo import site_environment, web_server
-from tests import test_browser
 from tests.conftest import PASSWORD, ROOT, database_url
 from tests.test_browser import completed_run
 
 # The timeline and capture are flushed after every test: let them reach the
 # database.
 pytestmark = pytest.mark.django_db
-
-# Debian's Chromium, started once per module, as tests/test_browser.py has it.
-browser = test_browser.browser
 
 SECRET_KEY = secrets.token_urlsafe(50)
 # What Django's DEBUG pages (technical 404 and 500) say, and never a
@@ -305,7 +301,7 @@ def answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             return response.status == 200
-    except (urllib.error.URLError, ConnectionError):
+    except OSError:  # refused, reset, or not yet answering (a loaded machine): not yet
         return False
 
 

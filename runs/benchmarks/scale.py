@@ -45,7 +45,7 @@ from django.db import connection, transaction
 from kombu import Connection, Exchange, Queue
 
 from runs.benchmarks.pages import bench_database
-from runs.benchmarks.processes import GroupProcess
+from runs.harness import GroupProcess
 from runs.models import Run, RunStatus
 from runs.tasks import execute_run
 from runs.timeline import timeline

@@ -71,8 +71,8 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from runs.benchmarks import ServerCounts, p50
-from runs.benchmarks.processes import GroupProcess
 from runs.benchmarks.scale import worker_env
+from runs.harness import GroupProcess
 from runs.models import Action, Run, RunEvent, RunStatus
 from runs.sql import application_name
 from runs.timeline import EventKind, timeline
