@@ -16,7 +16,7 @@ export DEBUG ?= 1
 # The demo's secret key: made once, readable by its owner only, kept.
 SECRET_KEY_FILE := var/secret-key
 # collectstatic's manifest: remade when a static file or the installed
-# packages (plotly.js, the admin's files) change.
+# packages (the admin's files) change.
 STATIC_MANIFEST := var/static/staticfiles.json
 PRODUCTION := DEBUG=0 SECRET_KEY="$$(cat $(SECRET_KEY_FILE))"
 
