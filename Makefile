@@ -16,11 +16,11 @@ export DEBUG ?= 1
 # The demo's secret key: made once, readable by its owner only, kept.
 SECRET_KEY_FILE := var/secret-key
 # collectstatic's manifest: remade when a static file or the installed
-# packages (plotly.js, the admin's files) change.
+# packages (the admin's files) change.
 STATIC_MANIFEST := var/static/staticfiles.json
 PRODUCTION := DEBUG=0 SECRET_KEY="$$(cat $(SECRET_KEY_FILE))"
 
-.PHONY: install static demo test lint bench clean
+.PHONY: install static demo test lint bench clean plotly
 
 install: $(STAMP)
 
@@ -64,6 +64,21 @@ bench: install static
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PRODUCTION) $(PY) manage.py migrate --verbosity 0
 	$(PRODUCTION) $(PY) manage.py bench --all --json --markdown docs/BENCHMARKS.md
+
+# The plotly.js the pages load: the official partial bundle with the trace
+# types the charts draw (scatter, bar; pie comes with it), of the plotly.js
+# version the installed plotly package was built for.  The vendored file is
+# committed; this updates it, and the two places that name it.
+PLOTLY_JS_VERSION := 4.1.1
+
+plotly:
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	(cd "$$tmp" && npm pack --silent plotly.js-basic-dist-min@$(PLOTLY_JS_VERSION) >/dev/null && tar xzf *.tgz) && \
+	rm -f static/vendor/plotly-basic-*.min.js static/vendor/plotly-basic-*.LICENSE && \
+	cp "$$tmp/package/plotly-basic.min.js" static/vendor/plotly-basic-$(PLOTLY_JS_VERSION).min.js && \
+	cp "$$tmp/package/LICENSE" static/vendor/plotly-basic-$(PLOTLY_JS_VERSION).LICENSE
+	sed -i 's/plotly-basic-[0-9.]*[0-9]\.min\.js/plotly-basic-$(PLOTLY_JS_VERSION).min.js/' \
+		templates/base.html evidence/bundle_report.py
 
 clean:
 	rm -rf var/outbox var/celery-broker var/celery-processed var/static

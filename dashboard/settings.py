@@ -16,7 +16,6 @@ import urllib.parse
 from pathlib import Path
 
 import dj_database_url
-import plotly
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.core.exceptions import ImproperlyConfigured
@@ -287,11 +286,8 @@ USE_I18N = False
 USE_TZ = True
 
 STATIC_URL = "static/"
-# plotly.js is served from the installed plotly package, not a CDN.
-STATICFILES_DIRS = [
-    BASE_DIR / "static",
-    ("plotly", Path(plotly.__file__).parent / "package_data"),
-]
+# plotly.js is vendored in static/vendor/ (`make plotly`), not from a CDN.
+STATICFILES_DIRS = [BASE_DIR / "static"]
 # `manage.py collectstatic` copies them here; WhiteNoise serves them from here
 # (from the finders, as they are on disk, when DEBUG).
 STATIC_ROOT = VAR_DIR / "static"

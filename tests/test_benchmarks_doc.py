@@ -148,6 +148,12 @@ SAMPLE: dict[str, Any] = {
             {"page": "capture gaps", "p50_ms_large": 55.5},
         ]
     },
+    "page_load": {
+        "pages": [
+            {"page": "run page", "loads": 10, "p50_ms": 420.5, "max_ms": 610.0},
+            {"page": "lock incident page", "loads": 10, "p50_ms": 400.0, "max_ms": 580.2},
+        ]
+    },
 }
 
 
@@ -184,6 +190,7 @@ def test_the_document_is_one_table_with_the_machine_date_and_command():
         "Celery scale-out, filesystem broker, 100-run batches",
         "investigation bundles (`export_bundle`)",
         "dashboard at 100,000 runs",
+        "cold page to chart (Chromium)",
     ]
     assert (
         "step p50 1.21 ms against a commit p50 of 0.45 ms: 2.69 \N{MULTIPLICATION SIGN}"
@@ -198,6 +205,9 @@ def test_the_document_is_one_table_with_the_machine_date_and_command():
     assert "against 3,651 / 5,536 single-row commits/s" in throughput
     assert "23-25.5 commits per run" in throughput
     assert "22 / 17 % of the ceiling" in throughput
+    assert rows["cold page to chart (Chromium)"] == (
+        "run page p50 420.5 ms, max 610 ms, lock incident page p50 400 ms, max 580.2 ms"
+    )
     assert "21.4 ms of executor CPU per run" in throughput  # the unknown one left out
     assert rows["failover (lease 2 s)"].endswith("after 1.79 / 1.8 s (target 3 s)")
     assert rows["investigation bundles (`export_bundle`)"] == (
@@ -223,7 +233,7 @@ def test_a_benchmark_that_failed_says_why_in_its_row_and_the_others_are_shown():
     assert rows["agent path and no-op step"] == (
         "failed: bench --steps: could not claim bench run 7"
     )
-    assert len(rows) == 9  # the two rows of steps became one
+    assert len(rows) == 10  # the two rows of steps became one
     assert "dashboard at 100,000 runs" in rows
 
 

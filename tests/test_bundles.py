@@ -18,11 +18,12 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import Group, Permission, User
+from django.contrib.staticfiles import finders
 from django.core.management import call_command
 from django.db import connection
-from plotly.offline import get_plotlyjs
 
 from evidence import bundles
+from evidence.bundle_report import PLOTLY_JS
 from evidence.capture import capture
 from evidence.redaction import Redactor
 from runs.decisions import Request, Who, decide
@@ -393,7 +394,7 @@ def test_secrets_in_an_answer_are_redacted_before_its_markdown_is_rendered(
     for secret in ("CodeSpanSecret99", "BoldSecret12345", "ItalicSecret777", key):
         assert secret not in report
     assert "[REDACTED:private_key]" in report and "[REDACTED:credential]" in report
-    assert get_plotlyjs() in report  # the page's own code, whole
+    assert Path(finders.find(PLOTLY_JS)).read_text() in report  # the page's own code, whole
 
 
 @pytest.mark.parametrize(

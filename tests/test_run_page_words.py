@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from dashboard.context import inbox
 from evidence import locks, pglog
+from evidence.bundle_report import PLOTLY_JS
 from evidence.capture import record_gaps
 from evidence.models import GapReason, IncidentSource
 from runs.decisions import settle_by_evidence
@@ -44,7 +45,7 @@ from tests.test_pglog import THREE_WAY
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("short_settle")]
 
-PLOTLY = "/static/plotly/plotly.min.js"
+PLOTLY = f"/static/{PLOTLY_JS}"
 # Internal names an operator must not have to read.
 INTERNAL = [
     value

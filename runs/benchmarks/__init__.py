@@ -12,6 +12,7 @@ too).
 - scale: runs/s of Celery worker processes on a broker;
 - bundle: export time and peak memory of investigation bundles;
 - pages: server time of the dashboard's pages, small tables against large.
+- page_load: cold page-to-chart time of the chart pages in Chromium.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ TITLES = {
     "scale": "Celery scale-out",
     "bundle": "investigation bundles",
     "dashboard": "dashboard pages",
+    "page_load": "page to chart",
 }
 TIMES = "\N{MULTIPLICATION SIGN}"  # after a ratio: so many times a commit
 PEER_NAMES = {"dbos": "DBOS", "langgraph": "LangGraph", "rundesk": "Rundesk"}
@@ -255,6 +256,18 @@ def _dashboard(figures: dict[str, Any]) -> list[Row]:
     ]
 
 
+def _page_load(figures: dict[str, Any]) -> list[Row]:
+    return [
+        (
+            "cold page to chart (Chromium)",
+            ", ".join(
+                f"{page['page']} p50 {_n(page['p50_ms'])} ms, max {_n(page['max_ms'])} ms"
+                for page in figures["pages"]
+            ),
+        )
+    ]
+
+
 # Each benchmark's rows, by its key in `bench --all --json`.
 ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "steps": _steps,
@@ -265,4 +278,5 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "scale": _scale,
     "bundle": _bundle,
     "dashboard": _dashboard,
+    "page_load": _page_load,
 }

@@ -20,6 +20,7 @@ from runs.benchmarks import (
     capture,
     document,
     evidence_locked,
+    page_load,
     pages,
     peers,
     scale,
@@ -60,6 +61,12 @@ class Command(BaseCommand):
             "--dashboard",
             action="store_true",
             help="server time of the dashboard's pages at 100 and 100,000 runs (own databases)",
+        )
+        parser.add_argument(
+            "--page-load",
+            action="store_true",
+            help="cold page-to-chart time of a run page and a lock incident page in Chromium "
+            "(the small database of --dashboard)",
         )
         parser.add_argument(
             "--scale",
@@ -189,4 +196,5 @@ BENCHMARKS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "scale": lambda options: scale.report(options["broker"]),
     "bundle": lambda options: bundle.report([10_000, 200_000]),
     "dashboard": lambda options: {"pages": pages.measure()},
+    "page_load": lambda options: {"pages": page_load.measure()},
 }
