@@ -585,8 +585,11 @@ class CheckpointOutcome(models.TextChoices):
     COMMITTED = "committed"
     FAILED_BEFORE_WRITE = "failed_before_write"  # known not written
     UNKNOWN = "unknown"  # COMMIT sent, no answer: only evidence settles it
-    RESOLVED_COMMITTED = "resolved_committed"
-    RESOLVED_NOT_WRITTEN = "resolved_not_written"
+    # Settled by evidence or an operator.  The stored values and labels keep
+    # the word "resolved": they are schema, and the bundles' and `outcomes
+    # --json`'s values (docs/DESIGN.md, Words).
+    SETTLED_COMMITTED = "resolved_committed", "Resolved Committed"
+    SETTLED_NOT_WRITTEN = "resolved_not_written", "Resolved Not Written"
 
 
 class Checkpoint(models.Model):
@@ -648,7 +651,9 @@ class OutcomeKind(models.TextChoices):
 
 class OutcomeState(models.TextChoices):
     OPEN = "open"
-    RESOLVED = "resolved"
+    # The stored value and label keep "resolved" (schema, and the value of
+    # `outcomes --json`'s "state"; docs/DESIGN.md, Words).
+    SETTLED = "resolved", "Resolved"
 
 
 # The items a run must wait for: an unknown receipt, publication or effect.
@@ -716,7 +721,7 @@ class OutcomeItem(models.Model):
         constraints = [
             models.CheckConstraint(
                 condition=Q(state=OutcomeState.OPEN, resolved_at__isnull=True)
-                | Q(state=OutcomeState.RESOLVED, resolved_at__isnull=False),
+                | Q(state=OutcomeState.SETTLED, resolved_at__isnull=False),
                 name="outcome_resolved_has_time",
             ),
         ]
@@ -878,7 +883,7 @@ class OperatorDecision(models.Model):
             # Two operators deciding one item at once: exactly one settles it.
             models.UniqueConstraint(
                 fields=["item"],
-                condition=Q(state_after=OutcomeState.RESOLVED, item__isnull=False),
+                condition=Q(state_after=OutcomeState.SETTLED, item__isnull=False),
                 name="decision_one_settles_an_item",
             ),
             models.CheckConstraint(

@@ -543,7 +543,7 @@ def test_an_imported_waiting_run_cannot_be_cancelled_decided_or_resumed(
 
     # Its item settled behind everyone's back: still nothing resumes it.
     OutcomeItem.objects.filter(pk=item.pk).update(
-        state=OutcomeState.RESOLVED, resolved_at=timezone.now(), resolution="test"
+        state=OutcomeState.SETTLED, resolved_at=timezone.now(), resolution="test"
     )
     assert Run.objects.resume_if_settled(copy.pk, "settled") is False
     assert resume_if_settled_meanwhile(copy.pk, item.pk) is False
