@@ -128,7 +128,7 @@ class RunQuerySet(models.QuerySet["Run"]):
         return self.filter(imported_at__isnull=True)
 
     def imported(self) -> RunQuerySet:
-        """Runs opened from an investigation bundle (evidence/imports.py)."""
+        """Runs opened from an investigation bundle (evidence/opening.py)."""
         return self.filter(imported_at__isnull=False)
 
     def listing(self) -> RunQuerySet:
@@ -328,7 +328,7 @@ class Run(models.Model):
     # drives it itself, or hands it to a Celery worker by its id).
     is_drill = models.BooleanField(default=False)
 
-    # An imported run (evidence/imports.py; `imported_at` is set): a run of
+    # An imported run (evidence/opening.py; `imported_at` is set): a run of
     # another installation, opened from its investigation bundle.  It is
     # read-only here: it keeps the status it had there, but nothing claims,
     # resumes, cancels or decides it (RunQuerySet.local()).  The seal names
