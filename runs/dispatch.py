@@ -18,7 +18,7 @@ action of every agent:
 The two settled writes live here, side by side: a step's receipt and an
 answer revision's publication.  Each is fenced by the lease (runs/leases.py),
 and a COMMIT that got no answer is settled by evidence (runs/outcomes.py).
-Each completed action's evidence (the source read, the model call) is
+Each completed action's copies (the source read, the model call) are
 handed to capture (evidence/capture.py), off the main path, once its
 receipt is written.
 
@@ -50,7 +50,7 @@ from typing import Any, NoReturn, TypeVar
 from django.db import DatabaseError, transaction
 from django.utils import timezone
 
-from evidence.capture import RunEvidence
+from evidence.capture import RunCapture
 from runs.checkpoints import Checkpointer
 from runs.faults import FaultPlan, inject_cancel, steal_lease
 from runs.leases import (
@@ -142,7 +142,7 @@ class Dispatcher:
         # Steps a restored checkpoint already counted: stepping one of these
         # again returns its receipt's result and counts nothing.
         self.covered: set[str] = set()
-        self.evidence = RunEvidence(self.run.pk)
+        self.capture = RunCapture(self.run.pk)
         self.checkpoints = Checkpointer(lease, self.faults)
         # The newest read whose result is in hand, until its receipt is written.
         self.unwritten: AwaitingReceipt | None = None
@@ -162,7 +162,7 @@ class Dispatcher:
             EventKind.RESUMED,
             f"resumed by epoch {self.lease.epoch} from {len(self.history)} actions",
         )
-        self.evidence.resumed()
+        self.capture.resumed()
         point = self.checkpoints.resume_point(self.history, replay)
         if point is None:
             return None
@@ -214,7 +214,7 @@ class Dispatcher:
         else:
             # Handed over again: the owner that wrote the receipt may have
             # died before capture saved it (capture saves each once).
-            self.evidence.completed(action.pk, tool.name, input, result, sources)
+            self.capture.completed(action.pk, tool.name, input, result, sources)
         if not covered:
             self.progress.taken.append(step_key)
         return result
@@ -354,7 +354,7 @@ class Dispatcher:
 
     def _receipt_written(self, awaiting: AwaitingReceipt) -> None:
         """What follows a receipt: the timeline says so, capture saves the
-        action's evidence."""
+        action's copies."""
         result = awaiting.result
         timeline.record(
             self.run.pk,
@@ -363,7 +363,7 @@ class Dispatcher:
             action_id=awaiting.action_id,
             result_digest=awaiting.receipt.result_digest,
         )
-        self.evidence.completed(
+        self.capture.completed(
             awaiting.action_id, awaiting.tool.name, awaiting.input, result, awaiting.sources
         )
 
