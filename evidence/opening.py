@@ -87,7 +87,7 @@ from runs.models import (
 )
 
 BATCH = bundles.CHUNK  # rows per INSERT at most
-BATCH_BYTES = 4 << 20  # and about this much JSON: evidence copies can be large
+BATCH_BYTES = 4 << 20  # and about this much JSON: copies of model calls can be large
 # No row an export writes comes near this (a receipt holds a document of at
 # most 1 MB, escaped): a longer line is read no further.
 MAX_ROW_BYTES = 64 << 20

@@ -339,7 +339,7 @@ class Run(models.Model):
     origin_exported_at = models.DateTimeField(null=True, blank=True)
     origin_format = models.CharField(max_length=40, blank=True)
     # The bundle's manifest as verified: every file's SHA-256, what was
-    # redacted where (counts), whether evidence copies were included.
+    # redacted where (counts), whether copies of model calls were included.
     origin_manifest = models.JSONField(null=True, blank=True)
     imported_at = models.DateTimeField(null=True, blank=True, help_text="Set: an imported run")
 
