@@ -18,7 +18,7 @@ from dashboard.htmx import HtmxHttpRequest
 from dashboard.security import form_lock_waits, rejects_bad_input
 from runs import tasks
 from runs.decisions import OPERATE
-from runs.drills import CHECKS, SCENARIOS, DrillRunning, describe, start_drill
+from runs.drills import QUESTIONS, SCENARIOS, DrillRunning, describe, start_drill
 from runs.models import Drill, DrillResult, DrillState
 from runs.tasks import hand_over
 
@@ -39,7 +39,7 @@ def drills(request: HtmxHttpRequest) -> HttpResponse:
         [HISTORY],
     ):
         # In the order of the columns (jsonb keeps no key order).
-        result.answers = [result.checks.get(check) for check in CHECKS]
+        result.answers = [result.checks.get(question) for question in QUESTIONS]
         history[result.scenario].append(result)
     scenarios = [
         {"name": name, "about": describe(name), "history": history.get(name, [])}

@@ -323,7 +323,7 @@ def run_bundles(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
 @permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
 def bundle_download(request: HttpRequest, export_id: int) -> FileResponse:
-    """Operators only: a bundle may hold evidence copies (model inputs and
+    """Operators only: a bundle may hold copies of model calls (model inputs and
     outputs), which viewers may read on the pages but not carry away."""
     export = get_object_or_404(BundleExport, pk=export_id)
     if not export.is_downloadable(timezone.now()):

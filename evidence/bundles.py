@@ -3,7 +3,7 @@ that opens without a Rundesk server.
 
 A bundle holds `run.json`, one JSON Lines file per kind of row (actions,
 receipts, checkpoints, outcome items, decisions, revisions, events,
-sources, model calls, evidence copies, capture gaps, lock incidents and
+sources, model calls and their copies, capture gaps, lock incidents and
 waits touching the run), `report.html` (the run page, self-contained),
 `README.txt`, and `manifest.json`: every other file's size and SHA-256, what
 was redacted where (counts), the installation's Ed25519 signature of all
@@ -550,7 +550,7 @@ def _readme(kinds: list[Rows], hidden: _WithoutEvidence | None) -> str:
             "Exported without evidence",
             "-------------------------",
             "Every copy of what the model was given and what it answered is left out:",
-            "the evidence copies (no evidence_copies.jsonl), the input (prompt) of each",
+            "the copies of model calls (no evidence_copies.jsonl), the input (prompt) of each",
             "model call in actions.jsonl, the result of each model call and of each",
             "document read (the text given to the model) in receipts.jsonl, and the",
             "agent's saved state in checkpoints.jsonl. Each is replaced by",

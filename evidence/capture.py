@@ -1,8 +1,8 @@
-"""Evidence capture: everything a run leaves as evidence, written off the
-main path.  `RunEvidence` is what a run's Dispatcher hands it, for every
+"""Capture: the optional copies of everything a run did, written off the
+main path.  `RunCapture` is what a run's Dispatcher hands it, for every
 agent alike.
 
-Evidence is observation.  The run hands each record (a source it read, a
+Capture is observation.  The run hands each record (a source it read, a
 model call with a bounded copy of it, a check of its sources on resume) to
 a bounded in-process queue and never waits: no statement of the main path
 reads, writes or locks an evidence table.  A background writer
@@ -471,9 +471,9 @@ class Capture(BackgroundWriter[Record, GapKey]):
 capture = Capture()
 
 
-class RunEvidence:
+class RunCapture:
     """What one run hands to capture, said once for every agent: the
-    evidence each completed action leaves (by its tool), and the check of
+    copies each completed action leaves (by its tool), and the check of
     its sources when an owner resumes it.  Never blocks, never raises: what
     capture cannot take becomes a gap."""
 

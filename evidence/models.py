@@ -157,7 +157,7 @@ class LockIncidentQuerySet(models.QuerySet["LockIncident"]):
         return self.filter(imported_run__isnull=True)
 
     def imported(self) -> LockIncidentQuerySet:
-        """Incidents opened with an imported run's bundle (evidence/imports.py)."""
+        """Incidents opened with an imported run's bundle (evidence/opening.py)."""
         return self.filter(imported_run__isnull=False)
 
 

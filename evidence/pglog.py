@@ -47,8 +47,8 @@ from evidence.pglog_formats import (
     FORMATS,
     MAX_LINE,
     MESSAGE,
+    LogEntry,
     LogFormatError,
-    Record,
     decode,
     log_timezone,
     read,
@@ -138,7 +138,7 @@ class Report:
     unread: list[str] = field(default_factory=list)
     lead_up: list[LoggedWait] = field(default_factory=list)
     # The records the report is read from, and the logged waits before it.
-    records: list[Record] = field(default_factory=list, repr=False)
+    records: list[LogEntry] = field(default_factory=list, repr=False)
     earlier: list[LoggedWait] = field(default_factory=list, repr=False)
 
     @property
@@ -271,7 +271,7 @@ def parse(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> lis
     return reports
 
 
-def _reports_deadlock(item: Record) -> bool:
+def _reports_deadlock(item: LogEntry) -> bool:
     """A message saying "deadlock detected" is the server's report where
     the log says it is an ERROR of SQLSTATE 40P01, or does not say (a
     client's output): a WARNING, or an error a function raised with that
@@ -283,7 +283,7 @@ def _reports_deadlock(item: Record) -> bool:
     )
 
 
-def _logged_wait(item: Record) -> tuple[str, LoggedWait] | None:
+def _logged_wait(item: LogEntry) -> tuple[str, LoggedWait] | None:
     text = item.text.lstrip()
     for name in messages.names("lock_wait:"):
         if match := messages.starts(name, text):
@@ -410,7 +410,7 @@ def _same_deadlock(first: Report, second: Report) -> bool:
     )
 
 
-def _lines(item: Record) -> Iterable[tuple[str, str]]:
+def _lines(item: LogEntry) -> Iterable[tuple[str, str]]:
     """The lines of a record that can hold report lines (of a message, not
     the message itself, nor a client's words before it), as written and
     without the quoting a client wraps around them."""

@@ -1,6 +1,6 @@
-"""Log formats, read into one stream of records.
+"""Log formats, read into one stream of entries.
 
-A record is one message of a log or one field of it (the DETAIL, the HINT,
+An entry is one message of a log or one field of it (the DETAIL, the HINT,
 the CONTEXT, the STATEMENT), with the time, pid and application name the
 log gives for it.  What the reader of deadlock reports (evidence/pglog.py)
 does with them does not depend on where they came from:
@@ -61,7 +61,7 @@ class LogFormatError(ValueError):
 
 
 @dataclass(frozen=True)
-class Record:
+class LogEntry:
     label: str  # MESSAGE, or the field: DETAIL, HINT, QUERY, CONTEXT, LOCATION, STATEMENT
     text: str
     severity: str = ""  # of a message: ERROR, LOG... ("" when the input does not say)
@@ -158,7 +158,7 @@ def lines(text: str) -> list[str]:
     return [line.removesuffix("\r") for line in text.removesuffix("\n").split("\n")] if text else []
 
 
-def read(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> Iterator[Record]:
+def read(text: str, format: str = "auto", zone: dt.tzinfo | None = None) -> Iterator[LogEntry]:
     """The records of `text`, read as `format` (auto: as its content says).
     `zone`: the server's log_timezone, for the times a log writes with an
     abbreviation that names several zones (CST, IST, PST), or with none."""
@@ -258,7 +258,7 @@ FIELDS = {
 TIME_KEYS = ("timestamp", "time", "ts", "@timestamp", "log_time")
 
 
-def _csv_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
+def _csv_records(text: str, zone: dt.tzinfo | None) -> Iterator[LogEntry]:
     """The records of a csvlog.  A short or broken last record is one the
     server is still writing (a log read while in use) when the input ends
     inside it -- within a quoted field's lines, or with no newline after it:
@@ -318,7 +318,7 @@ def _cut_short(text: str, ended: int) -> bool:
     return sum(line.count('"') for line in tail) % 2 == 1
 
 
-def _json_records(text: str, zone: dt.tzinfo | None) -> Iterator[Record]:
+def _json_records(text: str, zone: dt.tzinfo | None) -> Iterator[LogEntry]:
     """The records of a jsonlog; an unfinished last line is left out, as
     in a csvlog, and so is a first line the input starts inside of."""
     entries = lines(text)
@@ -349,7 +349,7 @@ def _entry_records(
     line: int,
     zone: dt.tzinfo | None,
     time: tuple[dt.datetime | None, str] = (None, ""),
-) -> Iterator[Record]:
+) -> Iterator[LogEntry]:
     """The records of one message given as named fields: a csvlog or
     jsonlog entry, or an error object in an application's log."""
     stamp = next((entry[key] for key in TIME_KEYS if entry.get(key) not in (None, "")), None)
@@ -371,7 +371,7 @@ def _entry_records(
         value = next((entry[key] for key in keys if isinstance(entry.get(key), str)), "")
         if value:
             message = label == MESSAGE
-            yield Record(
+            yield LogEntry(
                 label,
                 value,
                 severity if message else "",
@@ -474,9 +474,9 @@ class _Pending:
         further lines looks like."""
         return DIGITS.sub("0", self.prefix)
 
-    def record(self) -> Record:
+    def entry(self) -> LogEntry:
         text = "\n".join(self.lines).strip("\n")
-        return Record(
+        return LogEntry(
             self.label,
             text,
             self.severity,
@@ -504,14 +504,14 @@ class _TextReader:
         self.unyielded: collections.deque[_Pending] = collections.deque()
         self.open: dict[int, _Pending] = {}
 
-    def read(self, text: str) -> Iterator[Record]:
+    def read(self, text: str) -> Iterator[LogEntry]:
         for number, line in enumerate(lines(text), start=1):
             yield from self._line(line, number, depth=0, time=(None, ""))
         yield from self._flush()
 
     def _line(
         self, line: str, number: int, depth: int, time: tuple[dt.datetime | None, str]
-    ) -> Iterator[Record]:
+    ) -> Iterator[LogEntry]:
         if depth < MAX_DEPTH and _quotes_a_report(line) and not self._as_written(line):
             if line.lstrip().startswith("{"):
                 try:
@@ -577,7 +577,7 @@ class _TextReader:
 
     def _object(
         self, entry: dict[str, Any], number: int, depth: int, time: tuple[dt.datetime | None, str]
-    ) -> Iterator[Record]:
+    ) -> Iterator[LogEntry]:
         """A JSON line: a server's jsonlog entry; or an application's log
         line, whose error object (node-postgres, Postgrex: message, detail,
         hint, where) or, failing that, whose strings hold a report."""
@@ -597,7 +597,7 @@ class _TextReader:
 
     def _text_line(
         self, line: str, number: int, time: tuple[dt.datetime | None, str]
-    ) -> Iterator[Record]:
+    ) -> Iterator[LogEntry]:
         if (further := self._further(line)) is not None:
             # The server indents a message's further lines by a tab: what
             # they say (a query's "ERROR:  " or "deadlock detected") is text,
@@ -632,7 +632,7 @@ class _TextReader:
     def _time(self, value: object) -> tuple[dt.datetime | None, str]:
         return read_time(value, self.zone)
 
-    def _flush(self, number: int | None = None) -> Iterator[Record]:
+    def _flush(self, number: int | None = None) -> Iterator[LogEntry]:
         """Ends the message read last, and yields the messages no line
         after line `number` can continue (None: every message)."""
         self.pending = None
@@ -644,7 +644,7 @@ class _TextReader:
             self.unyielded.popleft()
             if still_open:
                 del self.open[first.pid]
-            yield first.record()
+            yield first.entry()
 
 
 def _start(line: str) -> tuple[str, str, str, str, str] | None:

@@ -61,8 +61,8 @@ def checkpoint_rows(records: Iterable[Checkpoint]) -> list[CheckpointRow]:
         if CheckpointOutcome.UNKNOWN in outcomes:
             outcome = CheckpointOutcome.UNKNOWN
         elif saved is not None:
-            settled = CheckpointOutcome.RESOLVED_COMMITTED in outcomes
-            outcome = CheckpointOutcome.RESOLVED_COMMITTED if settled else saved.outcome
+            settled = CheckpointOutcome.SETTLED_COMMITTED in outcomes
+            outcome = CheckpointOutcome.SETTLED_COMMITTED if settled else saved.outcome
         else:
             outcome = attempts[-1].outcome
         history = []

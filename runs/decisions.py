@@ -418,7 +418,7 @@ def _decided(item_id: int, request: Request) -> tuple[OutcomeItem | None, Decide
     if (earlier := _by_token(request, item_id=item_id)) is not None:
         return None, Decided(earlier, repeated=True)
     if item.state != OutcomeState.OPEN:
-        first = item.decisions.filter(state_after=OutcomeState.RESOLVED).first()
+        first = item.decisions.filter(state_after=OutcomeState.SETTLED).first()
         if first is None:
             raise DecisionRefused(f"already settled: {item.resolution}")
         # Its choice and reason are said with the decision that stands.
@@ -647,7 +647,7 @@ def _record(
     after = (
         outcome
         if item is None
-        else (OutcomeState.OPEN if outcome is None else OutcomeState.RESOLVED)
+        else (OutcomeState.OPEN if outcome is None else OutcomeState.SETTLED)
     )
     snapshot = json.loads(json.dumps(shown, default=str))
     return OperatorDecision.objects.create(
@@ -684,14 +684,14 @@ def _apply(item: OutcomeItem, decision: OperatorDecision, outcome: Settlement | 
         )
     elif item.checkpoint_id is not None:
         Checkpoint.objects.filter(pk=item.checkpoint_id, outcome=CheckpointOutcome.UNKNOWN).update(
-            outcome=CheckpointOutcome.RESOLVED_COMMITTED
+            outcome=CheckpointOutcome.SETTLED_COMMITTED
             if result == "committed"
-            else CheckpointOutcome.RESOLVED_NOT_WRITTEN,
+            else CheckpointOutcome.SETTLED_NOT_WRITTEN,
             resolved_at=timezone.now(),
             resolution=f"{decision.decided_by}: {decision.reason}",
         )
     OutcomeItem.objects.filter(pk=item.pk).update(
-        state=OutcomeState.RESOLVED,
+        state=OutcomeState.SETTLED,
         resolution=f"{decision.get_choice_display()} by {decision.decided_by}: {decision.reason}",
         resolved_at=timezone.now(),
         evidence={**item.evidence, "decision": decision.pk},
@@ -783,7 +783,7 @@ def settle_open_items() -> Settled:
             # One item that cannot be asked about holds up no other.
             logger.exception("sweep: item %s not settled", item.pk)
             continue
-        if decided is not None and decided.decision.state_after == OutcomeState.RESOLVED:
+        if decided is not None and decided.decision.state_after == OutcomeState.SETTLED:
             swept.settled += 1
             if decided.run_resumed:
                 swept.runs_resumed.append(item.run_id)

@@ -18,7 +18,7 @@ action of every agent:
 The two settled writes live here, side by side: a step's receipt and an
 answer revision's publication.  Each is fenced by the lease (runs/leases.py),
 and a COMMIT that got no answer is settled by evidence (runs/outcomes.py).
-Each completed action's evidence (the source read, the model call) is
+Each completed action's copies (the source read, the model call) are
 handed to capture (evidence/capture.py), off the main path, once its
 receipt is written.
 
@@ -50,7 +50,7 @@ from typing import Any, NoReturn, TypeVar
 from django.db import DatabaseError, transaction
 from django.utils import timezone
 
-from evidence.capture import RunEvidence
+from evidence.capture import RunCapture
 from runs.checkpoints import Checkpointer
 from runs.faults import FaultPlan, inject_cancel, steal_lease
 from runs.leases import (
@@ -97,9 +97,10 @@ FACT_RETRY_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
-class Completed:
+class AwaitingReceipt:
     """A read this owner has the result of, whose receipt is not written
-    yet: it goes with the run's next write."""
+    yet: it goes with the run's next write.  Not yet `ActionState.COMPLETED`:
+    until that commit a next owner sends the read again."""
 
     action_id: int
     step_key: str
@@ -141,10 +142,10 @@ class Dispatcher:
         # Steps a restored checkpoint already counted: stepping one of these
         # again returns its receipt's result and counts nothing.
         self.covered: set[str] = set()
-        self.evidence = RunEvidence(self.run.pk)
+        self.capture = RunCapture(self.run.pk)
         self.checkpoints = Checkpointer(lease, self.faults)
-        # The newest completed read, until its receipt is written.
-        self.unwritten: Completed | None = None
+        # The newest read whose result is in hand, until its receipt is written.
+        self.unwritten: AwaitingReceipt | None = None
 
     # -- resuming ----------------------------------------------------------
 
@@ -161,7 +162,7 @@ class Dispatcher:
             EventKind.RESUMED,
             f"resumed by epoch {self.lease.epoch} from {len(self.history)} actions",
         )
-        self.evidence.resumed()
+        self.capture.resumed()
         point = self.checkpoints.resume_point(self.history, replay)
         if point is None:
             return None
@@ -213,7 +214,7 @@ class Dispatcher:
         else:
             # Handed over again: the owner that wrote the receipt may have
             # died before capture saved it (capture saves each once).
-            self.evidence.completed(action.pk, tool.name, input, result, sources)
+            self.capture.completed(action.pk, tool.name, input, result, sources)
         if not covered:
             self.progress.taken.append(step_key)
         return result
@@ -310,12 +311,12 @@ class Dispatcher:
     # -- the unwritten receipt -------------------------------------------------
 
     def write_receipt(self) -> None:
-        """Writes the receipt of the newest completed read, if it is not
+        """Writes the receipt of the newest read awaiting one, if it is not
         written yet, on its own: before a write that does not carry it."""
-        completed, self.unwritten = self.unwritten, None
-        if completed is not None:
-            self._record_receipt(completed)
-            self._receipt_written(completed)
+        awaiting, self.unwritten = self.unwritten, None
+        if awaiting is not None:
+            self._record_receipt(awaiting)
+            self._receipt_written(awaiting)
 
     @contextlib.contextmanager
     def receipt_kept(self) -> Iterator[None]:
@@ -344,26 +345,26 @@ class Dispatcher:
     def finish(self, status: RunStatus, reason: str) -> RunStatus:
         """Ends this ownership (Lease.finish), with the last read's receipt
         in the same statement."""
-        completed, self.unwritten = self.unwritten, None
-        if completed is None:
+        awaiting, self.unwritten = self.unwritten, None
+        if awaiting is None:
             return self.lease.finish(status, reason)
-        ended = self.lease.finish(status, reason, receipt=completed.receipt)
-        self._receipt_written(completed)
+        ended = self.lease.finish(status, reason, receipt=awaiting.receipt)
+        self._receipt_written(awaiting)
         return ended
 
-    def _receipt_written(self, completed: Completed) -> None:
+    def _receipt_written(self, awaiting: AwaitingReceipt) -> None:
         """What follows a receipt: the timeline says so, capture saves the
-        action's evidence."""
-        result = completed.result
+        action's copies."""
+        result = awaiting.result
         timeline.record(
             self.run.pk,
             EventKind.ACTION_COMPLETED,
-            completed.step_key + (f" refused: {result['refused']}" if "refused" in result else ""),
-            action_id=completed.action_id,
-            result_digest=completed.receipt.result_digest,
+            awaiting.step_key + (f" refused: {result['refused']}" if "refused" in result else ""),
+            action_id=awaiting.action_id,
+            result_digest=awaiting.receipt.result_digest,
         )
-        self.evidence.completed(
-            completed.action_id, completed.tool.name, completed.input, result, completed.sources
+        self.capture.completed(
+            awaiting.action_id, awaiting.tool.name, awaiting.input, result, awaiting.sources
         )
 
     # -- one step --------------------------------------------------------------
@@ -384,7 +385,7 @@ class Dispatcher:
         read's receipt if it is not written yet (one statement: all commit,
         or nothing)."""
         self._check_can_dispatch()
-        completed, self.unwritten = self.unwritten, None
+        awaiting, self.unwritten = self.unwritten, None
 
         def write(receipt: PendingReceipt | None) -> tuple[int | None]:
             return (
@@ -398,29 +399,29 @@ class Dispatcher:
                 ),
             )
 
-        if completed is None:
+        if awaiting is None:
             (action_id,) = write(None)
         else:
             try:
                 written = self._settled_receipt(
-                    completed,
-                    lambda: write(completed.receipt),
+                    awaiting,
+                    lambda: write(awaiting.receipt),
                     fault=("boundary", self.progress.steps),
                 )
             except (CancelRequested, LeaseExpired):
-                self._receipt_written(completed)  # the receipt went; the boundary did not
+                self._receipt_written(awaiting)  # the receipt went; the boundary did not
                 raise
             except LeaseLost as lost:
                 raise LeaseLost(
-                    f"{lost}, and the receipt of {completed.step_key} with it: the next owner "
+                    f"{lost}, and the receipt of {awaiting.step_key} with it: the next owner "
                     "reads it again"
                 ) from lost
             except DatabaseError:
                 # Answered with an error: the statement rolled back, and the
                 # receipt can still go on its own (receipt_kept).
-                self.unwritten = completed
+                self.unwritten = awaiting
                 raise
-            self._receipt_written(completed)
+            self._receipt_written(awaiting)
             # None: an earlier attempt committed, the boundary with it
             # unless a cancel refused it (then writing it alone says so).
             (action_id,) = written or (self._boundary_id(step_key) or write(None)[0],)
@@ -553,24 +554,24 @@ class Dispatcher:
             self._mark(action_id, ActionState.FAILED, str(error), EventKind.ACTION_FAILED)
             raise ActionFailed(step_key, str(error)) from error
         self.completed_now[step_key] = action_id
-        completed = Completed(
+        awaiting = AwaitingReceipt(
             action_id, step_key, self.progress.steps, tool, input, result, sources
         )
         # An effect's receipt does not wait; nor any in a run whose fault
         # plan aims at a receipt (FaultPlan.aims_at_writes).
         if tool.effect_class == EffectClass.EFFECT or self.faults.aims_at_writes:
-            self._record_receipt(completed)
-            self._receipt_written(completed)
+            self._record_receipt(awaiting)
+            self._receipt_written(awaiting)
         else:
-            self.unwritten = completed
+            self.unwritten = awaiting
         return result
 
-    def _record_receipt(self, completed: Completed) -> None:
+    def _record_receipt(self, awaiting: AwaitingReceipt) -> None:
         """Writes the receipt on its own."""
         self._until_written(
-            f"receipt of {completed.step_key}",
+            f"receipt of {awaiting.step_key}",
             lambda: self._settled_receipt(
-                completed, lambda: self.lease.record_receipt(completed.action_id, completed.result)
+                awaiting, lambda: self.lease.record_receipt(awaiting.action_id, awaiting.result)
             ),
         )
 
@@ -604,26 +605,26 @@ class Dispatcher:
                 pause = min(2 * pause, 2.0)
 
     def _settled_receipt(
-        self, completed: Completed, write: Callable[[], T], *, fault: tuple[str, int] = ("", 0)
+        self, awaiting: AwaitingReceipt, write: Callable[[], T], *, fault: tuple[str, int] = ("", 0)
     ) -> T | None:
-        """Runs a write that carries `completed`'s receipt (alone, or with
+        """Runs a write that carries `awaiting`'s receipt (alone, or with
         what `fault` names: the fault plan's write and step); an unanswered
         COMMIT is settled by evidence (None: an earlier attempt committed)."""
 
         def attempt() -> T:
-            with self.faults.at_commit(*(fault if fault[0] else ("receipt", completed.step))):
+            with self.faults.at_commit(*(fault if fault[0] else ("receipt", awaiting.step))):
                 return write()
 
-        action_id = completed.action_id
+        action_id = awaiting.action_id
         return write_settled(
             attempt,
             lambda: Receipt.objects.filter(action_id=action_id).exists(),
-            what=f"receipt of {completed.step_key}",
+            what=f"receipt of {awaiting.step_key}",
             run_id=self.run.pk,
             kind=OutcomeKind.RECEIPT,
             subject=f"receipt:action-{action_id}",
             lease_epoch=self.lease.epoch,
-            afterwards=f"{completed.step_key} completed; the run waits for an operator",
+            afterwards=f"{awaiting.step_key} completed; the run waits for an operator",
             action_id=action_id,
         )
 

@@ -1,4 +1,5 @@
-"""Fault drills: reliability checks run in reverse, on this installation.
+"""Fault drills: the essay's reverse checks, four questions asked on this
+installation.
 
 Each scenario creates one failure on purpose, on real runs in the
 configured database (marked `is_drill`), and asks what must remain true:
@@ -95,7 +96,7 @@ from runs.timeline import EventKind, timeline
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md", "meridian-world-equity.md"]
-CHECKS = (
+QUESTIONS = (
     "committed_content_readable",
     "independent_work_continued",
     "original_action_executed_once",
@@ -117,17 +118,17 @@ class NotRun(Exception):
 class Finding:
     """The answers to the four questions, and what supports them."""
 
-    checks: dict[str, bool | None] = field(default_factory=lambda: dict.fromkeys(CHECKS))
+    answers: dict[str, bool | None] = field(default_factory=lambda: dict.fromkeys(QUESTIONS))
     detail: list[str] = field(default_factory=list)
 
-    def answer(self, check: str, value: bool | None, why: str) -> None:
-        self.checks[check] = value
+    def answer(self, question: str, value: bool | None, why: str) -> None:
+        self.answers[question] = value
         said = "n/a" if value is None else "yes" if value else "NO"
-        self.detail.append(f"{check}: {said}: {why}")
+        self.detail.append(f"{question}: {said}: {why}")
 
     @property
     def passed(self) -> bool:
-        return all(value is not False for value in self.checks.values())
+        return all(value is not False for value in self.answers.values())
 
 
 class Lab:
@@ -328,12 +329,12 @@ def content_readable(finding: Finding, run: Run, *, expect_final: bool = True) -
     readable = final is not None and final.content_digest == digest(final.content)
     receipts = sum(hasattr(a, "receipt") for a in actions)
     if broken:
-        finding.answer(CHECKS[0], False, f"receipts that do not verify: {broken}")
+        finding.answer(QUESTIONS[0], False, f"receipts that do not verify: {broken}")
     elif expect_final and not readable:
-        finding.answer(CHECKS[0], False, "no final answer that reads back")
+        finding.answer(QUESTIONS[0], False, "no final answer that reads back")
     else:
         said = "the final answer reads back whole, " if readable else ""
-        finding.answer(CHECKS[0], True, f"{said}{receipts} receipts verify")
+        finding.answer(QUESTIONS[0], True, f"{said}{receipts} receipts verify")
 
 
 def work_continued(finding: Finding, run: Run) -> None:
@@ -346,7 +347,7 @@ def work_continued(finding: Finding, run: Run) -> None:
     ).exists()
     done = run.status == RunStatus.COMPLETED and delivered and summaries == len(DOCS)
     finding.answer(
-        CHECKS[1],
+        QUESTIONS[1],
         done,
         f"run {run.pk} {run.status}, {summaries} of {len(DOCS)} documents summarised, "
         f"report {'delivered' if delivered else 'not delivered'}",
@@ -366,7 +367,7 @@ def executed_once(finding: Finding, lab: Lab, runs: list[Run]) -> None:
         if ran > (1 if once else action.attempts):
             problems.append(f"{action.step_key} ran {ran} times ({action.attempts} attempts)")
     finding.answer(
-        CHECKS[2],
+        QUESTIONS[2],
         not problems,
         "; ".join(problems) or f"{total} real executions, none repeated by accident",
     )
@@ -387,13 +388,13 @@ def boundaries(finding: Finding, lab: Lab, runs: list[Run], *also: tuple[bool, s
     problems += [what for kept, what in also if not kept]
     kept = [what for ok, what in also if ok]
     finding.answer(
-        CHECKS[3],
+        QUESTIONS[3],
         not problems,
         "; ".join(problems) or "; ".join(["every execution had its boundary", *kept]),
     )
 
 
-def full_run_checks(lab: Lab, run: Run, *also: tuple[bool, str]) -> Finding:
+def full_run_answers(lab: Lab, run: Run, *also: tuple[bool, str]) -> Finding:
     finding = Finding()
     content_readable(finding, run)
     work_continued(finding, run)
@@ -420,7 +421,7 @@ def capture_row_lock(lab: Lab) -> Finding:
         evidence.capture.capture.flush()
     evidence.capture.capture.flush()
     lost = gaps_of(run)
-    return full_run_checks(lab, run, (lost > 0, f"capture left {lost} gaps, never waited"))
+    return full_run_answers(lab, run, (lost > 0, f"capture left {lost} gaps, never waited"))
 
 
 def _tables_locked(lab: Lab, tables: list[str], mode: str) -> Finding:
@@ -430,7 +431,7 @@ def _tables_locked(lab: Lab, tables: list[str], mode: str) -> Finding:
         evidence.capture.capture.flush()
     evidence.capture.capture.flush()
     lost = gaps_of(run)
-    return full_run_checks(
+    return full_run_answers(
         lab, run, (lost > 0, f"{', '.join(tables)} locked ({mode}): {lost} gaps, never waited")
     )
 
@@ -467,7 +468,9 @@ def capture_queue_full(lab: Lab) -> Finding:
         lab.drive(run)
         writer.flush()
     lost = gaps_of(run)
-    return full_run_checks(lab, run, (lost > 0, f"a full queue: {lost} gaps, the run never waited"))
+    return full_run_answers(
+        lab, run, (lost > 0, f"a full queue: {lost} gaps, the run never waited")
+    )
 
 
 def database_stalled_for_capture(lab: Lab) -> Finding:
@@ -481,7 +484,7 @@ def database_stalled_for_capture(lab: Lab) -> Finding:
             took = time.monotonic() - started
         finally:
             evidence.capture.capture.flush(timeout=30)
-    return full_run_checks(
+    return full_run_answers(
         lab, run, (took < 9, f"the run took {took:.1f} s while capture stalled 9 s")
     )
 
@@ -491,7 +494,7 @@ def checkpoint_fails_before_write(lab: Lab) -> Finding:
     run = lab.submit([{"point": "checkpoint_serialize_error", "action": 1}])
     lab.drive(run)
     failed = run.checkpoints.filter(outcome="failed_before_write").count()
-    return full_run_checks(
+    return full_run_answers(
         lab,
         run,
         (failed == 1, "the failed checkpoint is recorded; the phase stayed research"),
@@ -508,7 +511,7 @@ def _commit_lost(lab: Lab, write: str, action: int) -> Finding:
         EventKind.OUTCOME_SETTLED in kinds
         and not OutcomeItem.objects.filter(run=run, state=OutcomeState.OPEN).exists()
     )
-    return full_run_checks(
+    return full_run_answers(
         lab,
         run,
         (unanswered, f"the {write} COMMIT went unanswered and was recorded as unknown"),
@@ -560,7 +563,7 @@ def delivery_answer_lost(lab: Lab) -> Finding:
             ),
         )
     lab.drive(run)
-    return full_run_checks(
+    return full_run_answers(
         lab,
         run,
         (waited, "the lost answer became an open item; the run waited, nothing resent"),
@@ -576,7 +579,7 @@ def lease_stolen(lab: Lab) -> Finding:
     expire_lease(run)
     lab.drive(run)
     epochs = set(run.actions.values_list("epoch", flat=True))
-    return full_run_checks(
+    return full_run_answers(
         lab,
         run,
         (first == Ending.LEASE_LOST, "the old owner stopped at its next fenced write"),
@@ -590,7 +593,7 @@ def cancel_mid_run(lab: Lab) -> Finding:
     ending = lab.drive(run)
     finding = Finding()
     content_readable(finding, run, expect_final=False)
-    finding.answer(CHECKS[1], None, "a cancel ends the run: no work is to continue")
+    finding.answer(QUESTIONS[1], None, "a cancel ends the run: no work is to continue")
     executed_once(finding, lab, [run])
     later = run.actions.exclude(step_key__in=["read:0", "summarize:0"]).count()
     boundaries(
@@ -614,7 +617,7 @@ def cancel_of_dead_owner(lab: Lab) -> Finding:
     run.refresh_from_db()
     finding = Finding()
     content_readable(finding, run, expect_final=False)
-    finding.answer(CHECKS[1], None, "a cancel ends the run: no work is to continue")
+    finding.answer(QUESTIONS[1], None, "a cancel ends the run: no work is to continue")
     executed_once(finding, lab, [run])
     boundaries(
         finding,
@@ -642,7 +645,7 @@ def executor_killed(lab: Lab) -> Finding:
     process.kill()
     expire_lease(run)
     lab.drive(run)
-    return full_run_checks(lab, run, (run.lease_epoch >= 2, "a new epoch resumed the run"))
+    return full_run_answers(lab, run, (run.lease_epoch >= 2, "a new epoch resumed the run"))
 
 
 def _worker(lab: Lab) -> GroupProcess:
@@ -668,7 +671,7 @@ def celery_worker_killed(lab: Lab) -> Finding:
     wait_for(lambda: Run.objects.get(pk=run.pk).status == RunStatus.COMPLETED, "completion")
     timeline.flush()
     run.refresh_from_db()
-    return full_run_checks(lab, run, (run.lease_epoch >= 2, "another worker resumed the run"))
+    return full_run_answers(lab, run, (run.lease_epoch >= 2, "another worker resumed the run"))
 
 
 def _trigger_on_receipts(run: Run, body: str) -> contextlib.AbstractContextManager[None]:
@@ -684,11 +687,11 @@ def _no_local_handling(lab: Lab, run: Run, ending: Ending, bad: str, said: str) 
     # The bad receipt is the fault itself: what must be readable is the
     # run's own account of why it stopped.
     finding.answer(
-        CHECKS[0],
+        QUESTIONS[0],
         said in run.status_reason,
         f"the run says why it stopped: {run.status_reason}",
     )
-    finding.answer(CHECKS[1], None, "the run must wait for an operator: nothing is to continue")
+    finding.answer(QUESTIONS[1], None, "the run must wait for an operator: nothing is to continue")
     action = run.actions.get(step_key=bad)
     after = run.actions.filter(pk__gt=action.pk)
     published = AnswerRevision.objects.filter(run=run, committed_at__gt=action.dispatched_at)
@@ -757,7 +760,7 @@ def postgres_restarted(lab: Lab) -> Finding:
     if run.status != RunStatus.COMPLETED:
         expire_lease(run)
         lab.drive(run)
-    return full_run_checks(
+    return full_run_answers(
         lab, run, (restarted, "PostgreSQL restarted while the run was at its third receipt")
     )
 
@@ -808,11 +811,11 @@ def run_scenario(drill: Drill, name: str) -> DrillResult:
             with lab.settings():
                 finding = SCENARIOS[name](lab)
             verdict = DrillVerdict.PASSED if finding.passed else DrillVerdict.FAILED
-            checks, detail = finding.checks, "\n".join(finding.detail)
+            answers, detail = finding.answers, "\n".join(finding.detail)
         except NotRun as reason:
-            verdict, checks, detail = DrillVerdict.NOT_RUN, dict.fromkeys(CHECKS), str(reason)
+            verdict, answers, detail = DrillVerdict.NOT_RUN, dict.fromkeys(QUESTIONS), str(reason)
         except Exception as error:
-            verdict, checks = DrillVerdict.FAILED, dict.fromkeys(CHECKS)
+            verdict, answers = DrillVerdict.FAILED, dict.fromkeys(QUESTIONS)
             detail = f"the scenario could not finish: {error!r}"
             connection.close_if_unusable_or_obsolete()
         finally:
@@ -822,7 +825,7 @@ def run_scenario(drill: Drill, name: str) -> DrillResult:
         scenario=name,
         verdict=verdict,
         seconds=round(time.monotonic() - started, 2),
-        checks=checks,
+        checks=answers,  # the column keeps its name (schema)
         detail=detail,
         run_ids=[run.pk for run in lab.runs],
     )
@@ -915,7 +918,7 @@ def report(drilled: Drilled) -> dict[str, Any]:
                 "verdict": result.verdict,
                 **({"why": result.detail} if result.verdict == DrillVerdict.NOT_RUN else {}),
                 "seconds": result.seconds,
-                "checks": {check: result.checks.get(check) for check in CHECKS},
+                "checks": {question: result.checks.get(question) for question in QUESTIONS},
                 "detail": result.detail,
             }
             for result in drilled.results

@@ -344,7 +344,7 @@ def afterwards(item: OutcomeItem) -> list[dict[str, str]]:
 def history(decisions: QuerySet[OperatorDecision]) -> list[OperatorDecision]:
     rows = list(decisions.select_related("user").order_by("created_at", "id"))
     for decision in rows:
-        decision.after_label = decision.state_after.replace("_", " ")
+        decision.after_label = plain(OutcomeState, decision.state_after)
     return rows
 
 

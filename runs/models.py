@@ -128,7 +128,7 @@ class RunQuerySet(models.QuerySet["Run"]):
         return self.filter(imported_at__isnull=True)
 
     def imported(self) -> RunQuerySet:
-        """Runs opened from an investigation bundle (evidence/imports.py)."""
+        """Runs opened from an investigation bundle (evidence/opening.py)."""
         return self.filter(imported_at__isnull=False)
 
     def listing(self) -> RunQuerySet:
@@ -328,7 +328,7 @@ class Run(models.Model):
     # drives it itself, or hands it to a Celery worker by its id).
     is_drill = models.BooleanField(default=False)
 
-    # An imported run (evidence/imports.py; `imported_at` is set): a run of
+    # An imported run (evidence/opening.py; `imported_at` is set): a run of
     # another installation, opened from its investigation bundle.  It is
     # read-only here: it keeps the status it had there, but nothing claims,
     # resumes, cancels or decides it (RunQuerySet.local()).  The seal names
@@ -339,7 +339,7 @@ class Run(models.Model):
     origin_exported_at = models.DateTimeField(null=True, blank=True)
     origin_format = models.CharField(max_length=40, blank=True)
     # The bundle's manifest as verified: every file's SHA-256, what was
-    # redacted where (counts), whether evidence copies were included.
+    # redacted where (counts), whether copies of model calls were included.
     origin_manifest = models.JSONField(null=True, blank=True)
     imported_at = models.DateTimeField(null=True, blank=True, help_text="Set: an imported run")
 
@@ -585,8 +585,11 @@ class CheckpointOutcome(models.TextChoices):
     COMMITTED = "committed"
     FAILED_BEFORE_WRITE = "failed_before_write"  # known not written
     UNKNOWN = "unknown"  # COMMIT sent, no answer: only evidence settles it
-    RESOLVED_COMMITTED = "resolved_committed"
-    RESOLVED_NOT_WRITTEN = "resolved_not_written"
+    # Settled by evidence or an operator.  The stored values and labels keep
+    # the word "resolved": they are schema, and the bundles' and `outcomes
+    # --json`'s values (docs/DESIGN.md, Words).
+    SETTLED_COMMITTED = "resolved_committed", "Resolved Committed"
+    SETTLED_NOT_WRITTEN = "resolved_not_written", "Resolved Not Written"
 
 
 class Checkpoint(models.Model):
@@ -648,7 +651,9 @@ class OutcomeKind(models.TextChoices):
 
 class OutcomeState(models.TextChoices):
     OPEN = "open"
-    RESOLVED = "resolved"
+    # The stored value and label keep "resolved" (schema, and the value of
+    # `outcomes --json`'s "state"; docs/DESIGN.md, Words).
+    SETTLED = "resolved", "Resolved"
 
 
 # The items a run must wait for: an unknown receipt, publication or effect.
@@ -716,7 +721,7 @@ class OutcomeItem(models.Model):
         constraints = [
             models.CheckConstraint(
                 condition=Q(state=OutcomeState.OPEN, resolved_at__isnull=True)
-                | Q(state=OutcomeState.RESOLVED, resolved_at__isnull=False),
+                | Q(state=OutcomeState.SETTLED, resolved_at__isnull=False),
                 name="outcome_resolved_has_time",
             ),
         ]
@@ -878,7 +883,7 @@ class OperatorDecision(models.Model):
             # Two operators deciding one item at once: exactly one settles it.
             models.UniqueConstraint(
                 fields=["item"],
-                condition=Q(state_after=OutcomeState.RESOLVED, item__isnull=False),
+                condition=Q(state_after=OutcomeState.SETTLED, item__isnull=False),
                 name="decision_one_settles_an_item",
             ),
             models.CheckConstraint(

@@ -331,9 +331,9 @@ def settle_checkpoint(record: Checkpoint, settlement: Settlement) -> None:
     if settlement.outcome == "unknown":
         return
     outcome = (
-        CheckpointOutcome.RESOLVED_COMMITTED
+        CheckpointOutcome.SETTLED_COMMITTED
         if settlement.outcome == "committed"
-        else CheckpointOutcome.RESOLVED_NOT_WRITTEN
+        else CheckpointOutcome.SETTLED_NOT_WRITTEN
     )
     Checkpoint.objects.filter(pk=record.pk, outcome=CheckpointOutcome.UNKNOWN).update(
         outcome=outcome, resolved_at=timezone.now(), resolution=settlement.describe()

@@ -58,8 +58,8 @@ PLAIN: dict[type[TextChoices], dict[str, str]] = {
         CheckpointOutcome.COMMITTED: "committed",
         CheckpointOutcome.FAILED_BEFORE_WRITE: "failed before write",
         CheckpointOutcome.UNKNOWN: "unknown: COMMIT sent, no answer",
-        CheckpointOutcome.RESOLVED_COMMITTED: "committed (settled by evidence)",
-        CheckpointOutcome.RESOLVED_NOT_WRITTEN: "not written (settled by evidence)",
+        CheckpointOutcome.SETTLED_COMMITTED: "committed (settled by evidence)",
+        CheckpointOutcome.SETTLED_NOT_WRITTEN: "not written (settled by evidence)",
     },
     OutcomeKind: {
         OutcomeKind.CHECKPOINT: "checkpoint",
@@ -69,7 +69,7 @@ PLAIN: dict[type[TextChoices], dict[str, str]] = {
     },
     OutcomeState: {
         OutcomeState.OPEN: "open",
-        OutcomeState.RESOLVED: "settled",
+        OutcomeState.SETTLED: "settled",
     },
     EventKind: {
         EventKind.SUBMITTED: "submitted",

@@ -167,7 +167,7 @@ def test_an_item_settled_before_its_alert_went_out_is_not_announced(settings):
         settings.RUNDESK_ALERT_URL = receiver.url
         item = item_on(RunStatus.NEEDS_OPERATOR)
         OutcomeItem.objects.filter(pk=item.pk).update(
-            state=OutcomeState.RESOLVED, resolved_at=timezone.now(), resolution="settled"
+            state=OutcomeState.SETTLED, resolved_at=timezone.now(), resolution="settled"
         )
         assert deliver_due().withdrawn == [item.alerts.get().pk]
         assert deliver_due() == Delivered()

@@ -1,5 +1,5 @@
 """The inbox in a real browser (Debian's Chromium, Playwright): an operator
-opens the inbox, reads an item's evidence, says why, resolves it, and sees
+opens the inbox, reads an item's evidence, says why, settles it, and sees
 the decision in the history; the run then completes with one delivery.
 
 Screenshots go to var/screenshots/ (`RUNDESK_SCREENSHOTS=docs/screenshots`
@@ -29,7 +29,7 @@ def operator_name() -> str:
     return "olga"  # the decision's history names her
 
 
-def test_an_operator_resolves_a_lost_delivery_through_the_inbox(page: Page, settings, journal):
+def test_an_operator_settles_a_lost_delivery_through_the_inbox(page: Page, settings, journal):
     with LocalServer(status(200)) as receiver:
         settings.RUNDESK_DELIVERY_URL = receiver.url
         late = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
@@ -73,10 +73,10 @@ def test_an_operator_resolves_a_lost_delivery_through_the_inbox(page: Page, sett
         history = page.locator(f"#decision-{decision.pk}")
         expect(history).to_contain_text("olga")
         expect(history).to_contain_text("Delivery D-7 is in the receiver's log")
-        expect(history).to_contain_text("open → resolved")
+        expect(history).to_contain_text("open → settled")
         expect(page.locator("#item-decide")).to_have_count(0)  # nothing left to decide
         page.screenshot(path=SCREENSHOTS / "inbox-item-decided.png", full_page=True)
 
-        assert OutcomeItem.objects.get(pk=item.pk).state == OutcomeState.RESOLVED
+        assert OutcomeItem.objects.get(pk=item.pk).state == OutcomeState.SETTLED
         assert claim_and_drive(run.pk) == RunStatus.COMPLETED
         assert len(receiver.requests) == 1  # never sent again

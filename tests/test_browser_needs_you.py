@@ -106,7 +106,7 @@ def test_at_3am_sign_in_shows_the_waiting_run_and_deciding_lets_it_go_on(
         form.locator("input[name=reference]").fill("D-9")
         form.get_by_role("button", name="Record the decision").click()
         expect(page.locator("ul.messages")).to_contain_text(f"Run {run.pk} is back in the queue")
-        assert OutcomeItem.objects.get(pk=item.pk).state == OutcomeState.RESOLVED
+        assert OutcomeItem.objects.get(pk=item.pk).state == OutcomeState.SETTLED
 
         # The run continues from its receipts, and never sends again.
         assert claim_and_drive(run.pk) == RunStatus.COMPLETED

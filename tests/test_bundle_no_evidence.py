@@ -12,8 +12,8 @@ import pytest
 from django.core.management import call_command
 
 from evidence import bundles
-from evidence.imports import open_bundle
 from evidence.models import EvidenceCopy, ModelCall
+from evidence.opening import open_bundle
 from runs.models import Action, ActionState, Checkpoint, Receipt, Run, digest
 from tests import test_bundles
 
@@ -158,7 +158,7 @@ def test_a_bundle_without_evidence_opens_as_an_imported_run(decided_run, tmp_pat
     path = tmp_path / "shared.zip"
     bundles.export(decided_run.pk, path, include_evidence=False)
     opened = open_bundle(path)
-    assert opened.imported
+    assert opened.first_time
     assert opened.run.actions.count() == decided_run.actions.count()
 
 

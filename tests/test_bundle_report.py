@@ -212,9 +212,10 @@ def test_the_report_points_nowhere_and_runs_no_model_output(settled):
 def test_evidence_copies_are_left_out_when_asked(settled):
     run, _ = settled
     copies = list(EvidenceCopy.objects.filter(run=run))
-    assert copies, "the run captured no evidence copy"
+    assert copies, "the run captured no copy of a model call"
     html = report_html(run, include_evidence=False)
-    assert 'id="copies-left-out"' in html and f"{len(copies)} evidence cop" in html
+    assert 'id="copies-left-out"' in html and f"{len(copies)} cop" in html
+    assert "of model calls (inputs and outputs) left out" in html
     assert 'id="copies"' not in html
     assert not any(f'id="copy-{copy.pk}-output"' in html for copy in copies)
 

@@ -24,7 +24,7 @@ from django.test import override_settings
 from dashboard import settings as project_settings
 from evidence import bundle_signing, bundles
 from evidence.bundle_signing import SignerKind
-from evidence.imports import ImportRefused, open_bundle
+from evidence.opening import OpenRefused, open_bundle
 from runs.models import Run
 from tests import test_bundles
 
@@ -128,7 +128,7 @@ def test_a_bundle_forged_with_recomputed_hashes_and_seal_is_refused(decided_run,
     code, out, _ = verify_command(path, "--json")
     assert code == 1 and json.loads(out)["ok"] is False
     runs = Run.objects.count()
-    with pytest.raises(ImportRefused):
+    with pytest.raises(OpenRefused):
         open_bundle(path)
     assert Run.objects.count() == runs
 
@@ -145,7 +145,7 @@ def test_a_bundle_signed_again_with_another_key_is_not_known_here(decided_run, t
     assert checked.problems == [f"manifest.json: {checked.signer.words}"]
     code, out, err = verify_command(path)
     assert code == 1 and "not known here" in err and "ok" not in out
-    with pytest.raises(ImportRefused):
+    with pytest.raises(OpenRefused):
         open_bundle(path)
 
     # Trusted here by name: the same bundle is authenticated, and says whose.

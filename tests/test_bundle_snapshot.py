@@ -14,7 +14,7 @@ from django.db import connection
 from django.utils import timezone
 
 from evidence import bundles
-from evidence.imports import open_bundle
+from evidence.opening import open_bundle
 from runs.models import Action, ActionState, Receipt, RunEvent, digest
 from runs.timeline import EventKind
 from tests import test_bundles
@@ -95,7 +95,7 @@ def test_a_run_that_moves_during_its_export_gives_a_bundle_of_one_moment(decided
     assert {receipt["action_id"] for receipt in rows["receipts.jsonl"]} <= actions
     assert {event["action_id"] for event in rows["events.jsonl"]} - {None} <= actions
     assert bundles.verify(path).ok
-    assert open_bundle(path).imported
+    assert open_bundle(path).first_time
 
 
 def test_the_export_reads_in_a_read_only_repeatable_read_transaction(decided_run, tmp_path):

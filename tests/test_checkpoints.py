@@ -175,7 +175,7 @@ def test_unanswered_checkpoint_that_committed_is_adopted_by_its_xid(journal):
     run, outcome = run_with(plan)
 
     record = run.checkpoints.get(number=1, state__isnull=True)
-    assert record.outcome == CheckpointOutcome.RESOLVED_COMMITTED
+    assert record.outcome == CheckpointOutcome.SETTLED_COMMITTED
     assert "status committed" in record.resolution
     written = run.checkpoints.get(number=1, state__isnull=False)
     assert written.xid == record.xid and xact_status(record.xid) == "committed"
@@ -196,7 +196,7 @@ def test_unanswered_checkpoint_that_aborted_is_known_not_written_and_not_written
     run, outcome = run_with(plan)
 
     record = run.checkpoints.get(number=1)
-    assert record.outcome == CheckpointOutcome.RESOLVED_NOT_WRITTEN
+    assert record.outcome == CheckpointOutcome.SETTLED_NOT_WRITTEN
     assert xact_status(record.xid) == "aborted"
     assert not run.checkpoints.filter(number=1, state__isnull=False).exists()
     assert outcome == RunStatus.COMPLETED
@@ -237,8 +237,8 @@ def test_checkpoint_still_in_flight_stays_unknown_until_its_xid_settles_it(journ
     assert settle_open_items().settled == 1
     record.refresh_from_db()
     item.refresh_from_db()
-    assert record.outcome == CheckpointOutcome.RESOLVED_COMMITTED
-    assert item.state == OutcomeState.RESOLVED and "committed" in item.resolution
+    assert record.outcome == CheckpointOutcome.SETTLED_COMMITTED
+    assert item.state == OutcomeState.SETTLED and "committed" in item.resolution
     assert run.checkpoints.filter(number=1, state__isnull=False).count() == 1
     assert settle_open_items().settled == 0
 
@@ -401,7 +401,7 @@ def test_an_unanswered_checkpoint_with_the_lease_lost_is_not_handled_locally(jou
     assert len(raised) == 1 and isinstance(raised[0], LeaseLost)
     assert "checkpoint 1 unanswered, and the lease is lost: no local handling" in str(raised[0])
     # The unknown outcome was still settled and recorded.
-    assert run.checkpoints.get(state__isnull=True).outcome == CheckpointOutcome.RESOLVED_COMMITTED
+    assert run.checkpoints.get(state__isnull=True).outcome == CheckpointOutcome.SETTLED_COMMITTED
 
 
 def test_a_checkpoint_that_disagrees_with_the_receipts_is_ignored(journal):
@@ -484,8 +484,8 @@ def test_a_checkpoint_left_unknown_by_an_owner_that_stopped_is_settled_by_its_xi
     left.refresh_from_db()
     assert swept.checkpoints == [run.pk] and left.resolved_at is not None
     assert left.outcome == (
-        CheckpointOutcome.RESOLVED_COMMITTED
+        CheckpointOutcome.SETTLED_COMMITTED
         if ended == "committed"
-        else CheckpointOutcome.RESOLVED_NOT_WRITTEN
+        else CheckpointOutcome.SETTLED_NOT_WRITTEN
     )
     assert sweep().checkpoints == []

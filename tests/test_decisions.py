@@ -85,7 +85,7 @@ def test_confirmed_happened_completes_the_run_without_sending_again(lost_deliver
         item.pk,
         asked(DecisionChoice.CONFIRMED_HAPPENED, operator, reason="in their log", reference="D-7"),
     )
-    assert decided.run_resumed and decided.decision.state_after == OutcomeState.RESOLVED
+    assert decided.run_resumed and decided.decision.state_after == OutcomeState.SETTLED
     receipt = Receipt.objects.get(action=item.action)
     assert receipt.verifies(receipt.action)
     assert receipt.result["confirmed_by"] == "olga" and receipt.result["reference"] == "D-7"
@@ -305,7 +305,7 @@ def test_check_again_settles_what_the_evidence_now_can(journal, operator):
     item = OutcomeItem.objects.get(run=run)
     wait_for(lambda: xact_status(item.xid) == "committed")
     decided = decide(item.pk, asked(DecisionChoice.CHECK_AGAIN, operator, reason="look again"))
-    assert decided.decision.state_after == OutcomeState.RESOLVED and decided.run_resumed
+    assert decided.decision.state_after == OutcomeState.SETTLED and decided.run_resumed
 
 
 # -- the decisions themselves ----------------------------------------------------------

@@ -34,8 +34,8 @@ def test_each_decision_table_run_of_the_demo_ends_as_its_row_says(settings):
     records = [run.checkpoints.filter(state__isnull=True).first() for run in runs[:4]]
     assert [r.outcome for r in records] == [
         CheckpointOutcome.FAILED_BEFORE_WRITE,
-        CheckpointOutcome.RESOLVED_COMMITTED,
-        CheckpointOutcome.RESOLVED_NOT_WRITTEN,
+        CheckpointOutcome.SETTLED_COMMITTED,
+        CheckpointOutcome.SETTLED_NOT_WRITTEN,
         CheckpointOutcome.UNKNOWN,
     ]
     items = {item.run_id: item for item in OutcomeItem.objects.all()}
@@ -46,4 +46,4 @@ def test_each_decision_table_run_of_the_demo_ends_as_its_row_says(settings):
     wait_for(lambda: xact_status(late.xid) == "committed")
     assert settle_open_items().settled == 1
     records[3].refresh_from_db()
-    assert records[3].outcome == CheckpointOutcome.RESOLVED_COMMITTED
+    assert records[3].outcome == CheckpointOutcome.SETTLED_COMMITTED

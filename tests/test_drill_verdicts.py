@@ -10,7 +10,7 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 
-from runs.drills import CHECKS, Drilled, report
+from runs.drills import QUESTIONS, Drilled, report
 from runs.models import Drill, DrillResult, DrillVerdict
 from tests.conftest import database_url
 
@@ -48,7 +48,7 @@ def test_a_failed_scenario_reads_failed_and_the_totals_agree():
             scenario=name,
             verdict=verdict,
             seconds=1.0,
-            checks=dict.fromkeys(CHECKS),
+            checks=dict.fromkeys(QUESTIONS),
             detail=detail,
         )
         for name, verdict, detail in [

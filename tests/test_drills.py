@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from runs import tasks
 from runs.drills import (
-    CHECKS,
+    QUESTIONS,
     SCENARIOS,
     DrillRunning,
     Finding,
@@ -73,7 +73,7 @@ def test_every_drill_scenario_passes_on_this_database(tmp_path: Path) -> None:
     restarted = next(s for s in report["scenarios"] if s["name"] == "postgres_restarted")
     assert "does not control this PostgreSQL" in restarted["detail"]
     for scenario in report["scenarios"]:
-        assert set(scenario["checks"]) == set(CHECKS) and scenario["seconds"] >= 0
+        assert set(scenario["checks"]) == set(QUESTIONS) and scenario["seconds"] >= 0
     # Every check that applied was answered from the data; those that do not
     # apply say why.
     cancel = next(s for s in report["scenarios"] if s["name"] == "cancel_mid_run")
@@ -95,7 +95,7 @@ def test_the_questions_fail_when_the_data_says_so(tmp_path: Path, settings: obje
     clean = Finding()
     executed_once(clean, lab, [run])
     boundaries(clean, lab, [run])
-    assert clean.passed and clean.checks[CHECKS[2]] and clean.checks[CHECKS[3]]
+    assert clean.passed and clean.answers[QUESTIONS[2]] and clean.answers[QUESTIONS[3]]
 
     # The delivery ran twice, and something ran that never had a boundary.
     lines = lab.journal.read_text().splitlines()
@@ -105,8 +105,8 @@ def test_the_questions_fail_when_the_data_says_so(tmp_path: Path, settings: obje
     dirty = Finding()
     executed_once(dirty, lab, [run])
     boundaries(dirty, lab, [run])
-    assert dirty.checks[CHECKS[2]] is False and "deliver ran 2 times" in dirty.detail[0]
-    assert dirty.checks[CHECKS[3]] is False and "read:9" in dirty.detail[1]
+    assert dirty.answers[QUESTIONS[2]] is False and "deliver ran 2 times" in dirty.detail[0]
+    assert dirty.answers[QUESTIONS[3]] is False and "read:9" in dirty.detail[1]
     assert not dirty.passed
 
 
@@ -119,7 +119,7 @@ def test_the_drills_page_shows_results_and_an_operator_starts_a_drill(
         scenario="lease_stolen",
         verdict=DrillVerdict.FAILED,
         seconds=1.5,
-        checks=dict.fromkeys(CHECKS, True) | {"boundaries_kept": False},
+        checks=dict.fromkeys(QUESTIONS, True) | {"boundaries_kept": False},
         detail="boundaries_kept: NO: <script>x</script>",
     )
     page = viewer.get("/drills/")

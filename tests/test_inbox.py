@@ -163,7 +163,7 @@ def test_the_inbox_lists_open_items_oldest_first_with_what_each_blocks(viewer):
     requeued = item_on(RunStatus.QUEUED)
     settled = item_on(RunStatus.NEEDS_OPERATOR)
     OutcomeItem.objects.filter(pk=settled.pk).update(
-        state=OutcomeState.RESOLVED, resolved_at=settled.created_at, resolution="by evidence"
+        state=OutcomeState.SETTLED, resolved_at=settled.created_at, resolution="by evidence"
     )
     page = viewer.get("/inbox/").content.decode()
     rows = re.findall(r'<tr class="blocks-(\w+)">\s*<td><a href="/inbox/(\d+)/"', page)
@@ -226,7 +226,7 @@ def test_the_rows_refresh_while_items_are_open_and_stop_when_none_is(viewer):
     fragment = response.content.decode()
     assert fragment.lstrip().startswith('<tbody id="inbox-rows"') and "every 3s" in fragment
     OutcomeItem.objects.filter(pk=item.pk).update(
-        state=OutcomeState.RESOLVED, resolved_at=item.created_at, resolution="by evidence"
+        state=OutcomeState.SETTLED, resolved_at=item.created_at, resolution="by evidence"
     )
     response = viewer.get("/inbox/", **headers)
     assert response.status_code == 286  # htmx stops polling
@@ -287,7 +287,7 @@ def test_confirmed_happened_through_the_page_completes_the_run_with_one_delivery
     response = operator.post(f"/inbox/{item.pk}/decide/", form)
     assert response.status_code == 302 and response["Location"] == f"/inbox/{item.pk}/"
     item.refresh_from_db()
-    assert item.state == OutcomeState.RESOLVED
+    assert item.state == OutcomeState.SETTLED
     assert Run.objects.get(pk=run.pk).status == RunStatus.QUEUED
     decision = OperatorDecision.objects.get(item=item)
     assert (decision.decided_by, decision.reason, decision.reference) == (
@@ -374,7 +374,7 @@ def test_two_operators_posting_at_once_make_exactly_one_decision(lost_delivery):
         thread.join(30)
     assert sorted(statuses) == [200, 409]
     assert OperatorDecision.objects.filter(item=item).count() == 1
-    assert OutcomeItem.objects.get(pk=item.pk).state == OutcomeState.RESOLVED
+    assert OutcomeItem.objects.get(pk=item.pk).state == OutcomeState.SETTLED
 
 
 @pytest.mark.parametrize(

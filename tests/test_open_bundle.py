@@ -27,8 +27,8 @@ from django.test import Client
 from django.utils import timezone
 
 from evidence import bundles
-from evidence.imports import ImportRefused, open_bundle
 from evidence.models import CaptureGap, EvidenceCopy, LockIncident, LockWait, ModelCall, Source
+from evidence.opening import OpenRefused, open_bundle
 from runs.decisions import (
     DecisionRefused,
     Request,
@@ -317,7 +317,7 @@ def test_two_opening_the_same_bundle_at_once_make_one_run(decided_run, tmp_path)
         try:
             start.wait()
             result = open_bundle(path)
-            results.append((result.run.pk, result.imported))
+            results.append((result.run.pk, result.first_time))
         finally:
             connection.close()
 
@@ -424,7 +424,7 @@ def test_a_file_changed_after_verification_is_refused_and_nothing_is_written(
     rewrite(path, events_changed)
     monkeypatch.setattr(bundles, "verify", lambda _: verified)  # the file changed since
     before = counts()
-    with pytest.raises(ImportRefused, match=r"events\.jsonl: changed since it was verified"):
+    with pytest.raises(OpenRefused, match=r"events\.jsonl: changed since it was verified"):
         open_bundle(path)
     assert counts() == before
 
@@ -452,7 +452,7 @@ def reseal(files: dict[str, bytes]) -> None:
 def test_a_sealed_bundle_with_rows_no_export_writes_is_refused(
     decided_run, tmp_path, monkeypatch, row, refused
 ):
-    monkeypatch.setattr("evidence.imports.MAX_ROW_BYTES", 500_000)
+    monkeypatch.setattr("evidence.opening.MAX_ROW_BYTES", 500_000)
     path = bundle_of(decided_run, tmp_path)
 
     def events_changed(files: dict[str, bytes]) -> None:
@@ -462,7 +462,7 @@ def test_a_sealed_bundle_with_rows_no_export_writes_is_refused(
     rewrite(path, events_changed)
     assert bundles.verify(path).ok
     before = counts()
-    with pytest.raises(ImportRefused, match=rf"events\.jsonl: {refused}"):
+    with pytest.raises(OpenRefused, match=rf"events\.jsonl: {refused}"):
         open_bundle(path)
     assert counts() == before
 
@@ -543,7 +543,7 @@ def test_an_imported_waiting_run_cannot_be_cancelled_decided_or_resumed(
 
     # Its item settled behind everyone's back: still nothing resumes it.
     OutcomeItem.objects.filter(pk=item.pk).update(
-        state=OutcomeState.RESOLVED, resolved_at=timezone.now(), resolution="test"
+        state=OutcomeState.SETTLED, resolved_at=timezone.now(), resolution="test"
     )
     assert Run.objects.resume_if_settled(copy.pk, "settled") is False
     assert resume_if_settled_meanwhile(copy.pk, item.pk) is False

@@ -22,8 +22,8 @@ from django.core.management import call_command
 from django.db import connection, transaction
 
 from evidence import bundles
-from evidence.imports import MAX_DEPTH, MAX_ROWS, ImportRefused, open_bundle
 from evidence.models import LockIncident
+from evidence.opening import MAX_DEPTH, MAX_ROWS, OpenRefused, open_bundle
 from runs.models import Run
 from tests.faultruns import DOCS
 from tests.test_open_bundle import bundle_of, counts, reseal, rewrite
@@ -48,16 +48,16 @@ def with_events(count: int) -> Run:
     return run
 
 
-def refused_within(path: Path, match: str) -> ImportRefused:
+def refused_within(path: Path, match: str) -> OpenRefused:
     """Opening `path` is refused, saying `match`, within QUICK seconds."""
     started = time.monotonic()
-    with pytest.raises(ImportRefused, match=match) as refused:
+    with pytest.raises(OpenRefused, match=match) as refused:
         open_bundle(path)
     assert time.monotonic() - started < QUICK
     return refused.value
 
 
-def refused_quickly(path: Path, match: str) -> ImportRefused:
+def refused_quickly(path: Path, match: str) -> OpenRefused:
     """The same, and no row is left behind."""
     before = counts()
     refused = refused_within(path, match)

@@ -92,7 +92,7 @@ def test_list_shows_items_oldest_first_and_open_only_with_open(lost_delivery):
     run, item, _ = lost_delivery
     settled = item_on(RunStatus.CANCELLED)
     OutcomeItem.objects.filter(pk=settled.pk).update(
-        state=OutcomeState.RESOLVED, resolved_at=settled.created_at, resolution="by evidence"
+        state=OutcomeState.SETTLED, resolved_at=settled.created_at, resolution="by evidence"
     )
     everything = outcomes_json("list")["items"]
     assert [row["id"] for row in everything] == [item.pk, settled.pk]

@@ -138,7 +138,7 @@ def test_the_sweep_settles_each_checkpoint_on_its_own(settings):
     swept = sweep()
     future.refresh_from_db()
     normal.refresh_from_db()
-    assert normal.outcome == CheckpointOutcome.RESOLVED_COMMITTED
+    assert normal.outcome == CheckpointOutcome.SETTLED_COMMITTED
     assert swept.checkpoints == [run.pk]
     # The one the server does not know stays open, as an item for operators.
     assert future.outcome == CheckpointOutcome.UNKNOWN
@@ -240,7 +240,7 @@ def test_a_decision_and_the_owners_wait_lock_in_one_order(operator_user, monkeyp
     raised = in_threads(lambda: decide(item.pk, confirmed(operator_user)), owner_waits)
     assert raised == []
     item.refresh_from_db()
-    assert item.state == OutcomeState.RESOLVED
+    assert item.state == OutcomeState.SETTLED
     # Whichever came second put the run back in the queue.
     assert Run.objects.get(pk=item.run_id).status == RunStatus.QUEUED
 

@@ -428,7 +428,7 @@ def test_an_items_evidence_shown_as_fields_in_the_report_is_redacted(journal, tm
     # (An item's row changes once: when it is settled.)
     items = OutcomeItem.objects.filter(run=run)
     assert items.update(
-        state=OutcomeState.RESOLVED, resolved_at=Now(), evidence={"request": ACTION_INPUT}
+        state=OutcomeState.SETTLED, resolved_at=Now(), evidence={"request": ACTION_INPUT}
     )
     timeline.flush()
     path = tmp_path / "run.zip"

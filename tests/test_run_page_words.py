@@ -213,7 +213,7 @@ def test_run_page_and_runs_list_say_states_in_plain_words(viewer, journal):
 # -- one row per checkpoint -------------------------------------------------------
 
 
-def test_a_resolved_unknown_checkpoint_is_one_row_with_its_history(viewer, journal):
+def test_a_settled_unknown_checkpoint_is_one_row_with_its_history(viewer, journal):
     run, _ = run_with([{"point": "drop_connection_at_commit", "write": "checkpoint", "action": 1}])
     # The database keeps two rows for checkpoint 1: the attempt whose COMMIT
     # got no answer, and the state it saved.

@@ -91,7 +91,7 @@ def test_unanswered_receipt_still_in_flight_waits_for_an_operator_then_settles(j
     wait_for(lambda: xact_status(item.xid) == "committed")
     assert settle_open_items().settled == 1
     item.refresh_from_db()
-    assert item.state == OutcomeState.RESOLVED
+    assert item.state == OutcomeState.SETTLED
     assert Receipt.objects.filter(run=run, step_key="read:1").exists()
 
 

@@ -1,4 +1,4 @@
-# Imported runs (evidence/imports.py): a run opened from another
+# Imported runs (evidence/opening.py): a run opened from another
 # installation's investigation bundle, marked with its origin and seal.  It
 # keeps its status but is never owned here (run_imported_never_owned: a claim
 # of one fails in the database, whatever query picked it), so a `running`

@@ -26,7 +26,7 @@ class Command(BaseCommand):
         parser.add_argument(
             "--no-evidence",
             action="store_true",
-            help="leave every copy of the model's inputs and outputs out (evidence copies, "
+            help="leave every copy of the model's inputs and outputs out (copies of model calls, "
             "prompts, model answers, document texts, agent states): each is replaced by its "
             "SHA-256 and size",
         )

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
-from evidence.imports import ImportRefused, open_bundle
+from evidence.opening import OpenRefused, open_bundle
 
 
 class Command(BaseCommand):
@@ -26,7 +26,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             opened = open_bundle(options["path"])
-        except ImportRefused as refused:
+        except OpenRefused as refused:
             if options["json"]:
                 self.stdout.write(
                     json.dumps(
@@ -47,10 +47,12 @@ class Command(BaseCommand):
         origin = opened.origin
         if options["json"]:
             self.stdout.write(
-                json.dumps({"run_id": opened.run.pk, "imported": opened.imported, "origin": origin})
+                json.dumps(
+                    {"run_id": opened.run.pk, "imported": opened.first_time, "origin": origin}
+                )
             )
             return
-        said = "opened as" if opened.imported else "already open as"
+        said = "opened as" if opened.first_time else "already open as"
         self.stdout.write(
             f"{said} run {opened.run.pk}: run {origin['run_id']} of {origin['installation']}, "
             f"exported {origin['exported_at']}; read-only\nseal {origin['seal']}, "

@@ -21,7 +21,7 @@ are the origin's.  Opening the same bundle again finds the run opened the
 first time (run_import_seal_unique).
 
 What a bundle says is another installation's, never this one's: no
-imported row takes a column this installation keeps for itself (LOCAL: the
+row opened from it takes a column this installation keeps for itself (LOCAL: the
 digest by which a log import here knows a report it stored, who a user is
 here), whatever the row holds; its lock incidents belong to the imported
 run (LockIncident.imported_run) and its waits name no local run.
@@ -87,7 +87,7 @@ from runs.models import (
 )
 
 BATCH = bundles.CHUNK  # rows per INSERT at most
-BATCH_BYTES = 4 << 20  # and about this much JSON: evidence copies can be large
+BATCH_BYTES = 4 << 20  # and about this much JSON: copies of model calls can be large
 # No row an export writes comes near this (a receipt holds a document of at
 # most 1 MB, escaped): a longer line is read no further.
 MAX_ROW_BYTES = 64 << 20
@@ -113,11 +113,12 @@ MAX_DIRECTORY_BYTES = 64 << 10
 # Columns this installation keeps for itself, never taken from a bundle
 # whatever its rows hold (a sealed bundle is not a trusted one): what an
 # export leaves out, and the digest by which a log import here knows a
-# report it stored before (an imported one stopped this server's own log).
+# report it stored before (one taken from a bundle stopped this server's own
+# log from being imported).
 LOCAL = frozenset(bundles.LEFT_OUT) | {"report_digest", "user_id"}
 
 
-class ImportRefused(Exception):
+class OpenRefused(Exception):
     """The bundle cannot be opened; `failures` names what is wrong."""
 
     def __init__(self, message: str, failures: list[str] | None = None) -> None:
@@ -128,7 +129,9 @@ class ImportRefused(Exception):
 @dataclass
 class Opened:
     run: Run
-    imported: bool  # False: the bundle had been opened before, this is that run
+    # False: the bundle had been opened before, this is that run (the
+    # command's JSON calls it "imported", docs/DESIGN.md, Words).
+    first_time: bool
 
     @property
     def origin(self) -> dict[str, Any]:
@@ -186,8 +189,8 @@ class Budget:
         self.deadline = time.monotonic() + limits.seconds
         self.inflated = 0
 
-    def _refused(self, what: str, limit: str) -> ImportRefused:
-        return ImportRefused(f"{what} (the limit, {LIMIT_SETTINGS[limit]})")
+    def _refused(self, what: str, limit: str) -> OpenRefused:
+        return OpenRefused(f"{what} (the limit, {LIMIT_SETTINGS[limit]})")
 
     def file(self, name: str, size: int) -> None:
         if size > self.limits.file_bytes:
@@ -205,7 +208,7 @@ class Budget:
         if rows > self.limits.rows:
             raise self._refused(f"{name}: more than {self.limits.rows} rows", "rows")
 
-    def out_of_time(self) -> ImportRefused:
+    def out_of_time(self) -> OpenRefused:
         return self._refused(f"opening took more than {self.limits.seconds:g} seconds", "seconds")
 
     def left_ms(self) -> int:
@@ -228,15 +231,15 @@ class Budget:
 
 def open_bundle(path: str | Path) -> Opened:
     """Verifies the bundle at `path` and opens it as an imported run, or
-    finds the run it was opened as before.  ImportRefused says why not."""
+    finds the run it was opened as before.  OpenRefused says why not."""
     budget = Budget(Limits.configured())
     _check_directory(path, budget)
     checked = bundles.verify(path)
     if not checked.ok:
-        raise ImportRefused("the bundle does not verify", checked.problems)
+        raise OpenRefused("the bundle does not verify", checked.problems)
     manifest = checked.manifest
     if (earlier := Run.objects.filter(origin_seal=manifest["seal"]).first()) is not None:
-        return Opened(earlier, imported=False)
+        return Opened(earlier, first_time=False)
     _check_manifest(manifest, budget)
     try:
         with (
@@ -255,16 +258,16 @@ def open_bundle(path: str | Path) -> Opened:
         # The same bundle, opened at the same moment by someone else: theirs
         # committed first and stands.
         if _constraint(error) == UNIQUE_SEAL:
-            return Opened(Run.objects.get(origin_seal=manifest["seal"]), imported=False)
-        raise ImportRefused(f"its rows are not consistent: {_first_line(error)}") from error
+            return Opened(Run.objects.get(origin_seal=manifest["seal"]), first_time=False)
+        raise OpenRefused(f"its rows are not consistent: {_first_line(error)}") from error
     except DataError as error:
-        raise ImportRefused(f"its rows are not consistent: {_first_line(error)}") from error
+        raise OpenRefused(f"its rows are not consistent: {_first_line(error)}") from error
     except (OSError, zipfile.BadZipFile) as error:
-        raise ImportRefused(f"cannot read it: {error}") from error
+        raise OpenRefused(f"cannot read it: {error}") from error
     except (ValueError, KeyError, TypeError, RecursionError) as error:
         # Sealed is not the same as well-formed: anyone can seal a bundle.
-        raise ImportRefused(f"not a bundle this Rundesk can open: {error!r}") from error
-    return Opened(run, imported=True)
+        raise OpenRefused(f"not a bundle this Rundesk can open: {error!r}") from error
+    return Opened(run, first_time=True)
 
 
 # The zip's end of central directory record: its signature, disk numbers,
@@ -291,7 +294,7 @@ def _check_directory(path: str | Path, budget: Budget) -> None:
         if at >= 0 and len(tail) - at >= END_RECORD.size:
             *_, entries, directory, _, _ = END_RECORD.unpack_from(tail, at)
             if entries > MAX_MEMBERS or directory > MAX_DIRECTORY_BYTES:
-                raise ImportRefused(
+                raise OpenRefused(
                     f"the zip's directory names {entries} files in {directory} bytes; "
                     f"a bundle holds at most {MAX_MEMBERS}"
                 )
@@ -453,9 +456,9 @@ class _Loader:
         lines = self._lines("run.json")
         row, _ = next(lines, (None, 0))
         if row is None or next(lines, None) is not None:
-            raise ImportRefused("run.json: not one row")
+            raise OpenRefused("run.json: not one row")
         if row.get("id") != self.manifest.get("run_id"):
-            raise ImportRefused(
+            raise OpenRefused(
                 f"run.json is run {row.get('id')}, the manifest says run "
                 f"{self.manifest.get('run_id')}"
             )
@@ -578,7 +581,7 @@ class _Loader:
             return None
         mapped = getattr(self.ids, refers_to).get(original)
         if mapped is None:
-            raise ImportRefused(
+            raise OpenRefused(
                 f"{name}: refers to {refers_to} {original}, which the bundle does not hold"
             )
         return mapped
@@ -598,7 +601,7 @@ class _Loader:
         the transaction with it)."""
         expected = self.manifest["files"].get(name)
         if expected is None:
-            raise ImportRefused(f"{name}: not in the manifest")
+            raise OpenRefused(f"{name}: not in the manifest")
         sha256, size, rows = hashlib.sha256(), 0, 0
         # What is inflated is counted as it is read, whatever the zip declared.
         with self.bundle.open(name) as member, io.BufferedReader(member, READ_BYTES) as data:
@@ -607,24 +610,24 @@ class _Loader:
                 rows += 1  # a blank line costs a read too
                 self.budget.line(name, size, len(line), rows)
                 if size > expected.get("bytes", size):
-                    raise ImportRefused(f"{name}: changed since it was verified")
+                    raise OpenRefused(f"{name}: changed since it was verified")
                 if len(line) > MAX_ROW_BYTES:
-                    raise ImportRefused(f"{name}: a row of more than {MAX_ROW_BYTES} bytes")
+                    raise OpenRefused(f"{name}: a row of more than {MAX_ROW_BYTES} bytes")
                 sha256.update(line)
                 if line.strip():
                     yield _parsed(name, line), len(line)
         if sha256.hexdigest() != expected.get("sha256") or size != expected.get("bytes"):
-            raise ImportRefused(f"{name}: changed since it was verified")
+            raise OpenRefused(f"{name}: changed since it was verified")
 
 
 def _parsed(name: str, line: bytes) -> dict[str, Any]:
-    too_deep = ImportRefused(f"{name}: a row nested more than {MAX_DEPTH} deep")
+    too_deep = OpenRefused(f"{name}: a row nested more than {MAX_DEPTH} deep")
     try:
         row = json.loads(line)
     except RecursionError:
         raise too_deep from None
     if not isinstance(row, dict):
-        raise ImportRefused(f"{name}: a row that is not a JSON object")
+        raise OpenRefused(f"{name}: a row that is not a JSON object")
     if _deeper_than(row, MAX_DEPTH):
         raise too_deep
     return row
