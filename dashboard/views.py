@@ -45,7 +45,7 @@ from runs.models import Phase, Run, RunStatus, older_than, page_cursor
 from runs.sql import unless_locked
 from runs.tasks import hand_over
 from runs.timeline import EventKind
-from runs.words import plain, status_now, status_words
+from runs.words import human_duration, plain, status_now, status_words
 
 PAGE_SIZE = 50
 EVENTS_PAGE = 50
@@ -394,8 +394,12 @@ def locks_list(request: HttpRequest) -> HttpResponse:
         incidents = incidents.local()
     elif origin == "imported":
         incidents = incidents.imported()
+    now = timezone.now()
+    shown = list(incidents.prefetch_related("waits")[:100])
+    for incident in shown:
+        incident.said = locks.incident_words(incident, now)
     context = {
-        "incidents": incidents[:100],
+        "incidents": shown,
         "source": source,
         "sources": IncidentSource.choices,
         "origin": origin,
@@ -410,11 +414,14 @@ def locks_list(request: HttpRequest) -> HttpResponse:
 @rejects_bad_input
 def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
     incident = get_object_or_404(_incidents(), pk=incident_id)
-    waits = incident.waits.order_by("id")
+    waits = list(incident.waits.order_by("id"))
+    for wait in waits:
+        wait.waited = human_duration(wait.waited_ms / 1000)
     context = {
         "incident": incident,
-        "waits": waits.filter(lead_up=False),
-        "lead_up": waits.filter(lead_up=True),
+        "said": locks.incident_words(incident, timezone.now()),
+        "waits": [wait for wait in waits if not wait.lead_up],
+        "lead_up": [wait for wait in waits if wait.lead_up],
         "graph": charts.lock_graph(incident),
         "victim": locks.victim_of(incident),
         "plotly": True,
