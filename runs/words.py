@@ -175,7 +175,8 @@ class StatusNow:
 def status_now(run: Run, now: dt.datetime) -> StatusNow:
     """A run's status as it stands at `now`: a running run whose lease
     expired says so (its status still says running until the sweep or
-    another executor takes it), a queued run how long it has waited."""
+    another executor takes it), a run queued for long how long it has
+    waited."""
     if run.is_imported:
         return StatusNow(status_words(run))
     expires = run.lease_expires_at
@@ -183,9 +184,9 @@ def status_now(run: Run, now: dt.datetime) -> StatusNow:
         return StatusNow(
             f"lease expired {since(expires, now)} ago: the owner stopped renewing", warning=True
         )
-    if run.status == RunStatus.QUEUED and run.queued_at is not None:
-        waited = now - run.queued_at
-        return StatusNow(f"queued for {since(run.queued_at, now)}", warning=waited >= QUEUED_LONG)
+    # A run queued a moment ago is plainly queued; after QUEUED_LONG, how long.
+    if run.status == RunStatus.QUEUED and run.queued_at and now - run.queued_at >= QUEUED_LONG:
+        return StatusNow(f"queued for {since(run.queued_at, now)}", warning=True)
     return StatusNow(status_words(run))
 
 

@@ -168,7 +168,7 @@ def test_a_run_just_queued_says_nothing_about_executors(viewer) -> None:
     run = run_in(RunStatus.QUEUED)
     html = page_of(viewer, run)
     assert 'id="run-queue"' not in html
-    assert re.search(r'<span class="status queued" id="run-status">queued for \d', html)
+    assert '<span class="status queued" id="run-status">queued</span>' in html
 
 
 # -- lock incidents -----------------------------------------------------------------
