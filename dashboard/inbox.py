@@ -59,7 +59,7 @@ from runs.inbox import (
     what,
 )
 from runs.models import OutcomeItem, OutcomeKind, OutcomeState, Run, read_cursor
-from runs.words import plain, status_words
+from runs.words import plain, status_now, status_words
 
 PAGE_SIZE = 50
 TOKEN_MAX = 100  # OperatorDecision.request_token
@@ -173,8 +173,9 @@ def _item_context(request: HttpRequest, item: OutcomeItem) -> dict[str, Any]:
 
 def run_choices(request: HttpRequest, run: Run) -> dict[str, Any]:
     """The context templates/run_decisions.html needs (resume / abandon for
-    a run that waits for an operator), for any page that includes it."""
-    run.status_label = status_words(run)
+    a run that waits for an operator), for any page that includes it.  The
+    run's status as the run page says it now (a lease that expired)."""
+    run.status_label = status_now(run, timezone.now()).words
     return {
         "run": run,
         "run_offers": run_offers(run),

@@ -26,6 +26,7 @@ from django_htmx.http import HttpResponseStopPolling
 from dashboard import params
 from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.inbox import run_choices
+from dashboard.run_page import CancelForm, run_now
 from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
 from evidence import bundles, charts, locks, pglog, tasks
 from evidence.models import (
@@ -44,7 +45,7 @@ from runs.models import Phase, Run, RunStatus, older_than, page_cursor
 from runs.sql import unless_locked
 from runs.tasks import hand_over
 from runs.timeline import EventKind
-from runs.words import plain, status_words
+from runs.words import human_duration, plain, status_now, status_words
 
 PAGE_SIZE = 50
 EVENTS_PAGE = 50
@@ -108,6 +109,8 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "origin_run_id",
         "lease_owner",
         "lease_epoch",
+        "lease_expires_at",
+        "queued_at",
         "cancel_requested_by",
         "created_at",
     )
@@ -125,15 +128,18 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         runs = _older_than(runs, cursor)
     page = list(runs.order_by("-created_at", "-id")[: PAGE_SIZE + 1])
     more, page = len(page) > PAGE_SIZE, page[:PAGE_SIZE]
+    now = timezone.now()
     for run in page:
-        run.status_label, run.phase_label = status_words(run), plain(Phase, run.phase)
+        said = status_now(run, now)
+        run.status_label, run.status_warning = said.words, said.warning
+        run.phase_label = plain(Phase, run.phase)
     context = {
         "runs": page,
         "filters": filters,
         "statuses": [(value, plain(RunStatus, value)) for value in RunStatus.values],
         "next_cursor": page_cursor(page[-1]) if more and page else "",
         "live": any(run.is_active for run in page),
-        "now": timezone.now(),
+        "now": now,
         "search_max": params.SEARCH_MAX,
     }
     if asks_for(request, "run-rows"):
@@ -148,23 +154,34 @@ def run_detail(request: HttpRequest, run_id: int) -> HttpResponse:
     """The run page; its event log from `events_before` (a page_cursor) when
     given: the "load older events" link without htmx."""
     run = get_object_or_404(Run, pk=run_id)
+    return _run_page(request, run)
+
+
+def _run_page(
+    request: HttpRequest, run: Run, cancel_form: CancelForm | None = None
+) -> HttpResponse:
+    """The whole run page; with a refused cancel's form (400), as it was sent."""
     context = {
-        **_live(request, run),
+        **_live(request, run, cancel_form),
         **_events(run, request.GET.get("events_before", "")),
         **_bundles(run, timezone.now()),
         "origin_signer": bundles.signer_of(run.origin_manifest) if run.is_imported else None,
         "plotly": True,
     }
-    return render(request, "run_detail.html", context)
+    return render(request, "run_detail.html", context, status=200 if cancel_form is None else 400)
 
 
-def _live(request: HttpRequest, run: Run) -> dict[str, Any]:
-    """The run page's live region: the facts, and for a run that waits for
-    an operator the choices that let it go on, at its top (a decision
-    returns to the run page, wherever the region was drawn from)."""
+def _live(request: HttpRequest, run: Run, cancel_form: CancelForm | None = None) -> dict[str, Any]:
+    """The run page's live region: the facts, what the run is doing now
+    (a lease that expired, a queue nobody takes from, a cancel and what
+    came of it), and for a run that waits for an operator the choices that
+    let it go on, at its top (a decision returns to the run page, wherever
+    the region was drawn from)."""
     return {
         **run_facts(run),
         **run_choices(request, run),
+        # After the two above, which name the status without the time.
+        **run_now(run, timezone.now(), cancel_form),
         "back": reverse("run-detail", args=[run.pk]),
         "unblocking": unblocking(run),
     }
@@ -215,9 +232,19 @@ def _events(run: Run, before: str) -> dict[str, Any]:
 @permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
 def run_cancel(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
+    """Cancels a run, with a reason and a confirmation (CancelForm).  A form
+    without them changes nothing and comes back with what is missing, the
+    reason typed kept."""
     with form_lock_waits():
         run = get_object_or_404(Run, pk=run_id)
-    by = request.user.get_username()
+    form = CancelForm(request.POST)
+    if not form.is_valid():
+        if request.htmx:
+            # htmx swaps no 4xx answer: the region comes back as a 200, its
+            # form saying what is missing; nothing was changed.
+            return render(request, "run_detail.html#live", _live(request, run, form))
+        return _run_page(request, run, cancel_form=form)
+    by, reason = request.user.get_username(), form.cleaned_data["reason"]
     if run.is_imported:
         say, said = (
             messages.error,
@@ -225,7 +252,9 @@ def run_cancel(request: HtmxHttpRequest, run_id: int) -> HttpResponse:
         )
     # Its owner holds the run's row a statement at a time (milliseconds): a
     # longer wait is a stranger's lock, said instead of the request hanging.
-    elif (asked := unless_locked(lambda: run.request_cancel(by=by), CANCEL_LOCK_WAIT)) is None:
+    elif (
+        asked := unless_locked(lambda: run.request_cancel(by=by, reason=reason), CANCEL_LOCK_WAIT)
+    ) is None:
         say, said = (
             messages.error,
             f"Run {run.pk} is locked by another session (see the lock pages): the cancel "
@@ -365,8 +394,12 @@ def locks_list(request: HttpRequest) -> HttpResponse:
         incidents = incidents.local()
     elif origin == "imported":
         incidents = incidents.imported()
+    now = timezone.now()
+    shown = list(incidents.prefetch_related("waits")[:100])
+    for incident in shown:
+        incident.said = locks.incident_words(incident, now)
     context = {
-        "incidents": incidents[:100],
+        "incidents": shown,
         "source": source,
         "sources": IncidentSource.choices,
         "origin": origin,
@@ -381,11 +414,14 @@ def locks_list(request: HttpRequest) -> HttpResponse:
 @rejects_bad_input
 def lock_detail(request: HttpRequest, incident_id: int) -> HttpResponse:
     incident = get_object_or_404(_incidents(), pk=incident_id)
-    waits = incident.waits.order_by("id")
+    waits = list(incident.waits.order_by("id"))
+    for wait in waits:
+        wait.waited = human_duration(wait.waited_ms / 1000)
     context = {
         "incident": incident,
-        "waits": waits.filter(lead_up=False),
-        "lead_up": waits.filter(lead_up=True),
+        "said": locks.incident_words(incident, timezone.now()),
+        "waits": [wait for wait in waits if not wait.lead_up],
+        "lead_up": [wait for wait in waits if wait.lead_up],
         "graph": charts.lock_graph(incident),
         "victim": locks.victim_of(incident),
         "plotly": True,

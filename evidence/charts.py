@@ -26,7 +26,7 @@ from evidence.models import CaptureGap, GapReason, LockIncident
 from runs.checkpoint_rows import CheckpointRow
 from runs.models import Action, CheckpointOutcome, Run
 from runs.timeline import EventKind
-from runs.words import plain
+from runs.words import human_duration, plain
 
 # Colours and legend names of action attempts, by how each ended.
 ATTEMPTS = {
@@ -713,7 +713,7 @@ def _edge_label(wait: Any) -> str:
     )
     lines.append(f"held by {holder}")
     if wait.waited_ms:
-        lines.append(f"seen {wait.waited_ms} ms")
+        lines.append(f"seen {human_duration(wait.waited_ms / 1000)}")
     return "<br>".join(inert(line) for line in lines if line)
 
 

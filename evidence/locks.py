@@ -28,6 +28,7 @@ from evidence.models import IncidentSource, LockIncident, LockWait
 from evidence.records import bounded
 from runs.models import Run
 from runs.sql import name_connection
+from runs.words import human_duration
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +228,81 @@ def victim_of(incident: LockIncident) -> Victim | None:
     if wait is None:
         return Victim(incident.victim_pid, "", None)
     return Victim(wait.waiter_pid, wait.waiter_role, wait.waiter_run_id)
+
+
+# The sampler closes an open incident at its next empty sample: an open one
+# whose waits were last seen longer ago than this was left by a sampler that
+# stopped (its executor killed), not a wait still going.
+SAMPLES_MISSED = 5
+
+
+@dataclass(frozen=True)
+class IncidentWords:
+    """An incident as the pages say it: always a summary, a start, an end
+    (or "still going") and a duration, in human units."""
+
+    summary: str
+    started: str
+    ended: str
+    duration: str
+    going: bool
+
+
+def incident_words(incident: LockIncident, now: dt.datetime) -> IncidentWords:
+    """The words for `incident` at `now`, from its waits (prefetch them for
+    a list): a summary made from its longest wait where none was stored."""
+    waits = [wait for wait in incident.waits.all() if not wait.lead_up]
+    longest = max(waits, key=lambda wait: wait.waited_ms, default=None)
+    summary = incident.summary or _summary(incident, waits, longest)
+    started = (
+        timezone.localtime(incident.started_at).strftime("%Y-%m-%d %H:%M:%S %Z")
+        if incident.time_known
+        else "time unknown"
+    )
+    if incident.ended_at is not None:
+        took = (incident.ended_at - incident.started_at).total_seconds()
+        ended = timezone.localtime(incident.ended_at).strftime("%H:%M:%S")
+        return IncidentWords(summary, started, ended, human_duration(took), going=False)
+    if incident.source == IncidentSource.SAMPLER and not incident.is_imported:
+        last = max((wait.last_seen for wait in waits), default=incident.started_at)
+        patience = dt.timedelta(seconds=settings.RUNDESK_LOCK_SAMPLE_SECONDS * SAMPLES_MISSED)
+        if now - last <= max(patience, dt.timedelta(seconds=5)):
+            so_far = human_duration((now - incident.started_at).total_seconds())
+            return IncidentWords(summary, started, "still going", f"{so_far} so far", going=True)
+        seen = timezone.localtime(last).strftime("%H:%M:%S")
+        took = human_duration((last - incident.started_at).total_seconds())
+        return IncidentWords(
+            summary,
+            started,
+            f"not known: last seen at {seen}, then the sampler stopped watching",
+            f"at least {took}",
+            going=False,
+        )
+    # A server's report, a reproduction: one moment, its waits' lengths as
+    # the report gives them.
+    waited = (
+        f"longest wait {human_duration(longest.waited_ms / 1000)}"
+        if longest and longest.waited_ms
+        else "not known"
+    )
+    ended = "when reported: PostgreSQL broke the cycle" if incident.has_cycle else "not recorded"
+    return IncidentWords(summary, started, ended, waited, going=False)
+
+
+def _summary(incident: LockIncident, waits: list[LockWait], longest: LockWait | None) -> str:
+    if longest is None:
+        return "no wait was read"
+    who = f"{longest.waiter_role or 'process'} {longest.waiter_pid}"
+    holder = f"{longest.blocker_role or 'process'} {longest.blocker_pid}"
+    said = (
+        f"{who} waited {human_duration(longest.waited_ms / 1000)} for {longest.mode or 'a lock'}"
+        f" on {longest.locked or longest.lock_type or 'an object'}, held by {holder}"
+    )
+    if incident.has_cycle:
+        said = f"deadlock of {incident.processes} processes: {said}"
+    if len(waits) > 1:
+        said += f"; {len(waits) - 1} more wait{'s' if len(waits) > 2 else ''}"
+    return said
 
 
 def _known_runs(graph: Graph) -> set[int]:

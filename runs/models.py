@@ -430,31 +430,41 @@ class Run(models.Model):
     def is_imported(self) -> bool:
         return self.imported_at is not None
 
-    def request_cancel(self, by: str) -> bool:
-        """Cancel, asked by `by` (an operator's user name).  A run nobody owns
-        (queued, or waiting for an operator) ends at once; a running one's
+    def request_cancel(self, by: str, reason: str = "") -> bool:
+        """Cancel, asked by `by` (an operator's user name) for `reason`.  A
+        run nobody owns (queued, or waiting for an operator) ends at once,
+        the reason in its status reason, as an abandon's is; a running one's
         owner stops before its next boundary (its fenced writes see the
         request), and if that owner died, whoever claims the run or the sweep
-        ends it (lifecycle.CANCEL, END_CANCELLED).  Open outcome items stay
-        open and visible: a cancelled run waits for nothing.  False if the
-        run had already ended, the cancel was already asked, or the run is
-        imported (read-only here)."""
-        after = lifecycle.cancel(
-            self.pk,
-            by,
-            f"cancelled by {by}",
-            [RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.NEEDS_OPERATOR],
-        )
-        if after is None:
-            return False
-        done = (
-            "the run ended"
-            if after == RunStatus.CANCELLED
-            else "its owner stops before its next boundary"
-        )
-        timeline.record(
-            self.pk, EventKind.CANCEL_REQUESTED, f"cancel requested by {by}: {done}", by=by
-        )
+        ends it (lifecycle.CANCEL, END_CANCELLED).  The reason is also on the
+        cancel_requested event, which the run page reads after the run ended
+        (however it ended).  Open outcome items stay open and visible: a
+        cancelled run waits for nothing.  False if the run had already
+        ended, the cancel was already asked, or the run is imported
+        (read-only here)."""
+        why = f"cancelled by {by}: {reason}" if reason else f"cancelled by {by}"
+        with transaction.atomic():
+            after = lifecycle.cancel(
+                self.pk, by, why, [RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.NEEDS_OPERATOR]
+            )
+            if after is None:
+                return False
+            done = (
+                "the run ended"
+                if after == RunStatus.CANCELLED
+                else "its owner stops before its next boundary"
+            )
+            asked = f"cancel requested by {by}" + (f" ({reason})" if reason else "")
+            # The operator's reason is a record, as a decision's is: written
+            # with the cancel, in its transaction, not left to the timeline's
+            # writer (which may drop an event under load).
+            RunEvent.objects.create(
+                run_id=self.pk,
+                kind=EventKind.CANCEL_REQUESTED,
+                message=f"{asked}: {done}",
+                data={"by": by, "reason": reason},
+                created_at=dt.datetime.now(dt.UTC),
+            )
         return True
 
 

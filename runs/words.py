@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db.models import TextChoices
+from django.db.models import Max, TextChoices
 from django.utils import timezone
 
 from evidence.models import GapReason
@@ -127,6 +127,140 @@ def status_words(run: Run) -> str:
         who = run.cancel_requested_by
         return f"cancelled by {who}" if who else "cancelled (who asked was not recorded)"
     return plain(RunStatus, run.status)
+
+
+def human_duration(seconds: float) -> str:
+    """A length of time as a tired person reads it: "350 ms", "4.2 s",
+    "44 s", "1 min 44 s", "2 min", "1 h 5 min", "3 d 2 h".  The one way
+    every page says how long (a lease expired, a queue wait, a lock wait)."""
+    seconds = max(0.0, seconds)
+    if seconds < 1:
+        return f"{round(seconds * 1000)} ms"
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    minutes, rest = divmod(whole, 60)
+    # Below ten minutes the seconds still tell something (a 104 s lock wait).
+    if minutes < 10:
+        return f"{minutes} min {rest} s" if rest else f"{minutes} min"
+    if minutes < 60:
+        return f"{minutes} min"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 24:
+        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+    days, hours = divmod(hours, 24)
+    return f"{days} d {hours} h" if hours else f"{days} d"
+
+
+def since(moment: dt.datetime, now: dt.datetime) -> str:
+    return human_duration((now - moment).total_seconds())
+
+
+# A queued run nobody has taken for this long is said to be waiting for an
+# executor (a claim takes a free executor well under a second).
+QUEUED_LONG = dt.timedelta(seconds=10)
+
+
+@dataclass(frozen=True)
+class StatusNow:
+    """What a run is doing now, in words, and whether that is a warning
+    (its owner stopped renewing its lease; nobody has taken it for long)."""
+
+    words: str
+    warning: bool = False
+
+
+def status_now(run: Run, now: dt.datetime) -> StatusNow:
+    """A run's status as it stands at `now`: a running run whose lease
+    expired says so (its status still says running until the sweep or
+    another executor takes it), a run queued for long how long it has
+    waited."""
+    if run.is_imported:
+        return StatusNow(status_words(run))
+    expires = run.lease_expires_at
+    if run.status == RunStatus.RUNNING and expires is not None and expires < now:
+        return StatusNow(
+            f"lease expired {since(expires, now)} ago: the owner stopped renewing", warning=True
+        )
+    # A run queued a moment ago is plainly queued; after QUEUED_LONG, how long.
+    if run.status == RunStatus.QUEUED and run.queued_at and now - run.queued_at >= QUEUED_LONG:
+        return StatusNow(f"queued for {since(run.queued_at, now)}", warning=True)
+    return StatusNow(status_words(run))
+
+
+# The lease owners named on a queued run's page (the rest are counted).
+OWNERS_NAMED = 5
+
+
+def queue_words(run: Run, now: dt.datetime) -> str | None:
+    """Why a queued run has not been taken, once it has waited QUEUED_LONG,
+    and what is known of the executors: those renewing leases now (all
+    busy: their runs in flight), or, when none does, when one last
+    started a run (None: not queued for long, or imported)."""
+    if run.status != RunStatus.QUEUED or run.is_imported or run.queued_at is None:
+        return None
+    if now - run.queued_at < QUEUED_LONG:
+        return None
+    waited = f"queued for {since(run.queued_at, now)}"
+    held: dict[str, list[int]] = {}
+    # Leases renewed now are the executors known to be alive: derived from
+    # the runs' own lease columns (run_running_lease_idx), no registry.
+    for owner, run_id in (
+        Run.objects.local()
+        .filter(status=RunStatus.RUNNING, lease_expires_at__gte=now)
+        .order_by("lease_owner", "pk")
+        .values_list("lease_owner", "pk")
+    ):
+        held.setdefault(owner, []).append(run_id)
+    if held:
+        named = "; ".join(
+            f"{owner} (run{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))})"
+            for owner, ids in list(held.items())[:OWNERS_NAMED]
+        )
+        more = len(held) - OWNERS_NAMED
+        return (
+            f"{waited}: no executor free. "
+            f"{len(held)} {'executor renews' if len(held) == 1 else 'executors renew'}"
+            f" a lease now, each busy with its runs in flight: {named}"
+            + (f", and {more} more" if more > 0 else "")
+        )
+    last = Run.objects.local().filter(started_at__isnull=False).aggregate(Max("started_at"))
+    started = last["started_at__max"]
+    if started is None:
+        return (
+            f"{waited}: no executor has taken it; no executor holds a lease, and none "
+            "has ever claimed a run here"
+        )
+    return (
+        f"{waited}: no executor has taken it; no executor holds a lease now, and none has "
+        f"claimed a new run in the last {since(started, now)}: is one running?"
+    )
+
+
+def cancel_words(run: Run, reason: str, now: dt.datetime) -> str | None:
+    """Who asked a cancel, when, why, and what came of it: ended by it,
+    stopping at the owner's next boundary, or overtaken (the run completed
+    or failed first).  None: no cancel was asked."""
+    if run.cancel_requested_at is None:
+        return None
+    at = timezone.localtime(run.cancel_requested_at).strftime("%H:%M:%S")
+    asked = f"cancel asked at {at} by {run.cancel_requested_by or '(not recorded)'}"
+    if reason:
+        asked += f" ({reason})"
+    if run.status == RunStatus.CANCELLED:
+        ended = timezone.localtime(run.finished_at).strftime("%H:%M:%S") if run.finished_at else ""
+        return f"{asked}; the run ended by it" + (f" at {ended}" if ended else "")
+    if run.is_finished:
+        return f"{asked}; the run {plain(RunStatus, run.status)} first"
+    expires = run.lease_expires_at
+    if run.status == RunStatus.RUNNING and expires is not None and expires < now:
+        return (
+            f"{asked}; its owner stopped renewing its lease: the next executor to take "
+            "the run, or the sweep, ends it"
+        )
+    return f"{asked}; its owner stops before its next boundary"
 
 
 def words(name: str) -> str:

@@ -39,6 +39,9 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 PAGES = ["/", "/runs/{run}/", "/locks/", "/locks/{incident}/", "/gaps/"]
 
+# A cancel as the run page sends it: a reason, and the confirmation ticked.
+CANCELLING = {"reason": "asked by mistake", "confirm": "on"}
+
 
 @pytest.fixture
 def run() -> Run:
@@ -313,21 +316,23 @@ def test_text_that_only_looks_like_a_tag_is_shown_as_written(viewer, run):
 
 def test_cancel_needs_the_operator_permission_and_csrf(viewer, run):
     queued = Run.objects.submit(question="to cancel", documents=["a.md"])
-    assert viewer.post(f"/runs/{queued.pk}/cancel/").status_code == 403
+    assert viewer.post(f"/runs/{queued.pk}/cancel/", CANCELLING).status_code == 403
     strict = signed_in(make_user("strict", operator=True), enforce_csrf_checks=True)
-    assert strict.post(f"/runs/{queued.pk}/cancel/").status_code == 403  # no CSRF token
+    assert strict.post(f"/runs/{queued.pk}/cancel/", CANCELLING).status_code == 403  # no CSRF token
     queued.refresh_from_db()
     assert queued.status == RunStatus.QUEUED
 
 
 def test_operator_cancels_a_queued_run_and_htmx_gets_the_fragment(operator):
     queued = Run.objects.submit(question="to cancel", documents=["a.md"])
-    response = operator.post(f"/runs/{queued.pk}/cancel/")
+    response = operator.post(f"/runs/{queued.pk}/cancel/", CANCELLING)
     assert response.status_code == 302 and response["Location"] == f"/runs/{queued.pk}/"
     queued.refresh_from_db()
     assert queued.status == RunStatus.CANCELLED and queued.cancel_requested_at is not None
     other = Run.objects.submit(question="another", documents=["a.md"])
-    fragment = operator.post(f"/runs/{other.pk}/cancel/", headers={"HX-Request": "true"})
+    fragment = operator.post(
+        f"/runs/{other.pk}/cancel/", CANCELLING, headers={"HX-Request": "true"}
+    )
     assert fragment.status_code == 200
     assert fragment.content.decode().lstrip().startswith('<section id="run-live"')
     # The fragment says what happened; no page after it says it again.
@@ -335,7 +340,7 @@ def test_operator_cancels_a_queued_run_and_htmx_gets_the_fragment(operator):
     assert said in fragment.content.decode()
     assert f"Cancel requested for run {queued.pk}." in operator.get("/").content.decode()
     assert said not in operator.get("/").content.decode()
-    assert operator.post("/runs/987654/cancel/").status_code == 404
+    assert operator.post("/runs/987654/cancel/", CANCELLING).status_code == 404
 
 
 def test_a_cancel_of_a_run_a_stranger_holds_says_so_instead_of_hanging(operator, monkeypatch):
@@ -343,7 +348,7 @@ def test_a_cancel_of_a_run_a_stranger_holds_says_so_instead_of_hanging(operator,
     queued = Run.objects.submit(question="to cancel", documents=["a.md"])
     with psycopg.connect(**connection.get_connection_params()) as stranger:
         stranger.execute("SELECT 1 FROM runs_run WHERE id = %s FOR SHARE", [queued.pk])
-        page = operator.post(f"/runs/{queued.pk}/cancel/", follow=True).content.decode()
+        page = operator.post(f"/runs/{queued.pk}/cancel/", CANCELLING, follow=True).content.decode()
     assert f"Run {queued.pk} is locked by another session" in page
     queued.refresh_from_db()
     assert queued.status == RunStatus.QUEUED and queued.cancel_requested_at is None
@@ -382,7 +387,7 @@ def test_a_page_or_form_whose_session_or_user_a_stranger_holds_answers_503(
         stranger.execute(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE")
         started = time.monotonic()
         page = viewer.get(f"/runs/{run.pk}/")
-        cancel = operator.post(f"/runs/{run.pk}/cancel/")
+        cancel = operator.post(f"/runs/{run.pk}/cancel/", CANCELLING)
         assert time.monotonic() - started < 5
         assert page.status_code == 503 and cancel.status_code == 503
         assert "another database session holds locked" in page.content.decode()
@@ -398,7 +403,7 @@ def forms_held(run: Run) -> dict[str, tuple[str, str, dict[str, object]]]:
     )
     log = SimpleUploadedFile("server.log", THREE_WAY.encode())
     return {
-        "cancel": ("LOCK TABLE runs_run", f"/runs/{run.pk}/cancel/", {}),
+        "cancel": ("LOCK TABLE runs_run", f"/runs/{run.pk}/cancel/", dict(CANCELLING)),
         # The export's row checks its run's row (a foreign key): FOR KEY SHARE.
         "bundle": (
             f"SELECT 1 FROM runs_run WHERE id = {run.pk} FOR UPDATE",
@@ -467,7 +472,9 @@ def test_a_form_whose_answer_a_stranger_holds_goes_to_its_page_saying_what_was_d
     run = Run.objects.submit(question="to cancel", documents=["a.md"])
     with psycopg.connect(**connection.get_connection_params()) as stranger:
         stranger.execute("LOCK TABLE evidence_capturegap")
-        response = operator.post(f"/runs/{run.pk}/cancel/", headers={"HX-Request": "true"})
+        response = operator.post(
+            f"/runs/{run.pk}/cancel/", CANCELLING, headers={"HX-Request": "true"}
+        )
         # The run's page reads it too: held, it says what was done before.
         page = operator.get(f"/runs/{run.pk}/")
     said = response.content.decode()
@@ -489,7 +496,7 @@ def test_a_page_held_after_a_form_says_what_the_form_did(operator, monkeypatch):
     run = Run.objects.submit(question="to cancel", documents=["a.md"])
     with psycopg.connect(**connection.get_connection_params()) as stranger:
         stranger.execute("LOCK TABLE evidence_capturegap")
-        page = operator.post(f"/runs/{run.pk}/cancel/", follow=True)
+        page = operator.post(f"/runs/{run.pk}/cancel/", CANCELLING, follow=True)
     assert page.status_code == 503
     assert f"Cancel requested for run {run.pk}." in page.content.decode()
     assert "Nothing was changed by loading it." in page.content.decode()

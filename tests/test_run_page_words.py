@@ -375,10 +375,11 @@ def test_gaps_page_without_gaps_says_so_instead_of_an_empty_chart(viewer):
 
 def test_a_cancelled_run_says_who_cancelled_it(viewer, operator, journal):
     queued = Run.objects.submit(question="to cancel", documents=["a.md"])
-    assert operator.post(f"/runs/{queued.pk}/cancel/").status_code == 302
+    cancel = {"reason": "wrong question", "confirm": "on"}
+    assert operator.post(f"/runs/{queued.pk}/cancel/", cancel).status_code == 302
     page = viewer.get(f"/runs/{queued.pk}/").content.decode()
     assert '<span class="status cancelled" id="run-status">cancelled by alice</span>' in page
-    assert "Cancelled by alice, asked at" in visible(page)
+    assert "by alice (wrong question); the run ended by it at" in visible(page)
     row = section(viewer.get("/").content.decode(), f'<a href="/runs/{queued.pk}/">', "</tr>")
     assert "cancelled by alice" in row
     # A running run cancelled mid-way names who asked once its owner stops.
