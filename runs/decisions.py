@@ -77,6 +77,8 @@ from runs.models import (
 from runs.outcomes import UNKNOWN_TO_SERVER, Settlement, settle, written, written_by
 from runs.sql import CommitUnanswered, lock_refused, server_cursor, waits_bounded
 from runs.timeline import EventKind, timeline
+from runs.tools import receiver
+from runs.words import did
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +147,7 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
         action = item.action
         shown["boundary"] = {
             "identity": action_identity(run.pk, action.step_key),
+            "did": did(action, run.documents),
             "kind": action.kind,
             "effect_class": action.effect_class,
             "input_digest": action.input_digest,
@@ -158,6 +161,8 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
         until = in_flight_until(item)
         shown["delivery"] = {
             "idempotency_key": item.evidence.get("idempotency_key", ""),
+            # Where to look it up: the only one who knows.
+            "receiver": receiver(item.evidence.get("idempotency_key", "")),
             "receiver_answer": item.action.error if item.action_id else "",
             "in_flight_until": until.isoformat() if until else None,
         }
@@ -183,10 +188,13 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
             "error": last.get("error"),
             "settles_as": settlement.outcome,
         }
-    receipts = Receipt.objects.filter(run=run).order_by("created_at", "action_id")
+    receipts = (
+        Receipt.objects.filter(run=run).select_related("action").order_by("created_at", "action_id")
+    )
     shown["receipts"] = [
         {
             "step_key": receipt.step_key,
+            "did": did(receipt.action, run.documents),
             "result_digest": receipt.result_digest,
             "at": receipt.created_at.isoformat(),
             "after_item": receipt.created_at > item.created_at,
@@ -280,9 +288,8 @@ def _effect_offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
     ended = item.run.is_finished
     happened = Offer(
         DecisionChoice.CONFIRMED_HAPPENED,
-        "The receiver has it. The action is recorded as completed, confirmed by you, with "
-        "your reference"
-        + ("." if ended else "; the run goes on past it and never sends it again."),
+        "The receiver has it: nothing is sent again. The action is recorded as completed, "
+        "confirmed by you, with your reference" + ("." if ended else "; the run goes on past it."),
     )
     if in_flight_until(item) is not None:
         return [happened]
@@ -295,17 +302,22 @@ def _effect_offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
                 "The receiver does not have it. Recorded so; nothing is sent: the run has ended.",
             ),
         ]
+    # Both choices below send it again, the same way: what differs is what
+    # the operator says they know, recorded with the decision.  Said plainly,
+    # so that nobody picks one believing the other sends nothing.
     key = shown["delivery"]["idempotency_key"]
     return [
         happened,
         Offer(
             DecisionChoice.RESEND_SAME_IDENTITY,
-            f"The receiver honours Idempotency-Key {key}. It is sent once more under the "
-            "same identity and key; a receiver that has it already keeps one copy.",
+            f"Sends it again, once, under the same Idempotency-Key {key}: for when you "
+            "cannot tell, and the receiver keeps one copy per key. Records that you did "
+            "not know.",
         ),
         Offer(
             DecisionChoice.CONFIRMED_NOT_HAPPENED,
-            "The receiver does not have it. It is sent once more, under the same identity.",
+            "Sends it again, once, under the same Idempotency-Key, as “send again” does. "
+            "Records that the receiver told you it does not have it.",
         ),
     ]
 

@@ -741,11 +741,9 @@ def restart_embedded_postgres(data: Path) -> None:
 
 def postgres_restarted(lab: Lab) -> Finding:
     """PostgreSQL restarts mid-run; the run resumes from its receipts."""
-    if os.environ.get("DATABASE_URL"):
-        raise NotRun("the drill does not control this PostgreSQL (DATABASE_URL is set)")
     data = Path(settings.VAR_DIR) / "postgres"
-    if not (data / "postmaster.pid").exists():
-        raise NotRun(f"no embedded PostgreSQL runs from {data}")
+    if why := restart_refused(data):
+        raise NotRun(why)
     run = _slow_run(lab)
     process = lab.start("manage.py", "executor", "--run", str(run.pk))
     wait_for(lambda: _receipts(run) >= 3, "the executor's third receipt")
@@ -763,6 +761,26 @@ def postgres_restarted(lab: Lab) -> Finding:
     return full_run_answers(
         lab, run, (restarted, "PostgreSQL restarted while the run was at its third receipt")
     )
+
+
+def restart_refused(data: Path) -> str | None:
+    """Why the drill may not restart the database it uses, or None: it
+    restarts only the embedded server it runs from `data`, and only if that
+    is the one in use.  Asked of the server itself, not of DATABASE_URL:
+    `make demo` hands the embedded server's address to its processes in
+    DATABASE_URL, and another server's address may be set there too."""
+    refused = "the drill does not control this PostgreSQL"
+    if not (data / "postmaster.pid").exists():
+        return f"{refused}: no embedded PostgreSQL runs from {data}; the database is another's"
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('data_directory')")
+            served = Path(cursor.fetchone()[0])
+    except DatabaseError as error:
+        return f"{refused}: it would not say where it is served from ({error})"
+    if served.resolve() != data.resolve():
+        return f"{refused}: it is served from {served}, not by the embedded one in {data}"
+    return None
 
 
 def _server_started() -> Any:

@@ -8,6 +8,9 @@ them.  The evidence itself comes from runs.decisions.gather."""
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +20,7 @@ from django.utils import timezone
 from runs.decisions import offered_from
 from runs.models import (
     TERMINAL_STATUSES,
+    Action,
     ActionState,
     OperatorDecision,
     OutcomeItem,
@@ -27,7 +31,7 @@ from runs.models import (
 )
 from runs.outcomes import NOT_KNOWN_HERE, UNKNOWN_TO_SERVER
 from runs.timeline import EventKind
-from runs.words import Field, evidence_fields, plain, status_words
+from runs.words import Field, did, evidence_fields, plain, status_words
 
 EVENTS_AFTER = 20
 # The runs waiting with no item holding them: the oldest this many.
@@ -90,15 +94,41 @@ def blocks(item: OutcomeItem) -> Blocks:
 
 
 def what(item: OutcomeItem) -> str:
-    """The write or action an item is about, as an operator names it."""
+    """The write or action an item is about, as an operator names it: by
+    what the action did ("delivering the report to hooks.example.com"), not
+    by its id or the item's subject (effect:action-71:attempt-1)."""
+    deed = functools.partial(did, documents=item.run.documents)
+    return _about(item, deed, deed)
+
+
+def named(item: OutcomeItem) -> str:
+    """The write or action an item is about as the CLI's JSON names it (its
+    "what", stable): the action's identity, or the step a checkpoint is after."""
+    return _about(item, lambda action: action.identity, lambda action: action.step_key)
+
+
+def _about(
+    item: OutcomeItem, action: Callable[[Action], str], after: Callable[[Action], str]
+) -> str:
+    """What an item is about, its action named by `action`, the action a
+    checkpoint is after by `after`."""
     if item.action_id is not None:
-        return item.action.identity
+        return action(item.action)
     if item.checkpoint_id is not None:
         checkpoint = item.checkpoint
-        return f"checkpoint {checkpoint.number} after {checkpoint.after_action.step_key}"
+        return f"checkpoint {checkpoint.number} after {after(checkpoint.after_action)}"
     if item.revision_number is not None:
         return f"answer revision {item.revision_number}"
     return item.subject
+
+
+def said(item: OutcomeItem, text: str) -> str:
+    """`text` (a summary, an event's message) with the internal names of
+    what the item is about (its subject, "action 73") as `what` says it."""
+    text = text.replace(item.subject, what(item))
+    if item.action_id is not None:
+        text = re.sub(rf"\baction {item.action_id}\b", what(item), text)
+    return text
 
 
 def items_listed(queryset: QuerySet[OutcomeItem]) -> QuerySet[OutcomeItem]:
@@ -115,7 +145,7 @@ def listing_row(item: OutcomeItem, now: dt.datetime) -> dict[str, Any]:
         "run_id": item.run_id,
         "run_status": item.run.status,
         "subject": item.subject,
-        "what": what(item),
+        "what": named(item),
         "summary": item.summary,
         "opened_at": item.created_at.isoformat(),
         "age_seconds": int((now - item.created_at).total_seconds()),
@@ -141,12 +171,14 @@ def known(item: OutcomeItem, shown: dict[str, Any]) -> list[str]:
         boundary = shown.get("boundary", {})
         delivery = shown["delivery"]
         sent = _moment(boundary["dispatched_at"]) if boundary else opened
+        key = delivery["idempotency_key"]
         sentences = [
-            f"Known: {subject} was dispatched at {sent} (attempt {boundary.get('attempts', 1)}) "
-            f"under Idempotency-Key {delivery['idempotency_key']}, and no answer was recorded: "
-            f"{item.summary}.",
-            "Not known: whether the receiver has it. Only the receiver can say: look it up "
-            "there (by the Idempotency-Key). Nothing is sent again until someone decides.",
+            f"Known: {subject} was dispatched at {sent} (attempt {boundary.get('attempts', 1)}), "
+            f"and no answer came back: {said(item, item.summary)}.",
+            # Said once, here: what is not known, and where to look.
+            f"Not known: whether the receiver has it. Only the receiver can say: look it up "
+            f"at {delivery.get('receiver') or 'the receiver'} by Idempotency-Key {key}. "
+            "Nothing is sent again until someone decides.",
         ]
         if until := delivery.get("in_flight_until"):
             sentences.append(
@@ -218,10 +250,11 @@ def _yes(value: bool | None, none: str = "not known") -> str:
 def _answer(item: OutcomeItem, delivery: dict[str, Any]) -> str:
     # gather() offers the action's error as the receiver's answer: for an
     # effect still unknown that is the runtime's account of the lost answer.
-    said = delivery["receiver_answer"]
+    answer = delivery["receiver_answer"]
     if item.action_id is not None and item.action.state == ActionState.UNKNOWN:
-        return f"none came back: {said}" if said else "none came back"
-    return said or "none recorded"
+        # Why none came back is the first thing known: not said twice.
+        return "none came back"
+    return answer or "none recorded"
 
 
 def panels(item: OutcomeItem, shown: dict[str, Any]) -> list[tuple[str, list[Field]]]:
@@ -233,6 +266,7 @@ def panels(item: OutcomeItem, shown: dict[str, Any]) -> list[tuple[str, list[Fie
             (
                 "The boundary (written before dispatch)",
                 [
+                    Field("did", "What it did", text=boundary.get("did") or boundary["identity"]),
                     Field("identity", "Action identity", text=boundary["identity"]),
                     Field("kind", "Tool", text=boundary["kind"]),
                     Field("class", "Class", text=boundary["effect_class"]),
@@ -268,18 +302,23 @@ def panels(item: OutcomeItem, shown: dict[str, Any]) -> list[tuple[str, list[Fie
                 ],
             )
         )
-    recorded = shown["item"]["recorded"]
-    result.append(
-        (
-            "What the runtime saw",
-            [Field("summary", "Summary", text=item.summary), *evidence_fields(recorded)],
-        )
-    )
-    if delivery := shown.get("delivery"):
+    recorded = dict(shown["item"]["recorded"])
+    delivery = shown.get("delivery")
+    saw = []
+    if delivery:
+        # The summary is the first sentence of what is known; the identity
+        # and the key are in the boundary and the delivery.
+        for key in ("identity", "idempotency_key"):
+            recorded.pop(key, None)
+    else:
+        saw.append(Field("summary", "Summary", text=said(item, item.summary)))
+    result.append(("What the runtime saw", [*saw, *evidence_fields(recorded)]))
+    if delivery:
         result.append(
             (
                 "The delivery",
                 [
+                    Field("receiver", "Receiver", text=delivery.get("receiver") or "not known"),
                     Field("key", "Idempotency-Key sent", text=delivery["idempotency_key"]),
                     Field("answer", "Receiver's answer", text=_answer(item, delivery)),
                 ],
@@ -313,6 +352,7 @@ def receipts(item: OutcomeItem, shown: dict[str, Any]) -> dict[str, list[dict[st
     rows = [
         {
             "step_key": receipt["step_key"],
+            "did": receipt.get("did") or receipt["step_key"],
             "digest": receipt["result_digest"],
             "at": _moment(receipt["at"]),
             "after": receipt["after_item"],
@@ -328,14 +368,17 @@ def receipts(item: OutcomeItem, shown: dict[str, Any]) -> dict[str, list[dict[st
 def afterwards(item: OutcomeItem) -> list[dict[str, str]]:
     """What the run did after the item was opened: its timeline from then,
     the newest EVENTS_AFTER (how it ended, or the decision and what came
-    of it, last), oldest first."""
+    of it, last), oldest first.  An event that only repeats the item's
+    summary (said at the top) says what happened, not the summary again."""
     events = item.run.events.filter(created_at__gte=item.created_at)
     newest = list(events.order_by("-created_at", "-id")[:EVENTS_AFTER])
     return [
         {
             "at": timezone.localtime(event.created_at).strftime("%H:%M:%S.%f")[:-3],
             "what": plain(EventKind, event.kind),
-            "detail": event.message,
+            "detail": ""
+            if item.summary and item.summary in event.message
+            else said(item, event.message),
         }
         for event in reversed(newest)
     ]

@@ -196,9 +196,8 @@ def deliver_report(input: dict[str, Any], identity: str, idempotency_key: str) -
         status = _post(url, body, idempotency_key, credentials)
         journal("deliver_report", identity, to="url", status=status, key=idempotency_key)
         return {"delivered_to": _named(url), "status": status, "sha256": sha}
-    outbox = Path(settings.RUNDESK_OUTBOX_DIR)
-    # One file per key, named so that no two keys share it.
-    target = outbox / (urllib.parse.quote(idempotency_key, safe="") + ".md")
+    target = outbox_file(idempotency_key)
+    outbox = target.parent
     # Written whole to a temporary file, then linked into place: link() fails
     # if the target exists, so a report appears once, complete, or not at all.
     # Until the link, a failure leaves nothing delivered: known not to have
@@ -222,6 +221,33 @@ def deliver_report(input: dict[str, Any], identity: str, idempotency_key: str) -
             raise ToolFailed(f"outbox {outbox}: {error.strerror or error}") from None
     journal("deliver_report", identity, to="outbox", key=idempotency_key)
     return {"delivered_to": str(target), "sha256": sha}
+
+
+def outbox_file(idempotency_key: str) -> Path:
+    """The outbox file a report sent under `idempotency_key` is written
+    to: one file per key, named so that no two keys share it."""
+    return Path(settings.RUNDESK_OUTBOX_DIR) / (
+        urllib.parse.quote(idempotency_key, safe="") + ".md"
+    )
+
+
+def receiver(idempotency_key: str) -> str:
+    """Where a report sent under `idempotency_key` goes, as an operator
+    is shown it (to look it up there): the delivery address without the
+    user and password it may carry and with its query's values blanked
+    (?token=…: most webhooks carry their secret there), or the outbox
+    file."""
+    if not settings.RUNDESK_DELIVERY_URL:
+        return str(outbox_file(idempotency_key))
+    url, _ = _credentials(settings.RUNDESK_DELIVERY_URL)
+    parts = urllib.parse.urlsplit(url)
+    # A part with no "=" is a value alone (?s3cret): blanked whole.
+    query = "&".join(
+        f"{part.partition('=')[0]}=…" if "=" in part else "…"
+        for part in parts.query.split("&")
+        if part
+    )
+    return urllib.parse.urlunsplit(parts._replace(query=query, fragment=""))
 
 
 def _credentials(url: str) -> tuple[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from django.utils import timezone
 
 from evidence.models import GapReason
 from runs.models import (
+    Action,
     ActionState,
     CheckpointOutcome,
     EffectClass,
@@ -29,6 +31,7 @@ from runs.models import (
     RunStatus,
 )
 from runs.timeline import EventKind
+from runs.tools import receiver
 
 PLAIN: dict[type[TextChoices], dict[str, str]] = {
     RunStatus: {
@@ -268,6 +271,27 @@ def words(name: str) -> str:
     return name.replace("_", " ")
 
 
+def did(action: Action, documents: list[str]) -> str:
+    """What an action did, as an operator names it ("reading northwind.md",
+    "delivering the report to hooks.example.com"); `documents` are its
+    run's.  Its identity (rundesk:run-7:read:0) is the journal's name."""
+    given = action.input if isinstance(action.input, dict) else {}
+    step, _, index = action.step_key.partition(":")
+    if action.kind == "read_document":
+        return f"reading {given.get('path') or 'a document'}"
+    if action.kind == "deliver_report":
+        where = receiver(action.idempotency_key)
+        host = urllib.parse.urlsplit(where).hostname
+        return f"delivering the report to {host or 'the outbox'}"
+    if action.kind == "model_call" and step == "summarize" and index.isdigit():
+        read = int(index)
+        source = documents[read] if read < len(documents) else f"document {read + 1}"
+        return f"summarising {source} (the model)"
+    if action.kind == "model_call" and action.step_key == "compose":
+        return "composing the report (the model)"
+    return f"{words(action.kind)} ({action.step_key})"
+
+
 # -- evidence as labelled fields ----------------------------------------------------
 
 EVIDENCE_LABELS = {
@@ -352,10 +376,39 @@ def _field(key: str, value: Any, depth: int) -> Field:
     if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
         columns = _ordered(dict.fromkeys(k for row in value for k in row), COLUMN_ORDER)
         rows = [[_text(c, row.get(c)) if c in row else "" for c in columns] for row in value]
+        if "at" in columns:
+            rows = _folded(rows, columns.index("at"))
         return Field(
             key, label, table=Table([COLUMN_LABELS.get(c) or _label(c) for c in columns], rows)
         )
     return Field(key, label, text=_text(key, value))
+
+
+def _folded(rows: list[list[str]], at: int) -> list[list[str]]:
+    """Rows that say the same, one after another, but for their time (the
+    same check repeated while waiting) as one row: its time the span and
+    how many times it was seen."""
+    runs: list[tuple[list[str], str, int]] = []  # (first row, last time, count)
+    for row in rows:
+        same = [cell for i, cell in enumerate(row) if i != at]
+        if runs and [c for i, c in enumerate(runs[-1][0]) if i != at] == same:
+            first, _, count = runs[-1]
+            runs[-1] = (first, row[at], count + 1)
+        else:
+            runs.append((row, row[at], 1))
+    folded = []
+    for first, last, count in runs:
+        if count > 1:
+            span = f"{first[at]} to {_clock(first[at], last)} ({count} times)"
+            first = [span if i == at else cell for i, cell in enumerate(first)]
+        folded.append(first)
+    return folded
+
+
+def _clock(first: str, last: str) -> str:
+    """`last` without the date `first` already says."""
+    day, _, clock = last.partition(" ")
+    return clock if clock and first.startswith(day + " ") else last
 
 
 def _text(key: str, value: Any) -> str:

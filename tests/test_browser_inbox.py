@@ -37,11 +37,12 @@ def test_an_operator_settles_a_lost_delivery_through_the_inbox(page: Page, setti
         run, outcome = run_with([{"point": "delivery_timeout"}])
         assert outcome == RunStatus.NEEDS_OPERATOR and len(receiver.requests) == 1
         item = OutcomeItem.objects.get(run=run, kind=OutcomeKind.EFFECT)
-        identity = f"rundesk:run-{run.pk}:deliver"
+        # Named by what it did; its identity is in the evidence.
+        doing = "delivering the report to 127.0.0.1"
 
         page.goto("/inbox/")
         expect(page.locator("main h1")).to_contain_text("2 open")
-        row = page.locator("#inbox-rows tr", has_text=identity)
+        row = page.locator("#inbox-rows tr", has_text=doing)
         expect(row.locator(".blocks")).to_have_text("the whole run")
         expect(page.locator("#inbox-rows tr", has_text=f"run {receipt_run.pk}")).to_be_visible()
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
@@ -55,8 +56,9 @@ def test_an_operator_settles_a_lost_delivery_through_the_inbox(page: Page, setti
         page.screenshot(path=SCREENSHOTS / "inbox-item-receipt.png", full_page=True)
 
         page.goto("/inbox/")
-        row.locator("a", has_text=identity).click()
-        expect(page.locator("#item h1")).to_contain_text(identity)
+        row.locator("a", has_text=doing).click()
+        expect(page.locator("#item h1")).to_contain_text(doing)
+        expect(page.locator("#item-known")).to_contain_text(f"look it up at {receiver.url}")
         expect(page.locator("#item-known")).to_contain_text("Not known: whether the receiver")
         expect(page.locator("dt", has_text="Idempotency-Key sent").first).to_be_visible()
         page.screenshot(path=SCREENSHOTS / "inbox-item.png", full_page=True)

@@ -159,7 +159,8 @@ def test_show_gives_the_evidence_gathered_now_and_the_choices(lost_delivery):
     text = outcomes("show", str(item.pk))
     assert "Idempotency-Key sent: " + key in text
     assert "Not known: whether the receiver has it" in text
-    assert "confirmed_happened: The receiver has it." in text
+    assert "confirmed_happened: The receiver has it: nothing is sent again." in text
+    assert "resend_same_identity: Sends it again, once" in text
     assert "{'" not in text  # labelled fields, not a dict
 
 
