@@ -133,10 +133,15 @@ def xact_status(xid: int) -> str | None:
 # The writer's old backend, if it still runs (the same pid and start time:
 # not a later backend that reuses the pid), and its open transaction's id
 # widened to 64 bits (pg_stat_activity shows 32) with the current epoch.
+# The backend's xid is 32 bits; its full id is the one within 2^31 of a
+# snapshot's xmax (an open transaction's xid lies within that of any
+# reference), on either side: xmax is one past the latest *completed*
+# transaction, so a transaction still open may have a larger id than it
+# (taking it for an earlier epoch's gave a negative id).
 ORPHAN = """
     SELECT CASE WHEN a.backend_xid IS NULL THEN NULL ELSE
-        ((c.full >> 32) - (a.backend_xid::text::bigint > (c.full & 4294967295))::int) << 32
-        | a.backend_xid::text::bigint END
+        c.full + (a.backend_xid::text::bigint - (c.full & 4294967295) + 6442450944)
+            %% 4294967296 - 2147483648 END
     FROM pg_stat_activity a,
         (SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint AS full) c
     WHERE a.pid = %(pid)s
