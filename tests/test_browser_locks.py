@@ -6,6 +6,7 @@ the graph.  Screenshot: lock-graph-victim.png."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,9 @@ DRAWN = """() => {
 def test_the_lock_graph_draws_labels_on_their_arrows_and_names_the_victim(page: Page):
     victim_run, owner_run = (Run.objects.submit(question=q, documents=["a.md"]) for q in "vo")
     text = (FIXTURES / "three_way.csv").read_text()
-    text = text.replace("run-3", f"run-{victim_run.pk}").replace("run-2", f"run-{owner_run.pk}")
+    # At once: one after the other, run-3 made run-210 and then run-2 took its start.
+    ids = {"3": victim_run.pk, "2": owner_run.pk}
+    text = re.sub(r"run-([23])\b", lambda match: f"run-{ids[match.group(1)]}", text)
     ((_, incident),) = pglog.import_log(text, "postgresql.csv")
     # A wait of two other processes, seen at the same time: independent.
     beside = Graph({p: Process(p, "psql") for p in (4201, 4202)}, [Edge(4201, 4202, "ShareLock")])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
+import re
 import threading
 from pathlib import Path
 
@@ -226,7 +227,9 @@ def test_the_transactions_lock_is_labelled_on_the_arrow_to_its_owner():
 def test_the_victim_is_the_process_whose_log_line_carries_the_report():
     victim_run, other_run = (Run.objects.submit(question=q, documents=["a.md"]) for q in "vo")
     text = (FIXTURES / "three_way.csv").read_text()
-    text = text.replace("run-3", f"run-{victim_run.pk}").replace("run-2", f"run-{other_run.pk}")
+    # At once: one after the other, run-3 made run-210 and then run-2 took its start.
+    ids = {"3": victim_run.pk, "2": other_run.pk}
+    text = re.sub(r"run-([23])\b", lambda match: f"run-{ids[match.group(1)]}", text)
     (incident,) = imported("three_way.csv", text)
     assert incident.victim_pid == 4102
     assert locks.victim_of(incident) == locks.Victim(4102, "capture", victim_run.pk)
