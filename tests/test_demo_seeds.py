@@ -1,5 +1,6 @@
-"""The demo seeds one run for each row of the decision table: each ends as
-its row says, through a real executor."""
+"""The demo seeds sample runs, each of which submission takes, and one run
+for each row of the decision table: each ends as its row says, through a
+real executor."""
 
 from __future__ import annotations
 
@@ -7,12 +8,17 @@ import pytest
 
 from runs.decisions import settle_open_items
 from runs.executor import Executor
-from runs.management.commands.demo import DECISION_TABLE_RUNS, TWO_FUNDS
+from runs.management.commands.demo import DECISION_TABLE_RUNS, SAMPLE_RUNS, TWO_FUNDS
 from runs.models import CheckpointOutcome, OutcomeItem, OutcomeKind, Run, RunStatus
 from runs.outcomes import xact_status
 from tests.faultruns import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
+
+
+def test_every_sample_run_of_the_demo_is_taken_at_submission():
+    runs = [Run.objects.submit(**sample) for sample in SAMPLE_RUNS]
+    assert [run.status for run in runs] == [RunStatus.QUEUED] * len(SAMPLE_RUNS)
 
 
 def test_each_decision_table_run_of_the_demo_ends_as_its_row_says(settings):

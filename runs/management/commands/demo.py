@@ -46,8 +46,10 @@ SAMPLE_RUNS: list[dict[str, Any]] = [
         "action_budget": 7,
     },
     {
-        "question": "Compare these funds (one path tries to leave the corpus).",
-        "documents": ["harborlight-global-dividend.md", "../../etc/passwd"],
+        # A path out of the corpus is refused at submission; one that names
+        # no file there yet is taken, and its read is refused.
+        "question": "Compare these funds (one of them is not in the corpus).",
+        "documents": ["harborlight-global-dividend.md", "orion-frontier-income.md"],
     },
 ]
 
