@@ -10,6 +10,7 @@ from io import StringIO
 import pytest
 from django.core.management import call_command
 
+from runs import tasks
 from runs.drills import QUESTIONS, Drilled, report
 from runs.models import Drill, DrillResult, DrillVerdict
 from tests.conftest import database_url
@@ -66,3 +67,7 @@ def test_a_failed_scenario_reads_failed_and_the_totals_agree():
         ("cancel_mid_run", "passed", None),
     ]
     assert (said["passed"], said["failed"], said["not_run"]) == (1, 1, 1)
+
+
+def test_a_drill_task_for_a_drill_this_database_does_not_hold_is_said_and_left():
+    assert tasks.drill(987654321) == "no drill 987654321 here"
