@@ -122,10 +122,9 @@ def waiting_run() -> Run:
     )
 
 
-def test_a_receipt_item_names_its_action_by_what_it_did(viewer):
-    run = waiting_run()
+def read_of_northwind(run: Run) -> Action:
     given = {"path": "northwind.md"}
-    action = Action.objects.create(
+    return Action.objects.create(
         run=run,
         step_key="read:0",
         kind="read_document",
@@ -135,6 +134,11 @@ def test_a_receipt_item_names_its_action_by_what_it_did(viewer):
         state=ActionState.COMPLETED,
         epoch=1,
     )
+
+
+def test_a_receipt_item_names_its_action_by_what_it_did(viewer):
+    run = waiting_run()
+    action = read_of_northwind(run)
     item = open_item(
         run_id=run.pk,
         kind=OutcomeKind.RECEIPT,
@@ -174,17 +178,7 @@ def test_a_check_repeated_while_waiting_is_one_line_with_its_count_and_span(view
 
 def test_receipts_are_listed_by_what_their_actions_did(viewer):
     run = waiting_run()
-    given = {"path": "northwind.md"}
-    action = Action.objects.create(
-        run=run,
-        step_key="read:0",
-        kind="read_document",
-        effect_class="read",
-        input=given,
-        input_digest=sha(given),
-        state=ActionState.COMPLETED,
-        epoch=1,
-    )
+    action = read_of_northwind(run)
     Receipt.objects.create(
         action=action, run=run, step_key="read:0", result={}, result_digest=sha({}), epoch=1
     )
