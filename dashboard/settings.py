@@ -416,8 +416,25 @@ CELERY_BEAT_SCHEDULER = "runs.tasks:SweepingScheduler"
 RUNDESK_CHECKPOINT_EVERY = int(env_float("RUNDESK_CHECKPOINT_EVERY", 100, minimum=1))
 RUNDESK_CHECKPOINT_SECONDS = env_float("RUNDESK_CHECKPOINT_SECONDS", 0.5, minimum=0.0)
 
+# The installed agents, by name: the import path of each one's Agent class
+# (runs/registry.py, docs/AGENTS.md).  RUNDESK_AGENTS in the environment
+# adds to them or replaces one ("name=package.module:Class,...";
+# "name=" uninstalls one): an agent of your own package is installed
+# without editing this file.
+RUNDESK_AGENTS = {
+    "research": "runs.agents.research:ResearchAgent",
+}
+for _entry in env_list("RUNDESK_AGENTS"):
+    _name, _, _path = _entry.partition("=")
+    if not _name.strip():
+        raise ImproperlyConfigured(f"RUNDESK_AGENTS: {_entry!r} is not name=package.module:Class")
+    RUNDESK_AGENTS[_name.strip()] = _path.strip()
+RUNDESK_AGENTS = {name: path for name, path in RUNDESK_AGENTS.items() if path}
+
 # The research agent.
-RUNDESK_CORPUS_DIR = Path(env_str("RUNDESK_CORPUS_DIR", str(BASE_DIR / "runs" / "sample_corpus")))
+RUNDESK_CORPUS_DIR = Path(
+    env_str("RUNDESK_CORPUS_DIR", str(BASE_DIR / "runs" / "agents" / "sample_corpus"))
+)
 RUNDESK_OUTBOX_DIR = Path(env_str("RUNDESK_OUTBOX_DIR", str(VAR_DIR / "outbox")))
 RUNDESK_DELIVERY_URL = env_url("RUNDESK_DELIVERY_URL")
 RUNDESK_DELIVERY_TIMEOUT = env_float("RUNDESK_DELIVERY_TIMEOUT", 10.0, minimum=0.1)

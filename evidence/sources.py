@@ -17,7 +17,8 @@ from typing import Any
 from django.conf import settings
 
 from evidence.records import bounded
-from runs.tools import ToolRefused, resolve_in_corpus
+from runs.agent import ToolRefused
+from runs.agents.tools import resolve_in_corpus
 
 
 class SourceRefresh:

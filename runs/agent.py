@@ -1,199 +1,304 @@
-"""The reference research agent: "compare these documents, deliver a report".
+"""The agent API: everything an agent and its tools are written against.
 
-It reads each document as its own action, has the model summarise it,
-publishes a draft revision after the first summary, composes the comparison,
-publishes the final revision and delivers it.  It is research only: every
-step, publication, checkpoint and budget check goes through the Dispatcher
-(runs/dispatch.py), which makes a resumed run replay nothing that completed,
-hands each action's evidence to capture, and saves the run's progress.  How
-the run ends is the executor's to say (runs/executor.py).
+    from runs.agent import Agent, RunContext, Step, Tool, ToolCall, ToolRefused
 
-The agent also says how its state follows from the run's receipts
-(`replay`): a checkpoint is trusted only if it holds exactly that.
+A **tool** is a function `run(input, call) -> dict` declared with its name,
+its effect class (`READ`: repeatable, no outside effect; `EFFECT`:
+irreversible), whether its receiver keeps one copy per idempotency key
+(`accepts_idempotency_key`: only then is "send again under the same
+identity" ever offered after a lost answer), its timeout and the JSON
+Schema of its input.  It answers a JSON object, or raises ToolRefused (a
+definite answer, recorded as the result), ToolFailed (known not to have
+happened) or OutcomeUnknown (it may have happened: only its receiver can
+say; an operator decides).
+
+An **agent** is a subclass of Agent declaring its name, version, input
+schema and tools, with `run()`, which works through `self.ctx` (a
+RunContext): steps, answer revisions, checkpoints.  After a crash the
+runtime runs `run()` again from the start; every step that completed
+returns its receipt's result without being dispatched again, so the
+agent's state follows from its receipts.  An agent that wants to skip
+that re-stepping may save checkpoints, and then says in `replay()` how its
+state follows from the receipts: a checkpoint is used only if it holds
+exactly that.
+
+Agents are installed by name in RUNDESK_AGENTS (runs/registry.py).
+docs/AGENTS.md is the tutorial and the reference.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import datetime as dt
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import jsonschema
 
 from runs.checkpoints import Disagreement
-from runs.dispatch import ActionFailed, Dispatcher
-from runs.models import Phase, digest
+from runs.models import EffectClass, Phase
 from runs.progress import History
-from runs.providers import COMPARE_INSTRUCTIONS, SUMMARIZE_INSTRUCTIONS, research_prompt
 
-# Actions kept back for the end of a run: composing the report and delivering it.
-FINISHING_ACTIONS = 2
+__all__ = [
+    "EFFECT",
+    "READ",
+    "ActionFailed",
+    "Agent",
+    "Disagreement",
+    "History",
+    "OutcomeUnknown",
+    "Phase",
+    "RunContext",
+    "Step",
+    "Tool",
+    "ToolCall",
+    "ToolFailed",
+    "ToolRefused",
+    "input_refusal",
+]
 
-
-@dataclass
-class ResearchState:
-    """What the agent needs to continue: where it is, what it has learned,
-    and the digests of the receipts that learning came from."""
-
-    position: int = 0
-    summaries: list[tuple[str, str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    receipts: dict[str, str] = field(default_factory=dict)
-
-    @classmethod
-    def load(cls, raw: dict[str, Any]) -> ResearchState:
-        return cls(
-            position=raw["position"],
-            summaries=[(path, text) for path, text in raw["summaries"]],
-            notes=list(raw["notes"]),
-            receipts=dict(raw["receipts"]),
-        )
+READ, EFFECT = EffectClass.READ, EffectClass.EFFECT
+ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
+NAME = re.compile(r"[a-z][a-z0-9_.-]{0,62}")
 
 
-class ResearchAgent:
-    def __init__(self, dispatcher: Dispatcher) -> None:
-        self.dispatcher = dispatcher
-        self.run = dispatcher.run
+class ToolRefused(Exception):
+    """The tool gave a definite answer and did nothing (e.g. a path outside
+    the corpus).  It is a result: the receipt records {"refused": message}."""
 
-    def research(self, saved: dict[str, Any] | None) -> None:
-        """Researches from `saved` (a checkpoint's state) or the beginning,
-        until the report is delivered."""
-        state = ResearchState.load(saved) if saved else ResearchState()
-        documents = self.run.documents
-        for index in range(state.position, len(documents)):
-            state.position = index
-            self._research(index, documents[index], state)
-        state.position = len(documents)
-        final = self._compose(state)
-        number = 2 if state.summaries else 1
-        used = [*state.receipts, "compose"] if state.summaries else []
-        final = self.dispatcher.publish(number, final, is_final=True, model_calls=used)
-        self.dispatcher.step("deliver", "deliver_report", {"revision": number, "content": final})
 
-    def _research(self, index: int, path: str, state: ResearchState) -> None:
-        """Reads one document and has the model summarise it.  A read or a
-        summary that fails is noted in the report; the other documents are
-        independent work and go on."""
-        read_key, summary_key = f"read:{index}", f"summarize:{index}"
-        if not self.dispatcher.settled(read_key):
-            needed = 2 + FINISHING_ACTIONS
-            if over := self.dispatcher.finalize_if_due(actions_needed=needed):
-                state.notes.append(_not_read(path, over))
-                return
-        try:
-            read = self.dispatcher.step(read_key, "read_document", {"path": path})
-            self._checkpoint(read_key, state)
-            if "refused" in read:
-                state.notes.append(_refused(path, read))
-                return
-            prompt = research_prompt(self.run.question, [(path, read["text"])])
-            messages = _messages(SUMMARIZE_INSTRUCTIONS, prompt)
-            summary = self.dispatcher.step(
-                summary_key, "model_call", {"messages": messages}, sources=[path]
+class ToolFailed(Exception):
+    """The tool did not do its work, and is known not to have done it."""
+
+
+class OutcomeUnknown(Exception):
+    """The tool may or may not have done its work (a request was sent and
+    its answer was lost): the run waits for an operator, who settles it
+    with the receiver's evidence."""
+
+
+class ActionFailed(Exception):
+    """An action is known not to have completed (its tool failed).  Raised
+    by `RunContext.step`; an agent catches it to go on without the action,
+    or lets it end the run as failed."""
+
+    def __init__(self, step_key: str, error: str) -> None:
+        super().__init__(f"{step_key} failed: {error}")
+        self.step_key, self.error = step_key, error
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """What a tool is told of the action it performs."""
+
+    run_id: int
+    step_key: str
+    # How operators and logs name the action: rundesk:run-7:send.
+    identity: str
+    # What its receiver knows it by: the same on every attempt of this
+    # action, unique in the world (an Idempotency-Key, a Message-ID).
+    idempotency_key: str
+    # Seconds the tool has: its own I/O should give up by then.
+    timeout: float
+
+
+def input_refusal(schema: Mapping[str, Any], value: Any, what: str = "input") -> str:
+    """Why `value` does not have the shape `schema` (a JSON Schema) says,
+    naming the field; "" when it has."""
+    error = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(schema).iter_errors(value)
+    )
+    if error is None:
+        return ""
+    where = "".join(f"[{part!r}]" if isinstance(part, int) else f".{part}" for part in error.path)
+    return f"{what}{where}: {error.message}"
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A tool an agent's steps dispatch.  `receiver(input, idempotency_key)`
+    says where an effect goes, for an operator to look it up there after
+    a lost answer ("smtp://mail.example.com, message <key@host>"); without
+    it, operators are told the tool's name only."""
+
+    name: str
+    effect: EffectClass
+    run: Callable[[dict[str, Any], ToolCall], dict[str, Any]]
+    accepts_idempotency_key: bool = False
+    timeout: float = 60.0
+    input_schema: Mapping[str, Any] = field(default_factory=lambda: ANY_OBJECT)
+    receiver: Callable[[dict[str, Any], str], str] | None = None
+
+    def __post_init__(self) -> None:
+        if not NAME.fullmatch(self.name):
+            raise ValueError(
+                f"tool name {self.name!r}: lower-case letters, digits, '_', '.', '-', "
+                "starting with a letter"
             )
-        except ActionFailed as failure:
-            state.notes.append(_not_included(path, failure.step_key, failure.error))
-            return
-        state.summaries.append((path, summary["text"]))
-        state.receipts[summary_key] = digest(summary)
-        state.position = index + 1
-        if len(state.summaries) == 1:
-            draft = _draft(state.summaries, len(self.run.documents))
-            self.dispatcher.publish(1, draft, is_final=False, model_calls=[summary_key])
-        self._checkpoint(summary_key, state)
+        if self.effect not in (READ, EFFECT):
+            raise ValueError(f"tool {self.name}: effect is READ or EFFECT, not {self.effect!r}")
+        if not self.timeout > 0:
+            raise ValueError(f"tool {self.name}: timeout must be positive seconds")
+        jsonschema.Draft202012Validator.check_schema(self.input_schema)
 
-    def _compose(self, state: ResearchState) -> str:
-        if state.summaries:
-            prompt = research_prompt(self.run.question, state.summaries)
-            messages = _messages(COMPARE_INSTRUCTIONS, prompt)
-            paths = [path for path, _ in state.summaries]
-            report = self.dispatcher.step(
-                "compose", "model_call", {"messages": messages}, sources=paths
-            )["text"]
-            self._checkpoint("compose", state)
-        else:
-            report = (
-                f"# {self.run.question}\n\nNo document could be read, so nothing is compared.\n"
-            )
-        if state.notes:
-            report += "\n## Not included\n\n" + "".join(f"- {note}\n" for note in state.notes)
-        return report
+    def refusal(self, input: Any) -> str:
+        """Why this tool refuses `input` before its boundary ("" if not)."""
+        return input_refusal(self.input_schema, input)
 
-    def _checkpoint(self, step_key: str, state: ResearchState) -> None:
-        if self.dispatcher.checkpoint_due(step_key):  # its state, only then
-            self.dispatcher.checkpoint(step_key, asdict(state))
 
-    # -- the state the receipts lead to ---------------------------------------
+@dataclass(frozen=True)
+class Step:
+    """One step of `RunContext.side_by_side`: a read under its step key."""
+
+    key: str
+    tool: str
+    input: dict[str, Any]
+    sources: Sequence[str] = ()
+
+
+class RunContext:
+    """What an agent does a run through.  Step keys are the agent's to
+    choose; each names one action for ever (never reuse one for other
+    work): a step whose action completed returns its receipt's result,
+    without dispatching it again."""
+
+    def __init__(self, dispatcher: Any) -> None:
+        # The runtime's Dispatcher (runs/dispatch.py): not part of the API.
+        self._dispatcher = dispatcher
+        run = dispatcher.run
+        self.run_id: int = run.pk
+        self.input: dict[str, Any] = run.input
+        # The state a checkpoint restored (when the agent saves them and
+        # one agreed with the receipts), or None: run from the beginning.
+        self.saved: dict[str, Any] | None = None
+
+    def step(
+        self, key: str, tool: str, input: dict[str, Any], *, sources: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """Dispatches `tool` with `input` under step `key` after its boundary
+        is durable, or returns the result its receipt holds.  A refusal is a
+        result: {"refused": why} (an input the tool's schema refuses too).
+        Raises ActionFailed if the tool failed; an unknown outcome, a lost
+        lease or a cancel end the run's turn (do not catch BaseException).
+        `sources` names the documents a model call was given."""
+        return self._dispatcher.step(key, tool, input, sources=sources)
+
+    def side_by_side(self, steps: Sequence[Step]) -> list[dict[str, Any] | ActionFailed]:
+        """Reads dispatched at once: their boundaries are one durable write,
+        their receipts one more; each is still dispatched once.  Returns
+        each step's result, or its ActionFailed, in order."""
+        return self._dispatcher.side_by_side(steps)
+
+    def publish(
+        self, content: str, *, revision: int, final: bool = False, used: Sequence[str] = ()
+    ) -> str:
+        """Commits answer revision number `revision` (1, 2, ...), naming the
+        steps (`used`) whose results it draws on.  Returns the content that
+        stands: a revision published before a crash stays as readers read
+        it."""
+        return self._dispatcher.publish(revision, content, is_final=final, model_calls=used)
+
+    def checkpoint_due(self, after: str) -> bool:
+        """Whether a checkpoint is due after step `after` (ask before
+        gathering the state: most steps need none)."""
+        return self._dispatcher.checkpoint_due(after)
+
+    def checkpoint(self, after: str, state: dict[str, Any]) -> None:
+        """Saves `state` after step `after`, if one is due.  Only an agent
+        whose `replay` rebuilds that state from the receipts saves them."""
+        self._dispatcher.checkpoint(after, state)
+
+    def settled(self, key: str) -> bool:
+        """Whether step `key`'s outcome is known: it completed or failed."""
+        return self._dispatcher.settled(key)
+
+    def finalize_if_due(self, *, steps_needed: int = 0) -> str:
+        """Why the run may take no new reads (its budget, counting
+        `steps_needed` more steps, or its deadline), moving it to
+        finalizing; "" while it may."""
+        return self._dispatcher.finalize_if_due(actions_needed=steps_needed)
+
+    @property
+    def phase(self) -> Phase:
+        return Phase(self._dispatcher.run.phase)
+
+    @property
+    def phase_reason(self) -> str:
+        return self._dispatcher.run.phase_reason
+
+    @property
+    def steps_taken(self) -> int:
+        return self._dispatcher.progress.steps
+
+    @property
+    def budget(self) -> int:
+        """Steps the run may take in all."""
+        return self._dispatcher.run.action_budget
+
+    @property
+    def deadline(self) -> dt.datetime | None:
+        return self._dispatcher.run.deadline
+
+
+class Agent:
+    """Subclass it and declare:
+
+    - `name` (how it is installed and submitted to), `version` (recorded
+      on each run), `continues` (earlier versions whose runs this version
+      may continue after a resume: any other waits for an operator);
+    - `input_schema` (JSON Schema, checked at submission) and, where a
+      schema cannot say it, `check_input()`; `title()` names a run;
+    - `tools`, and `drill_input` (an input the drills may run it on).
+
+    The runtime makes one instance per turn of a run (`ctx`, `input`) and
+    calls `run()`."""
+
+    name: ClassVar[str] = ""
+    version: ClassVar[str] = "1"
+    continues: ClassVar[frozenset[str]] = frozenset()
+    input_schema: ClassVar[Mapping[str, Any]] = ANY_OBJECT
+    tools: ClassVar[Sequence[Tool]] = ()
+    drill_input: ClassVar[Mapping[str, Any] | None] = None
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.input = ctx.input
+
+    def run(self) -> None:
+        raise NotImplementedError(f"agent {self.name} has no run()")
 
     def replay(self, after: str, history: History) -> dict[str, Any]:
-        """The state this agent had when it saved a checkpoint after the
-        action `after`, rebuilt from the run's documents and the receipts in
-        `history`, with the same wording; Disagreement if the receipts
-        cannot have led there."""
-        state = ResearchState(position=self._position_after(after))
-        for index, path in enumerate(self.run.documents[: state.position]):
-            self._replay(index, path, state, history)
-        return asdict(state)
+        """The state this agent had when it saved a checkpoint after step
+        `after`, rebuilt from `history` (the run's receipts); Disagreement
+        if the receipts cannot have led there.  Only an agent that saves
+        checkpoints needs one."""
+        raise Disagreement("the agent saves no checkpoints")
 
-    def _position_after(self, step_key: str) -> int:
-        """The document the agent is at when it saves a checkpoint after
-        `step_key`: after a read, that document; after its summary, the
-        next one; after composing, past the last."""
-        total = len(self.run.documents)
-        if step_key == "compose":
-            return total
-        kind, _, index = step_key.partition(":")
-        if kind in ("read", "summarize") and index.isdigit() and int(index) < total:
-            return int(index) + (kind == "summarize")
-        raise Disagreement(f"was saved after {step_key}, which the agent does not save after")
+    @classmethod
+    def check_input(cls, input: dict[str, Any]) -> None:
+        """Raises ValueError saying what is wrong with `input`, beyond
+        what `input_schema` says."""
 
-    def _replay(self, index: int, path: str, state: ResearchState, history: History) -> None:
-        """What `_research` kept of document `index`: a summary (and its
-        receipt's digest), or a note saying why there is none."""
-        read_key, summary_key = f"read:{index}", f"summarize:{index}"
-        read = history.result(read_key)
-        if read is None:
-            state.notes.append(self._replayed_note(path, read_key, history))
-            return
-        if "refused" in read:
-            state.notes.append(_refused(path, read))
-            return
-        summary = history.result(summary_key)
-        if summary is None:
-            state.notes.append(self._replayed_note(path, summary_key, history))
-            return
-        if not isinstance(summary, dict) or not isinstance(summary.get("text"), str):
-            raise Disagreement(f"counts on {summary_key}, whose receipt holds no summary")
-        state.summaries.append((path, summary["text"]))
-        state.receipts[summary_key] = history.result_digest(summary_key)
+    @classmethod
+    def title(cls, input: dict[str, Any]) -> str:
+        """One line naming a run of this agent for operators."""
+        first = next((value for value in input.values() if isinstance(value, str)), "")
+        return f"{cls.name}: {first}" if first else cls.name
 
-    def _replayed_note(self, path: str, step_key: str, history: History) -> str:
-        """The note of an action before the checkpoint that has no receipt:
-        it failed, or (a read) was never dispatched because research ended."""
-        if (error := history.failure(step_key)) is not None:
-            return _not_included(path, step_key, error)
-        never_read = step_key.startswith("read:") and history.get(step_key) is None
-        if never_read and self.run.phase != Phase.RESEARCH:
-            return _not_read(path, self.run.phase_reason)
-        raise Disagreement(f"is past {step_key}, which neither completed nor failed")
+    @classmethod
+    def documents(cls, input: dict[str, Any]) -> list[str]:
+        """The documents a run of this agent reads, as its page lists them."""
+        return []
 
+    @classmethod
+    def saves_checkpoints(cls) -> bool:
+        return cls.replay is not Agent.replay
 
-# -- the report's words ----------------------------------------------------------
+    @classmethod
+    def can_continue(cls, version: str) -> bool:
+        return version == cls.version or version in cls.continues
 
-
-def _not_read(path: str, reason: str) -> str:
-    return f"{path}: not read ({reason})"
-
-
-def _refused(path: str, read: dict[str, Any]) -> str:
-    return f"{path}: {read['refused']}"
-
-
-def _not_included(path: str, step_key: str, error: str) -> str:
-    return f"{path}: not included ({step_key} failed: {error})"
-
-
-def _messages(instructions: str, prompt: str) -> list[dict[str, str]]:
-    return [{"role": "system", "content": instructions}, {"role": "user", "content": prompt}]
-
-
-def _draft(summaries: list[tuple[str, str]], total: int) -> str:
-    head = f"**Draft** — {len(summaries)} of {total} documents summarised so far.\n\n"
-    return head + "\n\n".join(text for _, text in summaries)
+    @classmethod
+    def tool(cls, name: str) -> Tool | None:
+        return next((tool for tool in cls.tools if tool.name == name), None)

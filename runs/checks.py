@@ -11,6 +11,23 @@ from typing import Any
 from django.conf import settings
 from django.core.checks import Error, Warning, register
 
+from runs import registry
+
+
+@register()
+def agents(**kwargs: Any) -> list[Error]:
+    """An agent badly registered in RUNDESK_AGENTS (a path that does not
+    import, a class that is no Agent, a name that differs) would fail
+    every run of it: the process does not start."""
+    return [
+        Error(
+            problem,
+            hint="Fix RUNDESK_AGENTS (settings or environment): name=package.module:Class.",
+            id="rundesk.E002",
+        )
+        for problem in registry.problems()
+    ]
+
 
 @register()
 def corpus_folder(**kwargs: Any) -> list[Error]:

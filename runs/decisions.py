@@ -55,6 +55,7 @@ from django.utils import timezone
 from psycopg.types.json import Jsonb
 
 from runs import lifecycle
+from runs.agents.tools import receiver
 from runs.models import (
     AUTHORISING,
     TERMINAL_STATUSES,
@@ -77,7 +78,6 @@ from runs.models import (
 from runs.outcomes import UNKNOWN_TO_SERVER, Settlement, settle, written, written_by
 from runs.sql import CommitUnanswered, lock_refused, server_cursor, waits_bounded
 from runs.timeline import EventKind, timeline
-from runs.tools import receiver
 from runs.words import did
 
 logger = logging.getLogger(__name__)

@@ -38,12 +38,14 @@ in one place (runs/checkpoints.py says when a checkpoint may be trusted).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
+import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
@@ -51,9 +53,22 @@ from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from evidence.capture import RunCapture
+from runs import registry
+from runs.agent import (
+    ActionFailed,
+    Agent,
+    OutcomeUnknown,
+    RunContext,
+    Step,
+    Tool,
+    ToolCall,
+    ToolFailed,
+    ToolRefused,
+)
 from runs.checkpoints import Checkpointer
 from runs.faults import FaultPlan, inject_cancel, steal_lease
 from runs.leases import (
+    Boundary,
     CancelRequested,
     Lease,
     LeaseExpired,
@@ -81,7 +96,6 @@ from runs.outcomes import NeedsOperator, open_item, write_settled
 from runs.progress import History, Progress
 from runs.sql import transient
 from runs.timeline import EventKind, timeline
-from runs.tools import TOOLS, OutcomeUnknown, Tool, ToolFailed, ToolRefused
 
 logger = logging.getLogger(__name__)
 
@@ -119,20 +133,30 @@ class Stopping(Exception):
     """The executor is shutting down: give the run back, dispatch nothing."""
 
 
-class ActionFailed(Exception):
-    """An action is known not to have completed, and the run cannot go on."""
-
-    def __init__(self, step_key: str, error: str) -> None:
-        super().__init__(f"{step_key} failed: {error}")
-        self.step_key, self.error = step_key, error
+# Reads side by side run on these threads, one each, so that one that
+# outlives its timeout is left behind (its answer, if one comes, is
+# dropped) and the run goes on.
+TOOL_THREADS = concurrent.futures.ThreadPoolExecutor(
+    max_workers=256, thread_name_prefix="rundesk-tool"
+)
 
 
 class Dispatcher:
-    def __init__(self, lease: Lease, *, stop: threading.Event, lease_lost: threading.Event):
+    def __init__(
+        self,
+        lease: Lease,
+        *,
+        stop: threading.Event,
+        lease_lost: threading.Event,
+        tools: Sequence[Tool] | None = None,
+    ):
         self.lease = lease
         self.stop = stop
         self.lease_lost = lease_lost
         self.run = Run.objects.get(pk=lease.run_id)
+        # The tools its steps may dispatch: its agent's (a benchmark's own).
+        declared = registry.agent_class(self.run.agent).tools if tools is None else tools
+        self.tools: Mapping[str, Tool] = {tool.name: tool for tool in declared}
         self.faults = FaultPlan.parse(self.run.faults, run_id=self.run.pk)
         # What earlier owners left: every action of the run, with its receipt.
         self.history = History.of(self.run)
@@ -144,8 +168,18 @@ class Dispatcher:
         self.covered: set[str] = set()
         self.capture = RunCapture(self.run.pk)
         self.checkpoints = Checkpointer(lease, self.faults)
-        # The newest read whose result is in hand, until its receipt is written.
-        self.unwritten: AwaitingReceipt | None = None
+        # The reads whose results are in hand, until their receipts are written.
+        self.unwritten: list[AwaitingReceipt] = []
+
+    def run_agent(self, declared: type[Agent]) -> None:
+        """Runs the agent `declared` through this dispatcher, from where
+        the run is: a checkpoint that agrees with the receipts, or the
+        beginning (completed steps answered by their receipts)."""
+        context = RunContext(self)
+        agent = declared(context)
+        with self.receipt_kept():
+            context.saved = self.resume(agent.replay)
+            agent.run()
 
     # -- resuming ----------------------------------------------------------
 
@@ -195,7 +229,9 @@ class Dispatcher:
         given (its evidence links to them)."""
         if step_key in self.completed_now:
             raise NeedsOperator(f"the agent used identity {step_key} twice")
-        tool = TOOLS[tool_name]
+        tool = self._tool(tool_name)
+        if refusal := self._refused_input(step_key, tool, input):
+            return refusal
         covered = step_key in self.covered
         self.covered.discard(step_key)
         if not covered:
@@ -218,6 +254,97 @@ class Dispatcher:
         if not covered:
             self.progress.taken.append(step_key)
         return result
+
+    def side_by_side(self, steps: Sequence[Step]) -> list[dict[str, Any] | ActionFailed]:
+        """Reads dispatched at once: the boundaries of those new are one
+        write (with the receipts awaiting one), their tools run
+        concurrently, and their receipts go together with the run's next
+        write.  Each is settled as `step` settles it: one with a receipt
+        is not dispatched again, one without is sent again under its
+        identity.  Each step's result, or its ActionFailed, in order."""
+        keys = [each.key for each in steps]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"steps side by side share a key: {keys}")
+        results: list[dict[str, Any] | ActionFailed | None] = [None] * len(steps)
+        # index -> (tool, the step's number, the action sent again or None)
+        to_send: dict[int, tuple[Tool, int, Action | None]] = {}
+        counted: list[int] = []
+        for index, each in enumerate(steps):
+            if each.key in self.completed_now:
+                raise NeedsOperator(f"the agent used identity {each.key} twice")
+            tool = self._tool(each.tool)
+            if tool.effect != EffectClass.READ:
+                raise ValueError(f"{each.key}: only reads go side by side, and {tool.name} is not")
+            if refusal := self._refused_input(each.key, tool, each.input):
+                results[index] = refusal
+                continue
+            if each.key in self.covered:
+                self.covered.discard(each.key)
+            else:
+                self.progress.steps += 1
+                counted.append(index)
+            action = self.history.get(each.key)
+            try:
+                if action is None:
+                    to_send[index] = (tool, self.progress.steps, None)
+                elif (result := self._settled_result(action, tool, each.input)) is None:
+                    to_send[index] = (tool, self.progress.steps, action)
+                else:
+                    results[index] = result
+                    self.capture.completed(action.pk, tool.name, each.input, result, each.sources)
+            except ActionFailed as failed:
+                results[index] = failed
+        new = [
+            Boundary(
+                steps[index].key, tool.name, tool.effect, steps[index].input, new_idempotency_key()
+            )
+            for index, (tool, _, action) in to_send.items()
+            if action is None
+        ]
+        ids = dict(
+            zip(
+                [each.step_key for each in new],
+                self._new_boundaries(new) if new else [],
+                strict=True,
+            )
+        )
+        keys_sent = {each.step_key: each.idempotency_key for each in new}
+        for _, _, action in to_send.values():
+            if action is not None:
+                self._redispatch(action)
+                ids[action.step_key] = action.pk
+                keys_sent[action.step_key] = action.idempotency_key
+        started = {
+            index: self._start(
+                steps[index].key,
+                keys_sent[steps[index].key],
+                tool,
+                steps[index].input,
+                number,
+                beside=True,
+            )
+            for index, (tool, number, _) in to_send.items()
+        }
+        for index, future in started.items():
+            each, (tool, number, _) = steps[index], to_send[index]
+            answer = self._answer(future, tool, number)
+            try:
+                results[index] = self._settle_call(
+                    ids[each.key],
+                    each.key,
+                    keys_sent[each.key],
+                    tool,
+                    each.input,
+                    each.sources,
+                    number,
+                    answer,
+                )
+            except ActionFailed as failed:
+                results[index] = failed
+        for index in counted:
+            if not isinstance(results[index], ActionFailed):
+                self.progress.taken.append(steps[index].key)
+        return [result for result in results if result is not None]
 
     def publish(
         self, number: int, content: str, *, is_final: bool, model_calls: Sequence[str]
@@ -308,21 +435,41 @@ class Dispatcher:
             timeline.record(self.run.pk, EventKind.PHASE_CHANGED, f"finalizing: {reason}")
         return reason
 
+    def _tool(self, name: str) -> Tool:
+        tool = self.tools.get(name)
+        if tool is None:
+            raise ValueError(
+                f"agent {self.run.agent} declares no tool {name!r} (it has {', '.join(self.tools)})"
+            )
+        return tool
+
+    def _refused_input(self, step_key: str, tool: Tool, input: Any) -> dict[str, str] | None:
+        """The refusal of an input the tool's schema refuses, before any
+        boundary: the same input is refused the same way every time, so
+        nothing is recorded but the timeline's line."""
+        refusal = tool.refusal(input)
+        if not refusal:
+            return None
+        said = f"{tool.name} refused {refusal}"
+        timeline.record(self.run.pk, EventKind.ACTION_REFUSED, f"{step_key}: {said}")
+        return {"refused": said}
+
     # -- the unwritten receipt -------------------------------------------------
 
     def write_receipt(self) -> None:
-        """Writes the receipt of the newest read awaiting one, if it is not
-        written yet, on its own: before a write that does not carry it."""
-        awaiting, self.unwritten = self.unwritten, None
-        if awaiting is not None:
-            self._record_receipt(awaiting)
-            self._receipt_written(awaiting)
+        """Writes the receipts of the reads awaiting one, if any, on their
+        own: before a write that does not carry them."""
+        awaiting, self.unwritten = self.unwritten, []
+        if awaiting:
+            self._record_receipts(awaiting)
+            self._receipts_written(awaiting)
 
     @contextlib.contextmanager
     def receipt_kept(self) -> Iterator[None]:
-        """Around the agent: however its research ends early (a failure, a
-        cancel, a stop, an operator's turn), the receipt of its last read is
-        written first if it can be; if not, the next owner reads it again.
+        """Around the agent: however its work ends early (a failure, a
+        cancel, a stop, an operator's turn), the receipts of its last reads
+        are written first if they can be; if not, the next owner reads them
+        again.
         A receipt whose COMMIT stays unknown makes the run wait for an
         operator (NeedsOperator)."""
         try:
@@ -343,29 +490,26 @@ class Dispatcher:
             raise
 
     def finish(self, status: RunStatus, reason: str) -> RunStatus:
-        """Ends this ownership (Lease.finish), with the last read's receipt
+        """Ends this ownership (Lease.finish), with the last reads' receipts
         in the same statement."""
-        awaiting, self.unwritten = self.unwritten, None
-        if awaiting is None:
-            return self.lease.finish(status, reason)
-        ended = self.lease.finish(status, reason, receipt=awaiting.receipt)
-        self._receipt_written(awaiting)
+        awaiting, self.unwritten = self.unwritten, []
+        ended = self.lease.finish(status, reason, receipts=[each.receipt for each in awaiting])
+        self._receipts_written(awaiting)
         return ended
 
-    def _receipt_written(self, awaiting: AwaitingReceipt) -> None:
-        """What follows a receipt: the timeline says so, capture saves the
-        action's copies."""
-        result = awaiting.result
-        timeline.record(
-            self.run.pk,
-            EventKind.ACTION_COMPLETED,
-            awaiting.step_key + (f" refused: {result['refused']}" if "refused" in result else ""),
-            action_id=awaiting.action_id,
-            result_digest=awaiting.receipt.result_digest,
-        )
-        self.capture.completed(
-            awaiting.action_id, awaiting.tool.name, awaiting.input, result, awaiting.sources
-        )
+    def _receipts_written(self, awaiting: Sequence[AwaitingReceipt]) -> None:
+        """What follows receipts: the timeline says so, capture saves the
+        actions' copies."""
+        for each in awaiting:
+            result = each.result
+            timeline.record(
+                self.run.pk,
+                EventKind.ACTION_COMPLETED,
+                each.step_key + (f" refused: {result['refused']}" if "refused" in result else ""),
+                action_id=each.action_id,
+                result_digest=each.receipt.result_digest,
+            )
+            self.capture.completed(each.action_id, each.tool.name, each.input, result, each.sources)
 
     # -- one step --------------------------------------------------------------
 
@@ -380,69 +524,70 @@ class Dispatcher:
             raise LeaseLost(f"run {self.lease.run_id}: heartbeat found the lease gone")
 
     def _new_boundary(self, step_key: str, key: str, tool: Tool, input: dict[str, Any]) -> int:
-        """Writes the boundary, with the key the action is sent under
-        (`key`: every attempt of this write carries the same) and the last
-        read's receipt if it is not written yet (one statement: all commit,
-        or nothing)."""
+        return self._new_boundaries([Boundary(step_key, tool.name, tool.effect, input, key)])[0]
+
+    def _new_boundaries(self, boundaries: Sequence[Boundary]) -> list[int]:
+        """Writes the boundaries (one, or reads side by side), each with the
+        key its action is sent under (every attempt of this write carries
+        the same), and the receipts of reads not written yet (one
+        statement: all commit, or nothing).  Their action ids, in order."""
         self._check_can_dispatch()
-        awaiting, self.unwritten = self.unwritten, None
+        awaiting, self.unwritten = self.unwritten, []
 
-        def write(receipt: PendingReceipt | None) -> tuple[int | None]:
-            return (
-                self.lease.record_boundary(
-                    step_key=step_key,
-                    kind=tool.name,
-                    effect_class=tool.effect_class,
-                    input=input,
-                    receipt=receipt,
-                    idempotency_key=key,
-                ),
-            )
+        def write(receipts: Sequence[PendingReceipt]) -> dict[str, int]:
+            return self.lease.record_boundaries(boundaries, receipts)
 
-        if awaiting is None:
-            (action_id,) = write(None)
+        if not awaiting:
+            ids = write(())
         else:
             try:
-                written = self._settled_receipt(
+                written = self._settled_receipts(
                     awaiting,
-                    lambda: write(awaiting.receipt),
+                    lambda: write([each.receipt for each in awaiting]),
                     fault=("boundary", self.progress.steps),
                 )
             except (CancelRequested, LeaseExpired):
-                self._receipt_written(awaiting)  # the receipt went; the boundary did not
+                self._receipts_written(awaiting)  # the receipts went; the boundaries did not
                 raise
             except LeaseLost as lost:
-                raise LeaseLost(
-                    f"{lost}, and the receipt of {awaiting.step_key} with it: the next owner "
-                    "reads it again"
-                ) from lost
+                keys = ", ".join(each.step_key for each in awaiting)
+                said = (
+                    f"the receipt of {keys} with it: the next owner reads it again"
+                    if len(awaiting) == 1
+                    else f"the receipts of {keys} with it: the next owner reads them again"
+                )
+                raise LeaseLost(f"{lost}, and {said}") from lost
             except DatabaseError:
                 # Answered with an error: the statement rolled back, and the
-                # receipt can still go on its own (receipt_kept).
+                # receipts can still go on their own (receipt_kept).
                 self.unwritten = awaiting
                 raise
-            self._receipt_written(awaiting)
-            # None: an earlier attempt committed, the boundary with it
-            # unless a cancel refused it (then writing it alone says so).
-            (action_id,) = written or (self._boundary_id(step_key) or write(None)[0],)
-        if action_id is None:
+            self._receipts_written(awaiting)
+            # None: an earlier attempt committed, the boundaries with it
+            # unless a cancel refused them (then writing them alone says so).
+            ids = written if written is not None else (self._boundary_ids(boundaries) or write(()))
+        missing = [each.step_key for each in boundaries if each.step_key not in ids]
+        if missing:
             raise NeedsOperator(
-                f"identity {step_key} exists but was not loaded: another owner wrote it"
+                f"identity {', '.join(missing)} exists but was not loaded: another owner wrote it"
             )
-        timeline.record(
-            self.run.pk,
-            EventKind.ACTION_DISPATCHED,
-            f"{tool.name} {step_key}",
-            action_id=action_id,
-            epoch=self.lease.epoch,
-        )
-        return action_id
+        for each in boundaries:
+            timeline.record(
+                self.run.pk,
+                EventKind.ACTION_DISPATCHED,
+                f"{each.kind} {each.step_key}",
+                action_id=ids[each.step_key],
+                epoch=self.lease.epoch,
+            )
+        return [ids[each.step_key] for each in boundaries]
 
-    def _boundary_id(self, step_key: str) -> int | None:
-        return (
-            Action.objects.filter(run_id=self.run.pk, step_key=step_key, epoch=self.lease.epoch)
-            .values_list("pk", flat=True)
-            .first()
+    def _boundary_ids(self, boundaries: Sequence[Boundary]) -> dict[str, int]:
+        return dict(
+            Action.objects.filter(
+                run_id=self.run.pk,
+                step_key__in=[each.step_key for each in boundaries],
+                epoch=self.lease.epoch,
+            ).values_list("step_key", "pk")
         )
 
     def _settled_result(
@@ -534,44 +679,116 @@ class Dispatcher:
         input: dict[str, Any],
         sources: Sequence[str],
     ) -> dict[str, Any]:
-        if delay := self.faults.tool_delay(self.progress.steps):
-            time.sleep(delay)
-        try:
-            if self.faults.fire("tool_error", self.progress.steps):
-                raise ToolFailed("the tool failed (fault plan: tool_error)")
-            result = tool.run(input, action_identity(self.run.pk, step_key), key)
-            if tool.effect_class == EffectClass.EFFECT and self.faults.fire(
-                "delivery_timeout", self.progress.steps
-            ):
-                raise OutcomeUnknown("delivered, but the answer was lost (fault plan)")
-        except ToolRefused as refusal:
-            result = {"refused": str(refusal)}
-        except OutcomeUnknown as error:
-            self._effect_unknown(
-                action_id, step_key, key, f"the outcome of {step_key} is unknown: {error}"
-            )
-        except ToolFailed as error:
-            self._mark(action_id, ActionState.FAILED, str(error), EventKind.ACTION_FAILED)
-            raise ActionFailed(step_key, str(error)) from error
-        self.completed_now[step_key] = action_id
-        awaiting = AwaitingReceipt(
-            action_id, step_key, self.progress.steps, tool, input, result, sources
+        step = self.progress.steps
+        answer = self._answer(self._start(step_key, key, tool, input, step), tool, step)
+        return self._settle_call(action_id, step_key, key, tool, input, sources, step, answer)
+
+    def _start(
+        self,
+        step_key: str,
+        key: str,
+        tool: Tool,
+        input: dict[str, Any],
+        step: int,
+        *,
+        beside: bool = False,
+    ) -> concurrent.futures.Future[dict[str, Any]]:
+        """Runs the tool, after the delay the fault plan asks for at `step`:
+        here, or (`beside`: reads side by side) on a thread of its own
+        (TOOL_THREADS), so that one that outlives its timeout is left
+        behind.  A tool run here is told its timeout (ToolCall.timeout) and
+        keeps it itself."""
+        call = ToolCall(
+            self.run.pk, step_key, action_identity(self.run.pk, step_key), key, tool.timeout
         )
+        started: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+        if self.faults.fire("tool_error", step):
+            started.set_exception(ToolFailed("the tool failed (fault plan: tool_error)"))
+            return started
+        delay = self.faults.tool_delay(step)
+
+        def run() -> dict[str, Any]:
+            if delay:
+                time.sleep(delay)
+            return tool.run(input, call)
+
+        if beside:
+            return TOOL_THREADS.submit(run)
+        try:
+            started.set_result(run())
+        except Exception as error:
+            started.set_exception(error)
+        return started
+
+    def _answer(
+        self, started: concurrent.futures.Future[dict[str, Any]], tool: Tool, step: int
+    ) -> dict[str, Any] | Exception:
+        """What the tool answered: its result (a refusal is one), or the
+        ToolFailed or OutcomeUnknown it raised or that its silence past
+        its timeout means.  Any other error is a failure for a read and
+        an unknown outcome for an effect (it may have happened first)."""
+        try:
+            result = started.result(timeout=tool.timeout)
+        except ToolRefused as refusal:
+            return {"refused": str(refusal)}
+        except (ToolFailed, OutcomeUnknown) as error:
+            return error
+        except concurrent.futures.TimeoutError:
+            if started.cancel():  # it never started: known not to have happened
+                return ToolFailed(f"not started within its timeout of {tool.timeout:g} s")
+            silence = f"no answer within its timeout of {tool.timeout:g} s"
+            return (
+                OutcomeUnknown(silence)
+                if tool.effect == EffectClass.EFFECT
+                else ToolFailed(silence)
+            )
+        except Exception as error:
+            if tool.effect == EffectClass.EFFECT:
+                return OutcomeUnknown(f"the tool raised {error!r}")
+            return ToolFailed(f"the tool raised {error!r}")
+        if tool.effect == EffectClass.EFFECT and self.faults.fire("delivery_timeout", step):
+            return OutcomeUnknown("delivered, but the answer was lost (fault plan)")
+        return _as_result(result, tool)
+
+    def _settle_call(
+        self,
+        action_id: int,
+        step_key: str,
+        key: str,
+        tool: Tool,
+        input: dict[str, Any],
+        sources: Sequence[str],
+        step: int,
+        answer: dict[str, Any] | Exception,
+    ) -> dict[str, Any]:
+        """Records what the tool answered: an unknown outcome waits for an
+        operator (NeedsOperator), a failure is marked (ActionFailed); a
+        result's receipt is written at once for an effect, with the run's
+        next write for a read."""
+        if isinstance(answer, OutcomeUnknown):
+            self._effect_unknown(
+                action_id, step_key, key, f"the outcome of {step_key} is unknown: {answer}"
+            )
+        if isinstance(answer, Exception):
+            self._mark(action_id, ActionState.FAILED, str(answer), EventKind.ACTION_FAILED)
+            raise ActionFailed(step_key, str(answer)) from answer
+        self.completed_now[step_key] = action_id
+        awaiting = AwaitingReceipt(action_id, step_key, step, tool, input, answer, sources)
         # An effect's receipt does not wait; nor any in a run whose fault
         # plan aims at a receipt (FaultPlan.aims_at_writes).
-        if tool.effect_class == EffectClass.EFFECT or self.faults.aims_at_writes:
-            self._record_receipt(awaiting)
-            self._receipt_written(awaiting)
+        if tool.effect == EffectClass.EFFECT or self.faults.aims_at_writes:
+            self._record_receipts([awaiting])
+            self._receipts_written([awaiting])
         else:
-            self.unwritten = awaiting
-        return result
+            self.unwritten.append(awaiting)
+        return answer
 
-    def _record_receipt(self, awaiting: AwaitingReceipt) -> None:
-        """Writes the receipt on its own."""
+    def _record_receipts(self, awaiting: Sequence[AwaitingReceipt]) -> None:
+        """Writes the receipts on their own, in one statement."""
         self._until_written(
-            f"receipt of {awaiting.step_key}",
-            lambda: self._settled_receipt(
-                awaiting, lambda: self.lease.record_receipt(awaiting.action_id, awaiting.result)
+            "receipt of " + ", ".join(each.step_key for each in awaiting),
+            lambda: self._settled_receipts(
+                awaiting, lambda: self.lease.record_receipts([each.receipt for each in awaiting])
             ),
         )
 
@@ -604,28 +821,34 @@ class Dispatcher:
                 time.sleep(pause)
                 pause = min(2 * pause, 2.0)
 
-    def _settled_receipt(
-        self, awaiting: AwaitingReceipt, write: Callable[[], T], *, fault: tuple[str, int] = ("", 0)
+    def _settled_receipts(
+        self,
+        awaiting: Sequence[AwaitingReceipt],
+        write: Callable[[], T],
+        *,
+        fault: tuple[str, int] = ("", 0),
     ) -> T | None:
-        """Runs a write that carries `awaiting`'s receipt (alone, or with
+        """Runs a write that carries `awaiting`'s receipts (alone, or with
         what `fault` names: the fault plan's write and step); an unanswered
-        COMMIT is settled by evidence (None: an earlier attempt committed)."""
+        COMMIT is settled by evidence (None: an earlier attempt committed).
+        All are in one statement: the last one's item speaks for them."""
 
         def attempt() -> T:
-            with self.faults.at_commit(*(fault if fault[0] else ("receipt", awaiting.step))):
+            with self.faults.at_commit(*(fault if fault[0] else ("receipt", awaiting[-1].step))):
                 return write()
 
-        action_id = awaiting.action_id
+        ids = [each.action_id for each in awaiting]
+        keys = ", ".join(each.step_key for each in awaiting)
         return write_settled(
             attempt,
-            lambda: Receipt.objects.filter(action_id=action_id).exists(),
-            what=f"receipt of {awaiting.step_key}",
+            lambda: Receipt.objects.filter(action_id__in=ids).count() == len(ids),
+            what=f"receipt of {keys}",
             run_id=self.run.pk,
             kind=OutcomeKind.RECEIPT,
-            subject=f"receipt:action-{action_id}",
+            subject=f"receipt:action-{ids[-1]}",
             lease_epoch=self.lease.epoch,
-            afterwards=f"{awaiting.step_key} completed; the run waits for an operator",
-            action_id=action_id,
+            afterwards=f"{keys} completed; the run waits for an operator",
+            action_id=ids[-1],
         )
 
     def _effect_unknown(self, action_id: int, step_key: str, key: str, reason: str) -> NoReturn:
@@ -662,3 +885,15 @@ class Dispatcher:
             lambda: self.lease.record_action_state(action_id, state, reason),
         )
         timeline.record(self.run.pk, kind, reason, action_id=action_id)
+
+
+def _as_result(result: Any, tool: Tool) -> dict[str, Any] | Exception:
+    """A tool's answer as its receipt keeps it: a JSON object.  Another
+    JSON value is kept under "value"; what is no JSON is no result (for
+    an effect, it may have happened all the same)."""
+    try:
+        json.dumps(result, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        said = f"the tool answered what is no JSON: {error}"
+        return OutcomeUnknown(said) if tool.effect == EffectClass.EFFECT else ToolFailed(said)
+    return result if isinstance(result, dict) else {"value": result}

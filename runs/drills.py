@@ -62,7 +62,7 @@ from django.utils import timezone
 import evidence.capture
 from evidence.capture import Capture
 from evidence.models import CaptureStats
-from runs import decisions
+from runs import decisions, submission
 from runs.executor import Ending, claim_and_drive
 from runs.harness import (
     WAIT_SECONDS,
@@ -155,7 +155,7 @@ class Lab:
             yield
 
     def submit(self, faults: list[dict[str, Any]] | None = None) -> Run:
-        run = Run.objects.submit(
+        run = submission.submit(
             question="Drill: compare these funds", documents=DOCS, faults=faults, drill=True
         )
         self.runs.append(run)

@@ -22,9 +22,9 @@ from django.conf import settings
 from django.db import DatabaseError, connection
 
 from evidence.locks import LockSampler
-from runs import decisions, sweep
-from runs.agent import ResearchAgent
-from runs.dispatch import ActionFailed, Dispatcher, Stopping
+from runs import decisions, registry, sweep
+from runs.agent import ActionFailed, Agent
+from runs.dispatch import Dispatcher, Stopping
 from runs.leases import (
     CancelRequested,
     Lease,
@@ -33,7 +33,7 @@ from runs.leases import (
     WriteRefused,
     new_owner_name,
 )
-from runs.models import RunStatus
+from runs.models import Action, Run, RunStatus
 from runs.outcomes import NeedsOperator
 from runs.sql import name_connection
 from runs.timeline import EventKind, timeline
@@ -99,10 +99,9 @@ def drive(lease: Lease, stop: threading.Event) -> Ending:
             # Its owner died before it could stop: the claim carries it out.
             return _end(lease, RunStatus.CANCELLED, "", "cancelled: nothing new dispatched")
         with heartbeat(lease) as lost:
-            dispatcher = Dispatcher(lease, stop=stop, lease_lost=lost)
-            agent = ResearchAgent(dispatcher)
-            with dispatcher.receipt_kept():
-                agent.research(dispatcher.resume(agent.replay))
+            declared = installed_agent(lease)
+            dispatcher = Dispatcher(lease, stop=stop, lease_lost=lost, tools=declared.tools)
+            dispatcher.run_agent(declared)
             steps = dispatcher.progress.steps
             return _end(lease, RunStatus.COMPLETED, "", f"{steps} steps", finish=dispatcher.finish)
     except Stopping:
@@ -126,6 +125,31 @@ def drive(lease: Lease, stop: threading.Event) -> Ending:
         with contextlib.suppress(DatabaseError):
             if connection.connection is not None:
                 name_connection(settings.PROCESS_ROLE)
+
+
+def installed_agent(lease: Lease) -> type[Agent]:
+    """The agent installed to drive the run, or NeedsOperator saying why
+    none may: its agent is not installed here (nothing else's code ever
+    runs it), or its version changed and does not declare it continues
+    the run's version.  A run that has dispatched nothing yet takes the
+    installed version."""
+    run = Run.objects.only("agent", "agent_version").get(pk=lease.run_id)
+    try:
+        declared = registry.agent_class(run.agent)
+    except registry.NotInstalled as error:
+        raise NeedsOperator(
+            f"{error}: nothing else runs it; install it again to resume it, or abandon it"
+        ) from None
+    if declared.can_continue(run.agent_version):
+        return declared
+    if not Action.objects.filter(run_id=run.pk).exists():
+        Run.objects.filter(pk=run.pk).update(agent_version=declared.version)
+        return declared
+    raise NeedsOperator(
+        f"agent {run.agent} is version {declared.version} here, which does not declare it "
+        f"continues runs of version {run.agent_version}: resume it under version "
+        f"{declared.version}, or abandon it"
+    )
 
 
 ENDED = {

@@ -21,7 +21,7 @@ import socket
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -61,32 +61,38 @@ HELD_NOT_CANCELLED = f"{HELD} AND cancel_requested_at IS NULL"
 # The run row, locked FOR SHARE, as long as the caller holds it.
 OWNED = f"SELECT 1 FROM runs_run WHERE {HELD} FOR SHARE"
 OWNED_NOT_CANCELLED = f"SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED} FOR SHARE"
-# The receipt of an action this owner dispatched (%(receipt_action)s; NULL:
-# none), as CTEs to put in front of another write of the run, so that both
-# commit together: the action's state becomes completed and the receipt
-# copies its identity from its row.  `owned` is the run row, locked FOR
-# SHARE, with whether new work may start (no cancel asked, `may_start`;
-# the lease not expired, `live`).  The receipt needs only the ownership:
-# the action completed, and until another owner claims the run (a claim
-# skips the run while this statement holds its row, and then sees the
-# receipt) or a sweep ends or requeues it, nobody else can have written or
-# decided anything about it.
+# The receipts of actions this owner dispatched (%(receipt_actions)s, with
+# their results and digests, in the same order; empty: none), as CTEs to
+# put in front of another write of the run, so that all commit together:
+# each action's state becomes completed and its receipt copies its identity
+# from its row.  `owned` is the run row, locked FOR SHARE, with whether new
+# work may start (no cancel asked, `may_start`; the lease not expired,
+# `live`).  A receipt needs only the ownership: the action completed, and
+# until another owner claims the run (a claim skips the run while this
+# statement holds its row, and then sees the receipts) or a sweep ends or
+# requeues it, nobody else can have written or decided anything about it.
 RECEIPT_CTES = f"""owned AS (
         SELECT cancel_requested_at IS NULL AS may_start,
             lease_expires_at > clock_timestamp() AS live
         FROM runs_run WHERE {OWNER} FOR SHARE),
+    pending AS (
+        SELECT * FROM unnest(%(receipt_actions)s::bigint[], %(results)s::jsonb[],
+            %(result_digests)s::text[]) AS pending (action_id, result, result_digest)),
     completed AS (
         UPDATE runs_action SET state = 'completed', finished_at = now()
-        WHERE id = %(receipt_action)s AND run_id = %(run)s AND epoch = %(epoch)s
+        FROM pending
+        WHERE id = pending.action_id AND run_id = %(run)s AND epoch = %(epoch)s
           AND state = 'dispatched' AND EXISTS (SELECT 1 FROM owned)
-        RETURNING id, run_id, step_key),
+        RETURNING id, run_id, step_key, pending.result, pending.result_digest),
     receipt AS (
         INSERT INTO runs_receipt (action_id, run_id, step_key, result, result_digest, epoch,
             xid, created_at)
-        SELECT id, run_id, step_key, %(result)s::jsonb, %(result_digest)s, %(epoch)s,
-            rundesk_xid(false), now()
+        SELECT id, run_id, step_key, result, result_digest, %(epoch)s, rundesk_xid(false), now()
         FROM completed
         RETURNING action_id)"""
+# Whether every receipt of RECEIPT_CTES was written (all of them, or the
+# write that carries them writes nothing).
+RECEIPTS_WRITTEN = "(SELECT count(*) FROM receipt) = cardinality(%(receipt_actions)s::bigint[])"
 # Publishing an answer revision: one statement, fenced like the others.  It
 # reads, writes and locks nothing of the evidence tables (the model calls it
 # used are named on its own row): no lock anyone holds there can hold an
@@ -131,10 +137,8 @@ class PendingReceipt:
     """The result of an action this owner dispatched, for its receipt
     (serialised once, however often it is written or said)."""
 
-    action_id: int | None
+    action_id: int
     result: dict[str, Any]
-
-    NONE: ClassVar[PendingReceipt]
 
     @functools.cached_property
     def result_json(self) -> str:
@@ -144,15 +148,30 @@ class PendingReceipt:
     def result_digest(self) -> str:
         return text_digest(self.result_json)
 
-    def params(self) -> dict[str, Any]:
-        return {
-            "receipt_action": self.action_id,
-            "result": self.result_json,
-            "result_digest": self.result_digest,
-        }
+
+def receipt_params(receipts: Sequence[PendingReceipt]) -> dict[str, Any]:
+    """RECEIPT_CTES's parameters for `receipts` (none: an empty list)."""
+    return {
+        "receipt_actions": [receipt.action_id for receipt in receipts],
+        "results": [receipt.result_json for receipt in receipts],
+        "result_digests": [receipt.result_digest for receipt in receipts],
+    }
 
 
-PendingReceipt.NONE = PendingReceipt(None, {})
+@dataclass(frozen=True)
+class Boundary:
+    """One action to write the boundary of: its step key, its tool, its
+    effect class, its input, and the key it is sent under."""
+
+    step_key: str
+    kind: str
+    effect_class: str
+    input: dict[str, Any]
+    idempotency_key: str
+
+    @functools.cached_property
+    def input_json(self) -> str:
+        return canonical_json(self.input)
 
 
 @contextlib.contextmanager
@@ -234,6 +253,61 @@ class Lease:
 
     # -- protected writes --------------------------------------------------
 
+    def record_boundaries(
+        self, boundaries: Sequence[Boundary], receipts: Sequence[PendingReceipt] = ()
+    ) -> dict[str, int]:
+        """The durable write before dispatching `boundaries` (one, or reads
+        sent side by side), with the receipts of actions completed before
+        them (`receipts`), in one statement: all commit, or nothing.
+        Returns each new action's id by step key; an identity that already
+        exists is left out (the caller looks at it).  Refused, it says why:
+        fenced out (LeaseLost: nothing is written), a cancel
+        (CancelRequested) or the lease expired, the run not claimed yet
+        (LeaseExpired): in these two the receipts are written, the
+        boundaries are not.  With receipts, a lost connection raises
+        CommitUnanswered (all or nothing committed)."""
+        what = "boundary of " + ", ".join(boundary.step_key for boundary in boundaries)
+        with unanswered_as(what) if receipts else contextlib.nullcontext():
+            row = self._fetch_one(
+                f"""WITH {RECEIPT_CTES},
+                    boundary AS (
+                        INSERT INTO runs_action (run_id, step_key, kind, effect_class, input,
+                            input_digest, state, epoch, attempts, idempotency_key, error,
+                            created_at, dispatched_at)
+                        SELECT %(run)s, new.step_key, new.kind, new.effect_class, new.input,
+                            new.input_digest, 'dispatched', %(epoch)s, 1, new.idempotency_key,
+                            '', now(), now()
+                        FROM owned, unnest(%(step_keys)s::text[], %(kinds)s::text[],
+                            %(effect_classes)s::text[], %(inputs)s::jsonb[],
+                            %(input_digests)s::text[], %(keys)s::text[])
+                            WITH ORDINALITY AS new (step_key, kind, effect_class, input,
+                                input_digest, idempotency_key, position)
+                        WHERE may_start AND live AND {RECEIPTS_WRITTEN}
+                        ORDER BY new.position
+                        ON CONFLICT (run_id, step_key) DO NOTHING
+                        RETURNING id, step_key)
+                    SELECT (SELECT may_start FROM owned), (SELECT live FROM owned),
+                        {RECEIPTS_WRITTEN},
+                        (SELECT array_agg(step_key ORDER BY id) FROM boundary),
+                        (SELECT array_agg(id ORDER BY id) FROM boundary)""",
+                step_keys=[boundary.step_key for boundary in boundaries],
+                kinds=[boundary.kind for boundary in boundaries],
+                effect_classes=[boundary.effect_class for boundary in boundaries],
+                inputs=[boundary.input_json for boundary in boundaries],
+                input_digests=[text_digest(boundary.input_json) for boundary in boundaries],
+                keys=[boundary.idempotency_key for boundary in boundaries],
+                **receipt_params(receipts),
+            )
+        assert row is not None
+        may_start, live, receipts_written, step_keys, action_ids = row
+        if may_start is None or not receipts_written:
+            raise LeaseLost(f"{what} refused")
+        if not may_start:
+            raise CancelRequested(f"{what} refused: a cancel was asked")
+        if not live:
+            raise LeaseExpired(f"{what} refused: the lease expired")
+        return dict(zip(step_keys or (), action_ids or (), strict=True))
+
     def record_boundary(
         self,
         *,
@@ -241,56 +315,15 @@ class Lease:
         kind: str,
         effect_class: str,
         input: dict[str, Any],
-        receipt: PendingReceipt | None = None,
+        receipts: Sequence[PendingReceipt] = (),
         idempotency_key: str = "",
     ) -> int | None:
-        """The durable write before a dispatch, with the key the action is
-        sent under (`idempotency_key`; a new one when not given: see
-        models.new_idempotency_key), and the receipt of the
-        action completed before it (`receipt`), if any, in the same
-        statement.  Returns the action id, or None when the identity already
-        exists (the caller looks at it).  Refused, it says why: fenced out
-        (LeaseLost: nothing is written), a cancel (CancelRequested) or the
-        lease expired, the run not claimed yet (LeaseExpired): in these two
-        the receipt is written, the boundary is not.  With a receipt, a lost
-        connection raises CommitUnanswered (both or neither committed)."""
-        params = (receipt or PendingReceipt.NONE).params()
-        input_json = canonical_json(input)
-        what = f"boundary of {step_key}"
-        with unanswered_as(what) if receipt else contextlib.nullcontext():
-            row = self._fetch_one(
-                f"""WITH {RECEIPT_CTES},
-                    boundary AS (
-                        INSERT INTO runs_action (run_id, step_key, kind, effect_class, input,
-                            input_digest, state, epoch, attempts, idempotency_key, error,
-                            created_at, dispatched_at)
-                        SELECT %(run)s, %(step_key)s, %(kind)s, %(effect_class)s, %(input)s::jsonb,
-                            %(input_digest)s, 'dispatched', %(epoch)s, 1, %(idempotency_key)s, '',
-                            now(), now()
-                        FROM owned WHERE may_start AND live
-                            AND (%(receipt_action)s::bigint IS NULL
-                                 OR EXISTS (SELECT 1 FROM receipt))
-                        ON CONFLICT (run_id, step_key) DO NOTHING
-                        RETURNING id)
-                    SELECT (SELECT may_start FROM owned), (SELECT live FROM owned),
-                        EXISTS (SELECT 1 FROM receipt), (SELECT id FROM boundary)""",
-                step_key=step_key,
-                kind=kind,
-                effect_class=effect_class,
-                input=input_json,
-                input_digest=text_digest(input_json),
-                idempotency_key=idempotency_key or new_idempotency_key(),
-                **params,
-            )
-        assert row is not None
-        may_start, live, receipt_written, action_id = row
-        if may_start is None or (receipt is not None and not receipt_written):
-            raise LeaseLost(f"{what} refused")
-        if not may_start:
-            raise CancelRequested(f"{what} refused: a cancel was asked")
-        if not live:
-            raise LeaseExpired(f"{what} refused: the lease expired")
-        return action_id
+        """One boundary (record_boundaries): its action's id, or None when
+        the identity already exists."""
+        boundary = Boundary(
+            step_key, kind, effect_class, input, idempotency_key or new_idempotency_key()
+        )
+        return self.record_boundaries([boundary], receipts).get(step_key)
 
     def redispatch_boundary(self, action_id: int) -> None:
         """Re-arms the boundary of an action that has no receipt, under its
@@ -311,22 +344,23 @@ class Lease:
             action=action_id,
         )
 
-    def record_receipt(self, action_id: int, result: dict[str, Any]) -> str:
-        """The fact that the action completed, with the action's state, in one
-        statement: written while this owner has the run, past its lease's
-        expiry too (RECEIPT_CTES).  Returns the result's digest.  A lost
-        connection raises CommitUnanswered: the caller settles it
-        (runs/outcomes.py)."""
-        receipt = PendingReceipt(action_id, result)
-        with unanswered_as(f"receipt of action {action_id}"):
+    def record_receipts(self, receipts: Sequence[PendingReceipt]) -> None:
+        """The facts that the actions completed, with the actions' states,
+        in one statement: written while this owner has the run, past its
+        lease's expiry too (RECEIPT_CTES).  A lost connection raises
+        CommitUnanswered: the caller settles it (runs/outcomes.py)."""
+        what = "receipt of action " + ", ".join(str(receipt.action_id) for receipt in receipts)
+        with unanswered_as(what):
             row = self._fetch_one(
-                f"WITH {RECEIPT_CTES} SELECT EXISTS (SELECT 1 FROM receipt)",
-                **receipt.params(),
+                f"WITH {RECEIPT_CTES} SELECT {RECEIPTS_WRITTEN}", **receipt_params(receipts)
             )
         if not row or not row[0]:
-            raise self._refused(
-                f"receipt of action {action_id}", f": run {self.run_id} epoch {self.epoch} not held"
-            )
+            raise self._refused(what, f": run {self.run_id} epoch {self.epoch} not held")
+
+    def record_receipt(self, action_id: int, result: dict[str, Any]) -> str:
+        """One receipt (record_receipts); returns the result's digest."""
+        receipt = PendingReceipt(action_id, result)
+        self.record_receipts([receipt])
         return receipt.result_digest
 
     def record_action_state(self, action_id: int, state: ActionState, error: str) -> None:
@@ -410,7 +444,7 @@ class Lease:
         )
 
     def finish(
-        self, status: RunStatus, reason: str = "", *, receipt: PendingReceipt | None = None
+        self, status: RunStatus, reason: str = "", *, receipts: Sequence[PendingReceipt] = ()
     ) -> RunStatus:
         """Ends this ownership with the run's new status: completed, failed,
         cancelled (its reason names who asked), or needs_operator (the run
@@ -427,7 +461,7 @@ class Lease:
             status,
             reason,
             ctes=RECEIPT_CTES,
-            **(receipt or PendingReceipt.NONE).params(),
+            **receipt_params(receipts),
         )
         if ended is None:
             raise LeaseLost(

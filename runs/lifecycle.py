@@ -256,7 +256,7 @@ FINISH_SQL = f"""WITH {{ctes}}
                      THEN now() END,
        lease_owner = '', lease_expires_at = NULL
     WHERE {OWNER}
-      AND (%(receipt_action)s::bigint IS NULL OR EXISTS (SELECT 1 FROM receipt))
+      AND (SELECT count(*) FROM receipt) = cardinality(%(receipt_actions)s::bigint[])
     RETURNING status"""
 FINISHES = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatus.NEEDS_OPERATOR)
 

@@ -24,10 +24,9 @@ from django.db import models, transaction
 from django.db.models import Count, Exists, F, Func, OuterRef, Q, Subquery, Value
 from django.db.models.functions import Cast, Coalesce, Concat, Now
 
-from runs import corpus, lifecycle
-from runs.faults import MAX_STEPS, FaultPlan
+from runs import lifecycle
 from runs.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
-from runs.timeline import EventKind, timeline
+from runs.timeline import EventKind
 
 
 def canonical_json(value: Any) -> str:
@@ -238,63 +237,18 @@ class RunQuerySet(models.QuerySet["Run"]):
             self.filter(pk__in=stale).update(queued_at=Now())
         return stale
 
-    def submit(
-        self,
-        *,
-        question: str,
-        documents: list[str],
-        faults: Any = None,
-        action_budget: int | None = None,
-        deadline: dt.datetime | None = None,
-        drill: bool = False,
-    ) -> Run:
-        """Queues a run (`drill`: one a fault drill made, runs/drills.py).
-        Bad input raises ValueError with what is wrong."""
-        if not question.strip():
-            raise ValueError("the question is empty")
-        if UNSTORABLE.search(question):
-            raise ValueError("the question holds a character no text can: NUL or a lone surrogate")
-        if not documents:
-            raise ValueError("name at least one document")
-        longest = self.model._meta.get_field("documents").base_field.max_length
-        for number, path in enumerate(documents, start=1):
-            # The database would cut a longer path short, and the run would
-            # read another file: refused, as every path that is not one.
-            if (
-                not isinstance(path, str)
-                or not path.strip()
-                or min(path) < " "
-                or UNSTORABLE.search(path)
-            ):
-                # NUL, a newline, a tab: no file a corpus means to be named so.
-                raise ValueError(f"document {number} is not a path: {path!r}")
-            if len(path) > longest:
-                raise ValueError(
-                    f"document {number} is a path of {len(path)} characters; at most {longest}"
-                )
-            # What the read tool would refuse (absolute, '..', a symlink out
-            # of the corpus), refused now in its words, before anything is
-            # queued; a document not there yet may still come.
-            corpus.check_path(path, settings.RUNDESK_CORPUS_DIR)
-        FaultPlan.parse(faults)
-        if action_budget is not None and action_budget < 1:
-            raise ValueError("the action budget must be at least 1")
-        if action_budget is not None and action_budget > MAX_STEPS:
-            raise ValueError(f"the action budget must be at most {MAX_STEPS}")
-        fields: dict[str, Any] = {"faults": faults or [], "deadline": deadline, "is_drill": drill}
-        if action_budget is not None:
-            fields["action_budget"] = action_budget
-        run = self.create(question=question.strip(), documents=documents, **fields)
-        # An observation: it must not be able to fail the submission, so the
-        # timeline writes it off the main path once the run is committed.
-        transaction.on_commit(
-            lambda: timeline.record(run.pk, EventKind.SUBMITTED, f"{len(documents)} documents")
-        )
-        return run
-
 
 class Run(models.Model):
+    # The agent that runs it (runs/registry.py), and its version when the
+    # run was submitted or last resumed under another (runs/submission.py).
+    agent = models.CharField(max_length=63, default="research")
+    agent_version = models.CharField(max_length=63, default="1")
+    # What it was submitted with, in the shape its agent declares.
+    input = models.JSONField(default=dict)
+    # One line naming the run for operators (Agent.title): the research
+    # agent's question.
     question = models.TextField()
+    # The documents a research run reads (its input's, for the pages).
     documents = ArrayField(models.CharField(max_length=500), default=list)
     status = models.CharField(max_length=20, choices=RunStatus, default=RunStatus.QUEUED)
     status_reason = models.TextField(blank=True)

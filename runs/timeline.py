@@ -39,6 +39,7 @@ class EventKind(models.TextChoices):
     ACTION_COMPLETED = "action_completed"
     ACTION_FAILED = "action_failed"
     ACTION_UNKNOWN = "action_unknown"
+    ACTION_REFUSED = "action_refused"  # its input refused before any boundary
     WRITE_FENCED = "write_fenced"  # a protected write changed 0 rows
     REVISION_PUBLISHED = "revision_published"
     REVISION_KEPT = "revision_kept"  # published before, otherwise written now: it stands

@@ -19,6 +19,7 @@ from django.db.models import Max, TextChoices
 from django.utils import timezone
 
 from evidence.models import GapReason
+from runs.agents.tools import receiver
 from runs.models import (
     Action,
     ActionState,
@@ -31,7 +32,6 @@ from runs.models import (
     RunStatus,
 )
 from runs.timeline import EventKind
-from runs.tools import receiver
 
 PLAIN: dict[type[TextChoices], dict[str, str]] = {
     RunStatus: {

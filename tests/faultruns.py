@@ -9,6 +9,7 @@ from django.db import connection
 from runs.executor import claim_and_drive
 from runs.harness import wait_for as wait_for  # the tests' waits are the harness's
 from runs.models import Action, Run, action_identity
+from runs.submission import submit
 from runs.timeline import EventKind, timeline
 
 DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md", "meridian-world-equity.md"]
@@ -19,7 +20,7 @@ KEYS += ["compose", "deliver"]
 
 def run_with(faults: list[dict[str, Any]], documents: list[str] = DOCS) -> tuple[Run, str]:
     """Submits a run with a fault plan and executes it in this process."""
-    run = Run.objects.submit(question="Compare these funds", documents=documents, faults=faults)
+    run = submit(question="Compare these funds", documents=documents, faults=faults)
     outcome = claim_and_drive(run.pk)
     timeline.flush()
     run.refresh_from_db()

@@ -19,6 +19,7 @@ from evidence.capture import record_gaps
 from evidence.models import IncidentSource
 from runs.executor import claim_and_drive
 from runs.models import Run
+from runs.submission import submit
 from runs.timeline import timeline
 from tests.test_pglog import THREE_WAY
 
@@ -44,7 +45,7 @@ def snapshot(model: type[models.Model]) -> list[dict[str, Any]]:
 def rows() -> Run:
     """A finished run with its actions, receipts, revisions, checkpoints,
     events, sources and model calls; a capture gap; a lock incident."""
-    run = Run.objects.submit(question="Compare", documents=["northwind-clean-energy.md"])
+    run = submit(question="Compare", documents=["northwind-clean-energy.md"])
     claim_and_drive(run.pk)
     record_gaps(Counter({(run.pk, None, "queue_full", "capacity 5"): 1}))
     (report,) = pglog.parse(THREE_WAY)

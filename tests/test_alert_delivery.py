@@ -93,7 +93,7 @@ def test_an_alert_outlives_a_process_that_dies_right_after_the_commit(settings, 
             "import os, signal\n"
             "from runs.models import Run, OutcomeKind\n"
             "from runs.outcomes import open_item\n"
-            "run = Run.objects.submit(question='q', documents=['a.md'])\n"
+            "run = submit(question='q', documents=['a.md'])\n"
             "item = open_item(run_id=run.pk, kind=OutcomeKind.EFFECT, subject='effect:dies',"
             " summary='lost answer', evidence={})\n"
             "print(item.pk, flush=True)\n"

@@ -24,6 +24,7 @@ from dashboard.params import SEARCH_MAX
 from evidence import locks, pglog
 from evidence.models import IncidentSource, LockIncident
 from runs.models import Run, RunStatus
+from runs.submission import submit
 from tests.conftest import PASSWORD, ROOT, make_user, signed_in
 from tests.test_pglog import THREE_WAY
 
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture
 def run() -> Run:
-    return Run.objects.submit(question="Which fund is cheapest?", documents=["a.md"])
+    return submit(question="Which fund is cheapest?", documents=["a.md"])
 
 
 @pytest.fixture
@@ -125,7 +126,7 @@ def test_a_status_is_understood_in_any_case(viewer, run, failed, spelled):
 
 @pytest.mark.parametrize(("spelled", "ticked"), [("true", True), ("ON", True), ("no", False)])
 def test_a_flag_is_understood_as_a_person_writes_it(viewer, run, spelled, ticked):
-    drill = Run.objects.submit(question="A drill's run", documents=["a.md"])
+    drill = submit(question="A drill's run", documents=["a.md"])
     Run.objects.filter(pk=drill.pk).update(is_drill=True)
     assert rows(viewer.get("/", {"drills": spelled})) == ([drill.pk] if ticked else [run.pk])
 

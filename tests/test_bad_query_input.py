@@ -15,6 +15,7 @@ from django.test import Client
 from evidence import locks, pglog
 from evidence.models import IncidentSource, LockIncident
 from runs.models import Run, page_cursor
+from runs.submission import submit
 from tests.conftest import make_user, signed_in
 from tests.test_pglog import THREE_WAY
 
@@ -33,7 +34,7 @@ def operator(operator_user) -> Client:
 
 @pytest.fixture
 def run() -> Run:
-    return Run.objects.submit(question="Which fund is cheapest?", documents=["a.md"])
+    return submit(question="Which fund is cheapest?", documents=["a.md"])
 
 
 @pytest.fixture

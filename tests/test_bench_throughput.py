@@ -13,6 +13,7 @@ import pytest
 
 from runs.benchmarks import throughput
 from runs.models import Run, RunEvent, RunStatus
+from runs.submission import submit
 from runs.timeline import EventKind
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -63,6 +64,6 @@ def test_throughput_and_failover_through_real_executor_processes(monkeypatch):
 
 
 def test_throughput_refuses_a_database_whose_runs_it_would_take():
-    waiting = Run.objects.submit(question="someone's run", documents=["a.md"])
+    waiting = submit(question="someone's run", documents=["a.md"])
     with pytest.raises(RuntimeError, match=rf"runs \[{waiting.pk}\] .* wait to be claimed"):
         throughput.report(runs=1, workers=(1,), failovers=0)

@@ -23,6 +23,7 @@ from runs.executor import claim_and_drive
 from runs.leases import Lease
 from runs.models import OutcomeKind, Run
 from runs.outcomes import open_item
+from runs.submission import submit
 from runs.timeline import EventKind, timeline
 from tests.conftest import ROOT
 from tests.test_pglog import THREE_WAY
@@ -34,7 +35,7 @@ DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md", "meridian-wo
 
 
 def completed_run() -> Run:
-    run = Run.objects.submit(question="Which fund is cheapest to hold?", documents=DOCS)
+    run = submit(question="Which fund is cheapest to hold?", documents=DOCS)
     claim_and_drive(run.pk)
     timeline.flush()
     return run
@@ -42,16 +43,16 @@ def completed_run() -> Run:
 
 def test_runs_list_and_a_run_page_with_its_timeline_drawn(page: Page):
     run = completed_run()
-    lost = Run.objects.submit(
+    lost = submit(
         question="Deliver the bond comparison (its delivery answer is lost)",
         documents=DOCS[1:],
         faults=[{"point": "delivery_timeout"}],
     )
     claim_and_drive(lost.pk)
-    Run.objects.submit(
-        question="Compare all five funds (cancelled)", documents=DOCS
-    ).request_cancel(by="operator")
-    Run.objects.submit(question="Which fund pays the most income? (waiting)", documents=DOCS)
+    submit(question="Compare all five funds (cancelled)", documents=DOCS).request_cancel(
+        by="operator"
+    )
+    submit(question="Which fund pays the most income? (waiting)", documents=DOCS)
     timeline.flush()
     page.goto("/")
     lost_row = page.locator("#run-rows tr", has_text="delivery answer is lost")
@@ -71,7 +72,7 @@ def test_runs_list_and_a_run_page_with_its_timeline_drawn(page: Page):
 
 
 def test_a_run_is_followed_live_until_it_completes(page: Page):
-    run = Run.objects.submit(
+    run = submit(
         question="Follow me live", documents=DOCS[:2], faults=[{"point": "tool_delay", "ms": 400}]
     )
     page.goto(f"/runs/{run.pk}/")
@@ -85,7 +86,7 @@ def test_a_run_is_followed_live_until_it_completes(page: Page):
 
 
 def test_the_live_region_refreshes_and_keeps_what_the_reader_did(page: Page):
-    run = Run.objects.submit(question="Watched while running", documents=["a.md"])
+    run = submit(question="Watched while running", documents=["a.md"])
     lease = Lease.claim(run.pk, "owner")
     assert lease is not None
     item = open_item(
@@ -120,7 +121,7 @@ def test_the_live_region_refreshes_and_keeps_what_the_reader_did(page: Page):
 
 
 def test_older_events_load_in_place(page: Page):
-    run = Run.objects.submit(question="Many events", documents=["a.md"])
+    run = submit(question="Many events", documents=["a.md"])
     for i in range(70):
         timeline.record(run.pk, EventKind.FAULT_INJECTED, f"filler {i}")
     timeline.flush()
@@ -137,7 +138,7 @@ def test_a_run_with_an_open_item_and_a_settled_checkpoint_reads_in_plain_words(p
     """Checkpoint 1's COMMIT got no answer and evidence settled it; the lease
     was taken away before action 4 and the run resumed; the delivery's
     answer was lost, so the run waits for an operator."""
-    run = Run.objects.submit(
+    run = submit(
         question="Compare the three funds and deliver the report",
         documents=DOCS,
         faults=[
@@ -192,7 +193,7 @@ def test_lock_incident_graph_is_drawn_with_its_cycle(page: Page):
 
 
 def test_model_output_with_script_is_shown_never_run(page: Page):
-    run = Run.objects.submit(question="hostile answer", documents=["a.md"])
+    run = submit(question="hostile answer", documents=["a.md"])
     lease = Lease.claim(run.pk, "owner")
     assert lease is not None
     lease.publish_revision(

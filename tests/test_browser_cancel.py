@@ -11,6 +11,7 @@ from django.utils import timezone
 from playwright.sync_api import Page, expect
 
 from runs.models import Run, RunStatus
+from runs.submission import submit
 from tests.test_browser import SCREENSHOTS
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -36,7 +37,7 @@ def test_a_stuck_run_warns_and_a_cancel_asks_why_and_whether_you_mean_it(page: P
     expect(page.locator("#run-lease")).to_have_class("warning")
     page.screenshot(path=SCREENSHOTS / "run-page-lease-expired.png")
 
-    queued = Run.objects.submit(question="a run asked by mistake", documents=["a.md"])
+    queued = submit(question="a run asked by mistake", documents=["a.md"])
     page.goto(f"/runs/{queued.pk}/")
     form = page.locator("#run-cancel form")
     expect(form).to_be_hidden()  # nothing is one click away

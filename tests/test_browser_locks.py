@@ -15,7 +15,7 @@ from playwright.sync_api import Page, expect
 from evidence import locks, pglog
 from evidence.locks import Edge, Graph, Process
 from evidence.models import IncidentSource
-from runs.models import Run
+from runs.submission import submit
 from tests.test_browser import SCREENSHOTS
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -41,7 +41,7 @@ DRAWN = """() => {
 
 
 def test_the_lock_graph_draws_labels_on_their_arrows_and_names_the_victim(page: Page):
-    victim_run, owner_run = (Run.objects.submit(question=q, documents=["a.md"]) for q in "vo")
+    victim_run, owner_run = (submit(question=q, documents=["a.md"]) for q in "vo")
     text = (FIXTURES / "three_way.csv").read_text()
     # At once: one after the other, run-3 made run-210 and then run-2 took its start.
     ids = {"3": victim_run.pk, "2": owner_run.pk}

@@ -22,6 +22,7 @@ from evidence import bundles, tasks
 from evidence.models import BUNDLE_STALLED_AFTER, BundleExport, BundleState
 from runs.executor import claim_and_drive
 from runs.models import Run, RunEvent
+from runs.submission import submit
 from runs.timeline import EventKind, timeline
 from tests import test_celery
 from tests.conftest import make_user, signed_in
@@ -51,7 +52,7 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 
 @pytest.fixture
 def run() -> Run:
-    run = Run.objects.submit(question="Compare", documents=["northwind-clean-energy.md"])
+    run = submit(question="Compare", documents=["northwind-clean-energy.md"])
     claim_and_drive(run.pk)
     timeline.flush()
     return run

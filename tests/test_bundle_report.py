@@ -33,6 +33,7 @@ from runs.models import (
     Run,
     RunStatus,
 )
+from runs.submission import submit
 from runs.timeline import timeline
 from tests.conftest import manage
 from tests.faultruns import DOCS
@@ -66,7 +67,7 @@ def settled(settings, journal, operator_user) -> tuple[Run, OutcomeItem]:
     an operator confirmed it happened, and the run completed."""
     with LocalServer(status(200)) as receiver:
         settings.RUNDESK_DELIVERY_URL = receiver.url
-        run = Run.objects.submit(
+        run = submit(
             question=HOSTILE_QUESTION, documents=DOCS, faults=[{"point": "delivery_timeout"}]
         )
         assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
@@ -221,7 +222,7 @@ def test_evidence_copies_are_left_out_when_asked(settled):
 
 
 def test_the_event_log_shows_the_first_2000_events_and_says_where_the_rest_are():
-    run = Run.objects.submit(question="A run with many events", documents=DOCS)
+    run = submit(question="A run with many events", documents=DOCS)
     timeline.flush()
     before = run.events.count()
     assert before >= 1

@@ -31,6 +31,7 @@ from runs.executor import claim_and_drive
 from runs.leases import Lease
 from runs.management.commands.bench import measured_command
 from runs.models import DecisionChoice, OutcomeItem, Run, RunStatus
+from runs.submission import submit
 from runs.timeline import timeline
 from tests.faultruns import DOCS, run_with
 
@@ -241,7 +242,7 @@ def test_secrets_never_leave_in_any_byte(journal, tmp_path, settings, monkeypatc
         f"Compare these funds. My key is {OPENAI_KEY}, the token {ENV_TOKEN}, "
         f"and the model key {MODEL_KEY}. Authorization: Bearer abcdefghijklmnop123456"
     )
-    run = Run.objects.submit(question=question, documents=DOCS[:1])
+    run = submit(question=question, documents=DOCS[:1])
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     timeline.record(run.pk, "fault_injected", f"header Authorization: Bearer {OPENAI_KEY}")
     timeline.flush()
@@ -278,7 +279,7 @@ def test_a_known_secret_never_leaves_however_it_is_escaped(journal, tmp_path, mo
     known secret with a quote, a backslash, a non-ASCII letter, & or <
     was spelt otherwise there, and left."""
     monkeypatch.setenv("ACME_DB_PASSWORD", ODD_SECRET)
-    run = Run.objects.submit(question=f"Compare. Ours is {ODD_SECRET} here.", documents=DOCS[:1])
+    run = submit(question=f"Compare. Ours is {ODD_SECRET} here.", documents=DOCS[:1])
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     # An error the chart's hover shows cut short, the secret across the cut.
     assert run.actions.filter(effect_class="read").update(error="x" * 190 + ODD_SECRET)
@@ -315,7 +316,7 @@ def test_keys_at_the_start_of_a_documents_lines_never_leave(journal, tmp_path, s
     settings.RUNDESK_CORPUS_DIR.mkdir()
     lines = ["# Keys", *LINE_START_KEYS, "Authorization: Basic bGluZXVzZXI6bGluZXB3ZA=="]
     (settings.RUNDESK_CORPUS_DIR / "keys.md").write_text("\n".join(lines) + "\r\n\tend\n")
-    run = Run.objects.submit(question="Compare", documents=["keys.md"])
+    run = submit(question="Compare", documents=["keys.md"])
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     timeline.flush()
     capture.flush()
@@ -349,7 +350,7 @@ def test_passwords_in_urls_and_named_fields_never_leave(journal, tmp_path):
         "Tr0ub4dor&3xyz, aws_secret_access_key=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY and "
         '{"client_secret": "s3cr3t-value"}.'
     )
-    run = Run.objects.submit(question=question, documents=DOCS[:1])
+    run = submit(question=question, documents=DOCS[:1])
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     timeline.flush()
     capture.flush()
@@ -383,7 +384,7 @@ def test_secrets_in_an_answer_are_redacted_before_its_markdown_is_rendered(
         "- client_secret: *ItalicSecret777*\n- PEM: -----BEGIN RSA PRIVATE KEY-----\n"
         f"- {key}\n- -----END RSA PRIVATE KEY-----\n"
     )
-    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    run = submit(question="q", documents=DOCS[:1])
     lease = Lease.claim(run.pk, "owner")
     assert lease is not None and lease.publish_revision(1, answer, is_final=False)
     lease.finish(RunStatus.FAILED, "test")
@@ -501,7 +502,7 @@ def test_redacting_the_report_never_turns_text_into_markup(journal, tmp_path):
         'Compare [t](x "-----BEGIN A PRIVATE KEY-----") then -----END A PRIVATE KEY-----" '
         'style="position:fixed;top:0" href="https://evil.example/login" data-x="'
     )
-    run = Run.objects.submit(question=question, documents=DOCS[:1])
+    run = submit(question=question, documents=DOCS[:1])
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     timeline.flush()
     path = tmp_path / "run.zip"
@@ -556,7 +557,7 @@ def test_export_memory_stays_flat_however_many_events(tmp_path, process_env):
     1,000-event one's, each measured in its own process."""
     peaks = {}
     for events in (1_000, 200_000):
-        run = Run.objects.submit(question=f"{events} events", documents=DOCS[:1])
+        run = submit(question=f"{events} events", documents=DOCS[:1])
         timeline.flush()  # the submission's own event
         with connection.cursor() as cursor:
             cursor.execute(

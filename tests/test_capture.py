@@ -18,6 +18,7 @@ from evidence.capture import Capture, Copy, CopyTransaction, SourceCheck, Source
 from evidence.capture import capture as process_capture
 from evidence.models import CaptureGap, CaptureStats, EvidenceCopy, GapReason, ModelCall, Source
 from evidence.records import record_model_call, record_source
+from runs import submission
 from runs.executor import claim_and_drive
 from runs.leases import Lease
 from runs.models import AnswerRevision, Run, RunEvent, RunStatus, digest
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 @pytest.fixture
 def evidence():
     """A leased run with one source and one model call."""
-    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    run = submission.submit(question="q", documents=DOCS[:1])
     lease = Lease.claim(run.pk, "owner")
     read = {"path": DOCS[0], "sha256": "ab" * 32, "bytes": 10, "text": "x"}
     read_id = lease.record_boundary(
@@ -313,7 +314,7 @@ def test_copies_still_queued_at_shutdown_become_gaps(evidence, settings):
 
 
 def test_a_run_records_its_sources_model_calls_and_copies(journal):
-    run = Run.objects.submit(question="Compare", documents=DOCS)
+    run = submission.submit(question="Compare", documents=DOCS)
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     assert process_capture.flush()
     assert list(Source.objects.filter(run=run).values_list("path", flat=True)) == DOCS
@@ -357,7 +358,7 @@ def test_a_run_that_then_waits_for_an_operator_keeps_the_copy_it_made(journal, s
     # asking: the run waits for an operator.  Its model call's evidence was
     # handed to capture when the call completed, so it is saved anyway.
     fault = {"point": "drop_connection_at_commit", "write": "publication", "action": 1}
-    run = Run.objects.submit(
+    run = submission.submit(
         question="q", documents=DOCS[:1], faults=[{**fault, "outcome": "late", "stall_ms": 3000}]
     )
     assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
@@ -371,7 +372,7 @@ def test_evidence_tables_locked_for_the_whole_run_never_hold_the_run(journal):
     # writes that need it give up after the lock timeout, the run does not
     # wait.  The two sources and the three copies (they lock their sources)
     # are gaps; the model records, which only link to sources, stand.
-    run = Run.objects.submit(question="q", documents=DOCS[:2])
+    run = submission.submit(question="q", documents=DOCS[:2])
     with holding("LOCK TABLE evidence_source IN ACCESS EXCLUSIVE MODE"):
         assert claim_and_drive(run.pk) == RunStatus.COMPLETED
         assert process_capture.flush()

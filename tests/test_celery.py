@@ -18,6 +18,7 @@ from django.db import connection
 from runs.executor import drive
 from runs.leases import Lease
 from runs.models import Action, AnswerRevision, Receipt, Run, RunEvent, RunStatus
+from runs.submission import submit
 from runs.timeline import EventKind
 from tests.processes import Worker, enqueue, wait_until
 
@@ -36,7 +37,7 @@ def status(run: Run) -> str:
 def test_real_worker_executes_a_run_and_a_redelivered_task_changes_nothing(
     process_env, journal, tmp_path, broker
 ):
-    run = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"])
+    run = submit(question="q", documents=["northwind-clean-energy.md"])
     # The same task twice: as after a redelivery (acks_late).
     enqueue(run.pk)
     enqueue(run.pk)
@@ -59,7 +60,7 @@ def test_a_worker_killed_mid_run_is_recovered_by_beat_with_no_executor(
     process_env, journal, tmp_path, broker
 ):
     env = {**process_env, "RUNDESK_SWEEP_SECONDS": "0.5"}
-    run = Run.objects.submit(
+    run = submit(
         question="Compare these funds", documents=DOCS, faults=[{"point": "tool_delay", "ms": 600}]
     )
     enqueue(run.pk)
@@ -126,7 +127,7 @@ def test_a_worker_killed_mid_run_is_recovered_by_beat_with_no_executor(
 def test_a_task_redelivered_while_the_dead_owners_lease_is_still_valid_retries_until_it_expires(
     process_env, journal, tmp_path, broker, settings
 ):
-    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    run = submit(question="q", documents=DOCS[:1])
     worker = Worker(process_env, tmp_path / "worker.log", beat=False)
     try:
         worker.wait_ready()
@@ -158,7 +159,7 @@ def test_a_task_redelivered_while_the_dead_owners_lease_is_still_valid_retries_u
 def test_a_task_for_a_run_a_live_owner_holds_is_dropped_not_retried_forever(
     process_env, journal, tmp_path, broker, settings
 ):
-    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    run = submit(question="q", documents=DOCS[:1])
     worker = Worker(process_env, tmp_path / "worker.log", beat=False)
     settings.RUNDESK_LEASE_SECONDS = 3
     live = Lease.claim(run.pk, "live-owner")

@@ -20,6 +20,7 @@ from django.db import connection, transaction
 
 from runs.executor import claim_and_drive
 from runs.models import AnswerRevision, Checkpoint, Receipt, Run, RunStatus
+from runs.submission import submit
 from runs.timeline import EventKind, timeline
 from tests.faultruns import DOCS, KEYS, events, executions, run_with
 
@@ -257,7 +258,7 @@ def test_an_untouched_checkpoint_with_a_refusal_and_a_failure_noted_is_used(jour
 
 def test_an_untouched_checkpoint_after_the_budget_ran_out_is_used(journal: Any) -> None:
     # Budget 5: one document, then finalizing; the lease goes before delivery.
-    run = Run.objects.submit(
+    run = submit(
         question="Compare these funds",
         documents=DOCS,
         action_budget=5,

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 from django.db import IntegrityError, connection
 
-from runs.agent import ResearchState
+from runs.agents.research import ResearchState
 from runs.decisions import settle_open_items
 from runs.dispatch import Dispatcher
 from runs.executor import claim_and_drive
@@ -36,6 +36,7 @@ from runs.models import (
     RunStatus,
 )
 from runs.outcomes import NeedsOperator, xact_status
+from runs.submission import submit
 from runs.sweep import sweep
 from runs.timeline import EventKind, timeline
 from tests.faultruns import (
@@ -155,7 +156,7 @@ def test_checkpoint_failure_never_moves_the_run_to_finalizing_even_when_every_sa
 
 
 def test_only_the_budget_moves_a_run_to_finalizing_and_says_why(journal):
-    run = Run.objects.submit(question="q", documents=DOCS, action_budget=5)
+    run = submit(question="q", documents=DOCS, action_budget=5)
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     run.refresh_from_db()
     assert run.phase_reason == "action budget of 5 exhausted"
@@ -282,7 +283,7 @@ def test_a_receipt_that_does_not_verify_does_not_unlock_local_handling(journal):
 def checkpoint_fails_after_read():
     """A leased run whose first read completed, and whose checkpoint after
     it will fail before writing (the fault plan's serialize error)."""
-    run = Run.objects.submit(
+    run = submit(
         question="q", documents=DOCS, faults=[{"point": "checkpoint_serialize_error", "action": 1}]
     )
     lease = Lease.claim(run.pk, "owner")
@@ -311,7 +312,7 @@ def test_a_lost_lease_or_a_cancel_does_not_allow_local_handling(checkpoint_fails
     with pytest.raises(LeaseLost, match="the lease is lost: no local handling"):
         dispatcher.checkpoint("read:0", asdict(ResearchState()))
 
-    other = Run.objects.submit(
+    other = submit(
         question="q", documents=DOCS, faults=[{"point": "checkpoint_serialize_error", "action": 1}]
     )
     other_lease = Lease.claim(other.pk, "owner")
@@ -344,7 +345,7 @@ def test_resuming_from_a_checkpoint_after_a_read_counts_that_read_once(journal):
     # Budget 8 fits two documents exactly (2 actions each, plus compose and
     # deliver).  The checkpoint after read:1 (action 3) is the newest when
     # the lease is stolen; resuming must not count read:1 again and run out.
-    run = Run.objects.submit(
+    run = submit(
         question="q",
         documents=DOCS[:2],
         action_budget=8,
@@ -372,7 +373,7 @@ def test_resuming_from_a_checkpoint_after_a_read_counts_that_read_once(journal):
 
 
 def test_an_unanswered_checkpoint_with_the_lease_lost_is_not_handled_locally(journal):
-    run = Run.objects.submit(
+    run = submit(
         question="q",
         documents=DOCS,
         faults=[{"point": "drop_connection_at_commit", "write": "checkpoint", "action": 1}],
@@ -439,7 +440,7 @@ def test_a_stranger_holding_the_checkpoint_table_never_holds_the_answer(journal,
     each checkpoint fails before it writes, within its lock bound, and the
     run delivers.  The executor waited for as long as the lock lasted."""
     settings.RUNDESK_CHECKPOINT_SECONDS = 0  # one after every action
-    run = Run.objects.submit(question="q", documents=DOCS[:2])
+    run = submit(question="q", documents=DOCS[:2])
     with psycopg.connect(**connection.get_connection_params()) as stranger:
         stranger.execute("LOCK TABLE runs_checkpoint IN SHARE MODE")
         started = time.monotonic()
@@ -463,7 +464,7 @@ def test_a_checkpoint_left_unknown_by_an_owner_that_stopped_is_settled_by_its_xi
     late COMMIT, for seconds): killed meanwhile, it left the row unknown
     with no item, and nothing ever asked again."""
     settings.RUNDESK_CHECKPOINT_SECONDS = 0
-    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    run = submit(question="q", documents=DOCS[:1])
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     saved = Checkpoint.objects.filter(run=run, state__isnull=False).order_by("number").first()
     xid = saved.xid

@@ -18,6 +18,7 @@ from django.db.models.functions import Now
 from runs.benchmarks import pages
 from runs.executor import SHARED_CONNECTIONS, connections_allowed
 from runs.models import Run, RunStatus
+from runs.submission import submit
 from tests.conftest import manage
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -67,9 +68,9 @@ def test_beats_sweep_goes_on_when_the_broker_never_answers(process_env):
     """Beat runs the sweep itself (runs.tasks.SweepingScheduler); a sweep
     stuck handing a run to a broker that never answers stopped every sweep
     after it, without a word."""
-    stale = [Run.objects.submit(question=f"q{i}", documents=["a.md"]) for i in range(3)]
+    stale = [submit(question=f"q{i}", documents=["a.md"]) for i in range(3)]
     Run.objects.update(queued_at=Now() - dt.timedelta(minutes=5))
-    cancelled = Run.objects.submit(question="q", documents=["a.md"])
+    cancelled = submit(question="q", documents=["a.md"])
     Run.objects.filter(pk=cancelled.pk).update(
         status=RunStatus.RUNNING,
         lease_owner="dead",
@@ -146,8 +147,8 @@ def test_submit_run_refuses_what_no_run_can_hold_and_queues_nothing(option, mess
 
 
 def test_executor_run_executes_one_run_and_reports_it():
-    run = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"])
-    other = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"])
+    run = submit(question="q", documents=["northwind-clean-energy.md"])
+    other = submit(question="q", documents=["northwind-clean-energy.md"])
     out = run_command("executor", "--run", str(run.pk), "--json")
     assert json.loads(out) == {"run_id": run.pk, "outcome": "completed"}
     assert Run.objects.get(pk=other.pk).status == RunStatus.QUEUED
@@ -161,7 +162,7 @@ def test_executor_run_refuses_an_unknown_run():
 def test_executor_refuses_more_runs_at_once_than_the_server_has_connections_for():
     allowed = connections_allowed()
     too_many = (allowed - SHARED_CONNECTIONS) // 2 + 1
-    run = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"])
+    run = submit(question="q", documents=["northwind-clean-energy.md"])
     with pytest.raises(CommandError, match=f"needs {2 * too_many + 3} database connections"):
         run_command("executor", "--once", "--concurrency", str(too_many))
     # Nothing was started: the run is still queued.
@@ -173,7 +174,7 @@ def test_executor_that_cannot_ask_the_server_its_connections_starts_all_the_same
         raise OperationalError("connection refused")
 
     monkeypatch.setattr("runs.management.commands.executor.connections_allowed", unanswered)
-    run = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"])
+    run = submit(question="q", documents=["northwind-clean-energy.md"])
     err = StringIO()
     call_command("executor", "--once", stdout=StringIO(), stderr=err)
     assert "connections not checked: connection refused" in err.getvalue()

@@ -30,6 +30,7 @@ from runs.models import (
     RunStatus,
     page_cursor,
 )
+from runs.submission import submit
 from runs.timeline import EventKind, timeline
 from tests.conftest import PASSWORD, make_user, signed_in
 from tests.test_pglog import THREE_WAY
@@ -45,7 +46,7 @@ CANCELLING = {"reason": "asked by mistake", "confirm": "on"}
 
 @pytest.fixture
 def run() -> Run:
-    run = Run.objects.submit(
+    run = submit(
         question="Compare <script>alert(1)</script>", documents=["northwind-clean-energy.md"]
     )
     claim_and_drive(run.pk)
@@ -198,7 +199,7 @@ def test_pages_refuse_other_methods_and_unknown_ids(viewer, run, incident):
 
 
 def test_runs_list_columns_filters_and_keyset_pages(viewer, run):
-    Run.objects.submit(question="Another fund question", documents=["a.md"])
+    submit(question="Another fund question", documents=["a.md"])
     page = viewer.get("/").content.decode()
     assert f'href="/runs/{run.pk}/"' in page and ">completed</span>" in page
     assert "Another fund question" in viewer.get("/?status=queued").content.decode()
@@ -214,14 +215,14 @@ def test_runs_list_columns_filters_and_keyset_pages(viewer, run):
 
 def test_page_links_keep_every_parameter_whole(viewer, run, monkeypatch):
     monkeypatch.setattr("dashboard.views.PAGE_SIZE", 1)
-    Run.objects.submit(question="Another fund question", documents=["a.md"])
+    submit(question="Another fund question", documents=["a.md"])
     page = viewer.get("/?x%26status%3Dfailed%23=1&y=a%26b").content.decode()
     older = re.search(r'<a href="\?([^"]+)">older</a>', page).group(1).replace("&amp;", "&")
     assert older.startswith("x%26status%3Dfailed%23=1&y=a%26b&before=")
 
 
 def test_runs_list_rows_partial_polls_while_runs_are_active_then_stops(viewer, run):
-    queued = Run.objects.submit(question="waiting", documents=["a.md"])
+    queued = submit(question="waiting", documents=["a.md"])
     headers = {"HX-Request": "true", "HX-Target": "run-rows"}
     live = viewer.get("/", headers=headers)
     assert live.status_code == 200
@@ -255,7 +256,7 @@ def test_run_page_live_partial_and_event_log_pages(viewer, run):
 
 
 def test_an_active_run_polls_its_live_region(viewer):
-    queued = Run.objects.submit(question="waiting", documents=["a.md"])
+    queued = submit(question="waiting", documents=["a.md"])
     page = viewer.get(f"/runs/{queued.pk}/").content.decode()
     assert f'<section id="run-live" hx-get="/runs/{queued.pk}/live/" hx-trigger="every 2s"' in page
     live = viewer.get(f"/runs/{queued.pk}/live/", headers={"HX-Request": "true"})
@@ -263,7 +264,7 @@ def test_an_active_run_polls_its_live_region(viewer):
 
 
 def test_unknown_outcomes_are_shown_as_unknown(viewer):
-    run = Run.objects.submit(
+    run = submit(
         question="q",
         documents=["northwind-clean-energy.md"],
         faults=[{"point": "delivery_timeout"}],
@@ -276,7 +277,7 @@ def test_unknown_outcomes_are_shown_as_unknown(viewer):
 
 def answered_page(viewer: Client, answer: str) -> str:
     """The run page of a run whose final answer is `answer`."""
-    run = Run.objects.submit(question="q", documents=["a.md"])
+    run = submit(question="q", documents=["a.md"])
     lease = Lease.claim(run.pk, "owner")
     assert lease is not None
     lease.publish_revision(1, answer, is_final=True)
@@ -315,7 +316,7 @@ def test_text_that_only_looks_like_a_tag_is_shown_as_written(viewer, run):
 
 
 def test_cancel_needs_the_operator_permission_and_csrf(viewer, run):
-    queued = Run.objects.submit(question="to cancel", documents=["a.md"])
+    queued = submit(question="to cancel", documents=["a.md"])
     assert viewer.post(f"/runs/{queued.pk}/cancel/", CANCELLING).status_code == 403
     strict = signed_in(make_user("strict", operator=True), enforce_csrf_checks=True)
     assert strict.post(f"/runs/{queued.pk}/cancel/", CANCELLING).status_code == 403  # no CSRF token
@@ -324,12 +325,12 @@ def test_cancel_needs_the_operator_permission_and_csrf(viewer, run):
 
 
 def test_operator_cancels_a_queued_run_and_htmx_gets_the_fragment(operator):
-    queued = Run.objects.submit(question="to cancel", documents=["a.md"])
+    queued = submit(question="to cancel", documents=["a.md"])
     response = operator.post(f"/runs/{queued.pk}/cancel/", CANCELLING)
     assert response.status_code == 302 and response["Location"] == f"/runs/{queued.pk}/"
     queued.refresh_from_db()
     assert queued.status == RunStatus.CANCELLED and queued.cancel_requested_at is not None
-    other = Run.objects.submit(question="another", documents=["a.md"])
+    other = submit(question="another", documents=["a.md"])
     fragment = operator.post(
         f"/runs/{other.pk}/cancel/", CANCELLING, headers={"HX-Request": "true"}
     )
@@ -345,7 +346,7 @@ def test_operator_cancels_a_queued_run_and_htmx_gets_the_fragment(operator):
 
 def test_a_cancel_of_a_run_a_stranger_holds_says_so_instead_of_hanging(operator, monkeypatch):
     monkeypatch.setattr("dashboard.views.CANCEL_LOCK_WAIT", "200ms")
-    queued = Run.objects.submit(question="to cancel", documents=["a.md"])
+    queued = submit(question="to cancel", documents=["a.md"])
     with psycopg.connect(**connection.get_connection_params()) as stranger:
         stranger.execute("SELECT 1 FROM runs_run WHERE id = %s FOR SHARE", [queued.pk])
         page = operator.post(f"/runs/{queued.pk}/cancel/", CANCELLING, follow=True).content.decode()
@@ -432,7 +433,7 @@ def test_a_form_a_stranger_holds_answers_503_and_changes_nothing(operator, form,
     """Before, a form's first read (or an export's row) waited for as long
     as the stranger held the lock, and the request with it."""
     monkeypatch.setattr("dashboard.security.PAGE_LOCK_WAIT", "300ms")
-    run = Run.objects.submit(question="waits", documents=["a.md"])
+    run = submit(question="waits", documents=["a.md"])
     Lease.claim(run.pk, "owner").finish(RunStatus.NEEDS_OPERATOR, "waits for an operator")
     lock, url, data = forms_held(run)[form]
     before = {
@@ -469,7 +470,7 @@ def test_a_form_whose_answer_a_stranger_holds_goes_to_its_page_saying_what_was_d
     with reads evidence a stranger has locked: the browser is sent to the
     run's page, where the cancel is said."""
     monkeypatch.setattr("dashboard.security.PAGE_LOCK_WAIT", "300ms")
-    run = Run.objects.submit(question="to cancel", documents=["a.md"])
+    run = submit(question="to cancel", documents=["a.md"])
     with psycopg.connect(**connection.get_connection_params()) as stranger:
         stranger.execute("LOCK TABLE evidence_capturegap")
         response = operator.post(
@@ -493,7 +494,7 @@ def test_a_page_held_after_a_form_says_what_the_form_did(operator, monkeypatch):
     only "Nothing was changed", and the cancel it had made was said on
     some later page."""
     monkeypatch.setattr("dashboard.security.PAGE_LOCK_WAIT", "300ms")
-    run = Run.objects.submit(question="to cancel", documents=["a.md"])
+    run = submit(question="to cancel", documents=["a.md"])
     with psycopg.connect(**connection.get_connection_params()) as stranger:
         stranger.execute("LOCK TABLE evidence_capturegap")
         page = operator.post(f"/runs/{run.pk}/cancel/", CANCELLING, follow=True)

@@ -15,7 +15,7 @@ import pytest
 from django.contrib.auth.models import Group, Permission, User
 from django.db import DatabaseError, IntegrityError, connection, transaction
 
-from runs.agent import ResearchAgent
+from runs.agents.research import ResearchAgent
 from runs.decisions import (
     Decided,
     DecisionRefused,
@@ -42,6 +42,7 @@ from runs.models import (
 )
 from runs.outcomes import xact_status
 from runs.progress import History
+from runs.submission import submit
 from runs.timeline import EventKind, timeline
 from tests.faultruns import DOCS, KEYS, events, executions, run_with, wait_for
 from tests.receivers import LocalServer, status
@@ -129,7 +130,7 @@ def delivered_and_confirmed_after_a_failed_read(
     settings.RUNDESK_CHECKPOINT_EVERY = 100
     with LocalServer(status(200)) as receiver:
         settings.RUNDESK_DELIVERY_URL = receiver.url
-        run = Run.objects.submit(
+        run = submit(
             question="Compare these funds",
             documents=DOCS,
             action_budget=action_budget,

@@ -16,10 +16,10 @@ import pytest
 from django.core.management import call_command
 from django.utils import timezone
 
+from runs.agents.tools import outbox_file
 from runs.models import Action, ActionState, OutcomeItem, OutcomeKind, Receipt, Run, RunStatus
 from runs.models import digest as sha
 from runs.outcomes import open_item
-from runs.tools import outbox_file
 from tests.faultruns import run_with
 from tests.receivers import LocalServer, status
 

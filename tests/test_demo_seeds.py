@@ -9,22 +9,23 @@ import pytest
 from runs.decisions import settle_open_items
 from runs.executor import Executor
 from runs.management.commands.demo import DECISION_TABLE_RUNS, SAMPLE_RUNS, TWO_FUNDS
-from runs.models import CheckpointOutcome, OutcomeItem, OutcomeKind, Run, RunStatus
+from runs.models import CheckpointOutcome, OutcomeItem, OutcomeKind, RunStatus
 from runs.outcomes import xact_status
+from runs.submission import submit
 from tests.faultruns import wait_for
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 
 def test_every_sample_run_of_the_demo_is_taken_at_submission():
-    runs = [Run.objects.submit(**sample) for sample in SAMPLE_RUNS]
+    runs = [submit(**sample) for sample in SAMPLE_RUNS]
     assert [run.status for run in runs] == [RunStatus.QUEUED] * len(SAMPLE_RUNS)
 
 
 def test_each_decision_table_run_of_the_demo_ends_as_its_row_says(settings):
     settings.RUNDESK_SETTLE_SECONDS = 2
     runs = [
-        Run.objects.submit(question=question, documents=TWO_FUNDS, faults=faults)
+        submit(question=question, documents=TWO_FUNDS, faults=faults)
         for question, faults in DECISION_TABLE_RUNS
     ]
     outcomes = dict(Executor().serve(once=True))

@@ -35,6 +35,7 @@ from runs.drills import (
 )
 from runs.leases import Lease
 from runs.models import Drill, DrillResult, DrillState, DrillVerdict, Run, RunStatus
+from runs.submission import submit
 from tests.conftest import ROOT, database_url
 from tests.processes import Worker, wait_until
 
@@ -240,8 +241,8 @@ def test_a_drill_started_on_the_page_is_run_by_a_real_worker(
 
 
 def test_drills_runs_are_hidden_from_the_runs_list_unless_asked_for(viewer: Client) -> None:
-    mine = Run.objects.submit(question="a real question", documents=["a.md"])
-    drilled = Run.objects.submit(question="a drill question", documents=["a.md"], drill=True)
+    mine = submit(question="a real question", documents=["a.md"])
+    drilled = submit(question="a drill question", documents=["a.md"], drill=True)
     listed = viewer.get("/").content.decode()
     assert f"/runs/{mine.pk}/" in listed and f"/runs/{drilled.pk}/" not in listed
     drills = viewer.get("/?drills=1").content.decode()
@@ -253,15 +254,15 @@ def test_a_drills_run_is_driven_by_its_lab_only_and_the_lab_by_nothing_else(sett
     drill's report to the installation's receiver; its lab's processes
     claim its runs, and only those, and take their tasks from a queue of
     their own."""
-    drilled = Run.objects.submit(question="a drill", documents=["a.md"], drill=True)
-    mine = Run.objects.submit(question="a real question", documents=["a.md"])
+    drilled = submit(question="a drill", documents=["a.md"], drill=True)
+    mine = submit(question="a real question", documents=["a.md"])
     assert Lease.claim(drilled.pk, "installation") is None
     claimed = Lease.claim_next("installation")
     assert claimed is not None and claimed.run_id == mine.pk
     assert claimed.finish(RunStatus.CANCELLED, "test") == RunStatus.CANCELLED
 
     settings.RUNDESK_DRILL_LAB = True
-    other = Run.objects.submit(question="another real one", documents=["a.md"])
+    other = submit(question="another real one", documents=["a.md"])
     assert Lease.claim(other.pk, "lab") is None and Lease.claim_next("lab").run_id == drilled.pk
 
     queue = "from django.conf import settings; print(settings.CELERY_TASK_DEFAULT_QUEUE)"

@@ -22,6 +22,7 @@ from runs.executor import claim_and_drive
 from runs.harness import evidence_tables
 from runs.leases import Lease
 from runs.models import AnswerRevision, Run, RunStatus
+from runs.submission import submit
 from runs.timeline import EventKind, timeline
 from tests.conftest import database_url
 from tests.faultruns import DOCS, KEYS, events, executions, wait_for
@@ -63,7 +64,7 @@ def execute_within(run: Run, seconds: float) -> str:
 def test_every_evidence_table_locked_for_the_whole_run_never_holds_it(journal, mode):
     tables = evidence_tables()
     assert "evidence_modelcall" in tables and len(tables) >= 8
-    run = Run.objects.submit(question="Compare these funds", documents=DOCS)
+    run = submit(question="Compare these funds", documents=DOCS)
     with another_session(f"LOCK TABLE {', '.join(tables)} IN {mode} MODE"):
         assert execute_within(run, 30) == RunStatus.COMPLETED
         # Committed content reads back while the lock is still held.
@@ -85,7 +86,7 @@ def test_every_evidence_table_locked_for_the_whole_run_never_holds_it(journal, m
 
 
 def test_a_stranger_holding_the_timeline_leaves_a_gap_and_holds_up_nothing(journal):
-    run = Run.objects.submit(question="Compare these funds", documents=DOCS)
+    run = submit(question="Compare these funds", documents=DOCS)
     with another_session("LOCK TABLE runs_runevent IN ACCESS EXCLUSIVE MODE"):
         assert execute_within(run, 30) == RunStatus.COMPLETED
         # The writer is not stuck behind the lock: what it could not write
@@ -106,14 +107,14 @@ def test_a_delivery_never_waits_on_the_operators_decisions_someone_holds(journal
     """An effect's first dispatch needs no decision: its boundary does not
     read the decisions table (migration 0013), so a lock on it holds
     nothing up.  Only a dispatch after the first reads it."""
-    run = Run.objects.submit(question="Compare these funds", documents=DOCS)
+    run = submit(question="Compare these funds", documents=DOCS)
     with another_session("LOCK TABLE runs_operatordecision IN ACCESS EXCLUSIVE MODE"):
         assert execute_within(run, 30) == RunStatus.COMPLETED
     assert all(executions(journal, run, key) == 1 for key in KEYS)
 
 
 def test_publication_never_waits_on_a_model_record_someone_holds(journal):
-    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    run = submit(question="q", documents=DOCS[:1])
     lease = Lease.claim(run.pk, "owner")
     call = lease.record_boundary(
         step_key="summarize:0", kind="model_call", effect_class="read", input={"m": 1}
@@ -141,7 +142,7 @@ def test_a_run_row_held_for_key_share_by_an_evidence_write_is_still_claimed():
     """An evidence row being written for a run holds the run row FOR KEY
     SHARE (its foreign-key check) until it commits: the claim, FOR NO KEY
     UPDATE, is not made to skip the run for it."""
-    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    run = submit(question="q", documents=DOCS[:1])
     with another_session(
         # Django's foreign keys are deferred: checked (and the lock taken)
         # at once here, as at the COMMIT of a deferred one.

@@ -21,6 +21,7 @@ from runs.models import (
     RunStatus,
     digest,
 )
+from runs.submission import submit
 from runs.timeline import EventKind, timeline
 
 # Transactional: the timeline writes the submission event on its own
@@ -46,7 +47,7 @@ class Facts:
 def facts() -> Facts:
     """A run with a receipt, a final answer and a timeline, built through the
     real lease API."""
-    run = Run.objects.submit(question="Which fund is cheapest?", documents=DOCS)
+    run = submit(question="Which fund is cheapest?", documents=DOCS)
     lease = Lease.claim(run.pk, "owner")
     assert lease is not None
     read_id = lease.record_boundary(
@@ -122,7 +123,7 @@ def test_receipt_does_not_verify_when_its_result_no_longer_matches_its_digest(fa
 
 
 def test_receipt_does_not_verify_an_action_of_another_run_with_the_same_step_key(facts):
-    other_run = Run.objects.submit(question="Another run", documents=DOCS)
+    other_run = submit(question="Another run", documents=DOCS)
     other_lease = Lease.claim(other_run.pk, "owner")
     other_id = other_lease.record_boundary(
         step_key="read:0", kind="read_document", effect_class="read", input={"path": DOCS[0]}
@@ -282,7 +283,7 @@ def test_a_second_action_under_the_same_identity_is_refused(facts):
 
 
 def test_the_same_step_key_in_another_run_is_another_identity(facts):
-    other = Run.objects.submit(question="Another run", documents=DOCS)
+    other = submit(question="Another run", documents=DOCS)
     lease = Lease.claim(other.pk, "owner")
     assert (
         lease.record_boundary(
@@ -403,13 +404,13 @@ def test_a_running_run_without_an_owner_is_refused(facts):
 )
 def test_submit_rejects_bad_input_and_creates_no_run(fields, message):
     with pytest.raises(ValueError, match=message):
-        Run.objects.submit(**fields)
+        submit(**fields)
     assert not Run.objects.exists()
     assert not RunEvent.objects.exists()
 
 
 def test_submit_queues_a_run_with_a_submitted_event():
-    run = Run.objects.submit(
+    run = submit(
         question="  Which fund is cheapest?  ",
         documents=DOCS,
         faults=[{"point": "tool_delay", "ms": 10}],

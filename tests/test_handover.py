@@ -24,6 +24,7 @@ from runs import sweep
 from runs.handover import INSTALLATION_QUEUE
 from runs.leases import Lease
 from runs.models import OperatorDecision, Receipt, Run, RunEvent, RunStatus
+from runs.submission import submit
 from runs.tasks import execute_run
 from runs.timeline import EventKind
 from tests.conftest import manage
@@ -74,7 +75,7 @@ def status(run: Run) -> str:
 def waiting_run(**submitted: object) -> Run:
     """A run that waits for an operator and that no item holds: only a
     decision on the run lets it go on."""
-    run = Run.objects.submit(question="q", documents=["northwind-clean-energy.md"], **submitted)
+    run = submit(question="q", documents=["northwind-clean-energy.md"], **submitted)
     lease = Lease.claim(run.pk, "first-owner")
     assert lease is not None
     assert lease.finish(RunStatus.NEEDS_OPERATOR, "waits for a person") == RunStatus.NEEDS_OPERATOR
@@ -118,7 +119,7 @@ def test_a_run_an_executor_gives_back_as_it_stops_completes_within_seconds_on_ce
     process_env, journal, tmp_path, broker
 ):
     env = celery_only(process_env)
-    run = Run.objects.submit(
+    run = submit(
         question="Compare these funds", documents=DOCS, faults=[{"point": "tool_delay", "ms": 300}]
     )
     worker = Worker(env, tmp_path / "worker.log", beat=True)
@@ -147,7 +148,7 @@ def test_a_run_an_executor_gives_back_as_it_stops_completes_within_seconds_on_ce
 
 def test_every_way_into_the_queue_hands_the_run_over_once_committed(broker, fresh_producers):
     # An owner that gives the run back (autocommit: at once).
-    released = Run.objects.submit(question="q", documents=["a.md"])
+    released = submit(question="q", documents=["a.md"])
     Lease.claim(released.pk, "owner").release()
     assert handed_over(broker) == [(released.pk, INSTALLATION_QUEUE)]
 
@@ -165,7 +166,7 @@ def test_every_way_into_the_queue_hands_the_run_over_once_committed(broker, fres
     assert status(rolled_back) == RunStatus.NEEDS_OPERATOR
 
     # The sweep's requeue of a run whose owner stopped renewing its lease.
-    abandoned = Run.objects.submit(question="q", documents=["a.md"])
+    abandoned = submit(question="q", documents=["a.md"])
     Lease.claim(abandoned.pk, "dead-owner")
     with connection.cursor() as cursor:
         cursor.execute(
@@ -182,15 +183,15 @@ def test_a_drills_run_made_runnable_goes_to_its_labs_queue(broker, fresh_produce
     app = execute_run.app
     with app.connection_for_write() as conn:
         app.amqp.queues[settings.RUNDESK_DRILL_QUEUE].bind(conn.default_channel).declare()
-    drill = Run.objects.submit(question="q", documents=["a.md"], drill=True)
+    drill = submit(question="q", documents=["a.md"], drill=True)
     settings.RUNDESK_DRILL_LAB = True
     Lease.claim(drill.pk, "lab-owner").release()
     assert handed_over(broker) == [(drill.pk, settings.RUNDESK_DRILL_QUEUE)]
 
 
 def test_redelivery_refreshes_and_hands_out_only_the_runs_of_the_sweeps_own_kind(settings):
-    installation = Run.objects.submit(question="q", documents=["a.md"])
-    drill = Run.objects.submit(question="q", documents=["a.md"], drill=True)
+    installation = submit(question="q", documents=["a.md"])
+    drill = submit(question="q", documents=["a.md"], drill=True)
 
     def queued_at() -> dict[int, object]:
         return dict(Run.objects.values_list("pk", "queued_at"))

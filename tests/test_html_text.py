@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from runs.html_text import is_page, page_text
-from runs.providers import FactSheet
+from runs.agents.html_text import is_page, page_text
+from runs.agents.providers import FactSheet
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from runs.models import (
     Run,
     RunStatus,
 )
+from runs.submission import submit
 from tests.faultruns import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -49,7 +50,7 @@ def in_thread(target, *args):
 def slow_summary_under_way(owner: str):
     """A run whose second action (summarize:0) takes 1.5 s, driven by
     `owner` on its own thread, once that action is dispatched."""
-    run = Run.objects.submit(
+    run = submit(
         question="q", documents=DOCS, faults=[{"point": "tool_delay", "action": 2, "ms": 1500}]
     )
     thread, out = in_thread(drive, Lease.claim(run.pk, owner), threading.Event())
@@ -58,7 +59,7 @@ def slow_summary_under_way(owner: str):
 
 
 def test_two_executors_race_for_one_run_and_exactly_one_owns_it():
-    run = Run.objects.submit(question="q", documents=DOCS)
+    run = submit(question="q", documents=DOCS)
     barrier = threading.Barrier(8)
 
     def claim(i: int) -> Lease | None:
@@ -75,7 +76,7 @@ def test_two_executors_race_for_one_run_and_exactly_one_owns_it():
 
 
 def test_concurrent_claim_next_takes_each_run_once():
-    runs = {Run.objects.submit(question=f"q{i}", documents=DOCS).pk for i in range(6)}
+    runs = {submit(question=f"q{i}", documents=DOCS).pk for i in range(6)}
     barrier = threading.Barrier(6)
 
     def claim(i: int) -> int | None:
@@ -91,7 +92,7 @@ def test_concurrent_claim_next_takes_each_run_once():
 
 
 def test_stale_epoch_write_changes_nothing():
-    run = Run.objects.submit(question="q", documents=DOCS)
+    run = submit(question="q", documents=DOCS)
     stale = Lease.claim(run.pk, "old-owner")
     expire(run)
     current = Lease.claim(run.pk, "new-owner")
@@ -130,7 +131,7 @@ def test_stale_epoch_write_changes_nothing():
 def test_past_its_lease_expiry_an_owner_writes_its_receipts_but_starts_nothing():
     # Nobody has claimed the run: what completed is a fact, and the claim
     # that comes next sees it.  New work waits for a live lease.
-    run = Run.objects.submit(question="q", documents=DOCS)
+    run = submit(question="q", documents=DOCS)
     lease = Lease.claim(run.pk, "owner")
     effect = lease.record_boundary(
         step_key="deliver", kind="deliver_report", effect_class="effect", input={"to": "x"}
@@ -203,7 +204,7 @@ def test_stale_owner_dispatches_nothing_more_and_the_new_owner_completes(journal
 
 
 def test_cancel_request_stops_new_dispatches_and_keeps_completed_facts(journal):
-    run = Run.objects.submit(
+    run = submit(
         question="q", documents=DOCS, faults=[{"point": "tool_delay", "action": 2, "ms": 800}]
     )
     lease = Lease.claim(run.pk, "owner")
@@ -246,7 +247,7 @@ def test_a_claim_commits_asynchronously_and_only_its_own_transaction():
     with transaction.atomic(), claiming():
         assert synchronous_commit() == server_default
 
-    run = Run.objects.submit(question="q", documents=DOCS)
+    run = submit(question="q", documents=DOCS)
     lease = Lease.claim(run.pk, "owner")
     assert lease is not None and synchronous_commit() == server_default
     assert Run.objects.get(pk=run.pk).lease_owner == "owner"

@@ -20,7 +20,7 @@ from django.db import connection
 from evidence import charts, locks, pglog
 from evidence.locks import Edge, Graph, Process
 from evidence.models import IncidentSource, LockIncident
-from runs.models import Run
+from runs.submission import submit
 from tests.conftest import database_url
 from tests.faultruns import wait_for
 
@@ -124,7 +124,7 @@ def assert_apart(incident: LockIncident) -> None:
 
 
 def test_two_independent_waits_of_real_sessions_do_not_cross():
-    first, second = (Run.objects.submit(question=q, documents=["a.md"]) for q in "ab")
+    first, second = (submit(question=q, documents=["a.md"]) for q in "ab")
     conns, blocked = [], []
     try:
         for run in (first, second):
@@ -210,7 +210,7 @@ def test_each_label_sits_on_its_own_arrow_and_covers_no_other(log):
 def test_the_transactions_lock_is_labelled_on_the_arrow_to_its_owner():
     """The issue's case: "ShareLock on transaction 9001" is 4103's (the
     blocker's) transaction, and its label is on 4102's arrow to it, saying so."""
-    owner = Run.objects.submit(question="the publication", documents=["a.md"])
+    owner = submit(question="the publication", documents=["a.md"])
     text = (FIXTURES / "three_way.csv").read_text().replace("run-2", f"run-{owner.pk}")
     (incident,) = imported("three_way.csv", text)
     _, arrows, labels = drawn(charts.lock_graph(incident))
@@ -225,7 +225,7 @@ def test_the_transactions_lock_is_labelled_on_the_arrow_to_its_owner():
 
 
 def test_the_victim_is_the_process_whose_log_line_carries_the_report():
-    victim_run, other_run = (Run.objects.submit(question=q, documents=["a.md"]) for q in "vo")
+    victim_run, other_run = (submit(question=q, documents=["a.md"]) for q in "vo")
     text = (FIXTURES / "three_way.csv").read_text()
     # At once: one after the other, run-3 made run-210 and then run-2 took its start.
     ids = {"3": victim_run.pk, "2": other_run.pk}
@@ -267,7 +267,7 @@ def test_a_report_whose_log_names_no_process_names_no_victim(viewer):
 
 
 def test_the_lock_page_names_the_victim_and_its_run(viewer):
-    victim_run = Run.objects.submit(question="the capture", documents=["a.md"])
+    victim_run = submit(question="the capture", documents=["a.md"])
     text = (FIXTURES / "three_way.json").read_text().replace("run-3", f"run-{victim_run.pk}")
     (incident,) = imported("three_way.json", text)
     page = viewer.get(f"/locks/{incident.pk}/").content.decode()

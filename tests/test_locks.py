@@ -17,7 +17,7 @@ from django.db import DatabaseError, connection
 
 from evidence.locks import Edge, Graph, LockSampler, describe_application, sample
 from evidence.models import CaptureGap, IncidentSource, LockIncident
-from runs.models import Run
+from runs.submission import submit
 from tests.conftest import database_url
 from tests.faultruns import wait_for
 
@@ -47,7 +47,7 @@ def test_cycle_is_found_in_wait_for_order():
 
 
 def test_sampler_records_a_wait_with_roles_runs_and_the_lock_then_closes_it():
-    run = Run.objects.submit(question="q", documents=["a.md"])
+    run = submit(question="q", documents=["a.md"])
     holder = session(f"rundesk:executor:run-{run.pk}")
     waiter = session(f"rundesk:publication:run-{run.pk}")
     pids = (waiter.info.backend_pid, holder.info.backend_pid)
@@ -155,7 +155,7 @@ def test_a_sample_bounds_its_own_lock_waits_and_a_failed_one_leaves_the_incident
     settings,
 ):
     settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS = 100
-    run = Run.objects.submit(question="q", documents=["a.md"])
+    run = submit(question="q", documents=["a.md"])
     holder = session(f"rundesk:executor:run-{run.pk}")
     waiter = session(f"rundesk:publication:run-{run.pk}")
     holder.execute("UPDATE runs_run SET status_reason = 'held' WHERE id = %s", (run.pk,))
@@ -192,8 +192,8 @@ def test_a_sample_bounds_its_own_lock_waits_and_a_failed_one_leaves_the_incident
 
 
 def test_sampler_detects_a_cycle_before_the_deadlock_detector_breaks_it():
-    first = Run.objects.submit(question="q", documents=["a.md"])
-    second = Run.objects.submit(question="q", documents=["a.md"])
+    first = submit(question="q", documents=["a.md"])
+    second = submit(question="q", documents=["a.md"])
     a, b = session("rundesk:capture:run-1"), session("rundesk:publication:run-2")
     pids = sorted([a.info.backend_pid, b.info.backend_pid])
     a.execute("UPDATE runs_run SET status_reason = 'a' WHERE id = %s", (first.pk,))

@@ -29,6 +29,7 @@ from runs.models import (
     RunStatus,
 )
 from runs.outcomes import open_item, xact_status
+from runs.submission import submit
 from runs.sweep import sweep
 from runs.timeline import EventKind, timeline
 from tests.conftest import database_url
@@ -119,7 +120,7 @@ def test_a_sweep_without_a_database_does_what_it_can_and_raises_nothing(monkeypa
 
 def waiting_run() -> Run:
     """A run that waits for an operator, as its owner left it."""
-    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    run = submit(question="q", documents=DOCS[:1])
     Lease.claim(run.pk, "owner").finish(RunStatus.NEEDS_OPERATOR, "waits for its items")
     return run
 
@@ -186,7 +187,7 @@ def test_two_items_settled_at_the_same_moment_resume_the_run_once():
 
 
 def test_a_cancel_of_a_run_whose_owner_died_ends_it_by_the_sweep():
-    run = Run.objects.submit(question="q", documents=DOCS)
+    run = submit(question="q", documents=DOCS)
     dead = Lease.claim(run.pk, "dead-owner")
     assert run.request_cancel(by="alice")
     expire(run)
@@ -203,7 +204,7 @@ def test_a_cancel_of_a_run_whose_owner_died_ends_it_by_the_sweep():
 
 
 def test_a_cancel_of_a_run_whose_owner_died_ends_it_at_the_next_claim(journal):
-    run = Run.objects.submit(question="q", documents=DOCS)
+    run = submit(question="q", documents=DOCS)
     Lease.claim(run.pk, "dead-owner")
     run.request_cancel(by="alice")
     expire(run)
@@ -217,9 +218,7 @@ def test_a_cancel_of_a_run_whose_owner_died_ends_it_at_the_next_claim(journal):
 def test_sigterm_while_a_cancel_is_pending_ends_the_run_instead_of_requeueing_it(journal):
     # The cancel arrives just before action 1, after the claim looked for
     # one; the executor is stopping too.
-    run = Run.objects.submit(
-        question="q", documents=DOCS, faults=[{"point": "cancel", "action": 1}]
-    )
+    run = submit(question="q", documents=DOCS, faults=[{"point": "cancel", "action": 1}])
     lease = Lease.claim(run.pk, "owner")
     stop = threading.Event()
     stop.set()
@@ -231,7 +230,7 @@ def test_sigterm_while_a_cancel_is_pending_ends_the_run_instead_of_requeueing_it
 
 
 def test_release_with_a_cancel_pending_ends_the_run():
-    run = Run.objects.submit(question="q", documents=DOCS)
+    run = submit(question="q", documents=DOCS)
     lease = Lease.claim(run.pk, "owner")
     run.request_cancel(by="bob")
     assert lease.release() == RunStatus.CANCELLED
@@ -241,7 +240,7 @@ def test_release_with_a_cancel_pending_ends_the_run():
 
 
 def test_a_cancel_says_who_asked(journal):
-    run = Run.objects.submit(question="q", documents=DOCS)
+    run = submit(question="q", documents=DOCS)
     assert run.request_cancel(by="carol")
     run.refresh_from_db()
     assert (run.status, run.cancel_requested_by, run.status_reason) == (
@@ -271,10 +270,10 @@ def test_a_cancelled_runs_open_items_stay_open_and_hold_nothing(journal, setting
 
 
 def test_a_finish_fenced_out_stays_in_its_run_and_the_executor_goes_on(journal, monkeypatch):
-    failing = Run.objects.submit(
+    failing = submit(
         question="q", documents=DOCS[:1], faults=[{"point": "tool_error", "action": 1}]
     )
-    later = Run.objects.submit(question="q", documents=DOCS[:1])
+    later = submit(question="q", documents=DOCS[:1])
     finish = Lease.finish
 
     def taken_over_first(lease: Lease, status: RunStatus, reason: str = "") -> RunStatus:
@@ -307,9 +306,7 @@ def test_an_effect_marked_unknown_always_has_its_item(journal, settings):
                FOR EACH ROW EXECUTE FUNCTION refuse_items();"""
         )
     try:
-        run = Run.objects.submit(
-            question="q", documents=DOCS[:1], faults=[{"point": "delivery_timeout"}]
-        )
+        run = submit(question="q", documents=DOCS[:1], faults=[{"point": "delivery_timeout"}])
         with pytest.raises(Exception, match="no items today"):
             claim_and_drive(run.pk)
         deliver = Action.objects.get(run=run, step_key="deliver")
@@ -376,7 +373,7 @@ def test_an_item_settled_before_its_owner_stops_still_resumes_the_run(
 
 @pytest.mark.parametrize("moved_to", [RunStatus.QUEUED, RunStatus.NEEDS_OPERATOR])
 def test_a_cancel_is_never_lost_while_the_run_changes_state(moved_to):
-    run = Run.objects.submit(question="q", documents=DOCS)
+    run = submit(question="q", documents=DOCS)
     Lease.claim(run.pk, "owner")
     asked: list[bool] = []
     with psycopg.connect(database_url()) as other:
@@ -420,7 +417,7 @@ def test_a_read_never_recorded_fails_after_its_dispatches_and_the_run_goes_on(jo
     trigger): each owner dies with the error, and the next sends the read
     again, until it has been sent MAX_READ_DISPATCHES times: then it fails,
     and the run completes without that document."""
-    run = Run.objects.submit(question="q", documents=DOCS[:2])
+    run = submit(question="q", documents=DOCS[:2])
     with connection.cursor() as cursor:
         cursor.execute(
             """CREATE FUNCTION test_refuse_receipt() RETURNS trigger LANGUAGE plpgsql AS $$

@@ -13,6 +13,8 @@ import threading
 import pytest
 from django.db import DatabaseError, connection
 
+from runs.agents.research import ResearchAgent
+from runs.agents.tools import NOOP
 from runs.dispatch import Dispatcher, Stopping
 from runs.executor import claim_and_drive
 from runs.faults import FaultPlan, inject_cancel, steal_lease
@@ -28,6 +30,7 @@ from runs.models import (
     RunStatus,
 )
 from runs.outcomes import NeedsOperator, xact_status
+from runs.submission import submit
 from runs.timeline import EventKind, timeline
 from tests.faultruns import DOCS, KEYS, events, executions, wait_for
 
@@ -42,10 +45,11 @@ def xmin(table: str, where: str, value: object) -> str:
 
 
 def claimed(documents: list[str] = DOCS) -> Dispatcher:
-    run = Run.objects.submit(question="Compare", documents=documents)
+    run = submit(question="Compare", documents=documents)
     lease = Lease.claim(run.pk, "owner")
     assert lease is not None
-    return Dispatcher(lease, stop=threading.Event(), lease_lost=threading.Event())
+    tools = [*ResearchAgent.tools, NOOP]
+    return Dispatcher(lease, stop=threading.Event(), lease_lost=threading.Event(), tools=tools)
 
 
 def noop(dispatcher: Dispatcher, i: int) -> dict:
@@ -122,7 +126,7 @@ def test_the_lease_refuses_a_receipt_it_cannot_write_with_the_boundary():
             kind="noop",
             effect_class="read",
             input={},
-            receipt=PendingReceipt(done, {"ok": True}),
+            receipts=[PendingReceipt(done, {"ok": True})],
         )
     assert not Action.objects.filter(step_key="b").exists()
 

@@ -60,6 +60,7 @@ from runs.models import (
     RunStatus,
 )
 from runs.outcomes import xact_status
+from runs.submission import submit
 from runs.sweep import sweep
 from runs.timeline import timeline
 from tests.conftest import ROOT
@@ -206,7 +207,7 @@ def same_story(original: Run, copy: Run) -> dict[str, int]:
 
 
 def test_a_bundle_opens_as_the_same_run_under_new_ids(decided_run, viewer, tmp_path):
-    other = Run.objects.submit(question="another run", documents=DOCS[:1])
+    other = submit(question="another run", documents=DOCS[:1])
     incident = LockIncident.objects.create(source="sampler", processes=2, summary="a wait")
     LockWait.objects.create(
         incident=incident, waiter_pid=11, waiter_run=decided_run, blocker_pid=12, blocker_run=other
@@ -350,7 +351,7 @@ def test_opening_memory_stays_flat_however_many_events(tmp_path, process_env):
     no statement text is kept once sent."""
     peaks = {}
     for events in (1_000, 100_000):
-        run = Run.objects.submit(question=f"{events} events", documents=DOCS[:1])
+        run = submit(question=f"{events} events", documents=DOCS[:1])
         with connection.cursor() as cursor:
             cursor.execute(
                 """INSERT INTO runs_runevent (run_id, kind, message, data, created_at)
@@ -477,7 +478,7 @@ def expire(run: Run) -> None:
 def test_an_imported_running_run_whose_lease_expired_is_never_claimed_or_requeued(
     journal, tmp_path
 ):
-    run = Run.objects.submit(question="q", documents=DOCS)
+    run = submit(question="q", documents=DOCS)
     dead = Lease.claim(run.pk, "dead-owner")
     expire(run)
     path = bundle_of(run, tmp_path)
@@ -507,7 +508,7 @@ def test_an_imported_running_run_whose_lease_expired_is_never_claimed_or_requeue
 
 
 def test_an_imported_queued_run_is_never_claimed_or_handed_out(journal, tmp_path):
-    run = Run.objects.submit(question="q", documents=DOCS)
+    run = submit(question="q", documents=DOCS)
     path = bundle_of(run, tmp_path)
     assert run.request_cancel(by="alice")  # only the copy is left to claim
     copy = imported(path)

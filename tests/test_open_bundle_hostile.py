@@ -25,6 +25,7 @@ from evidence import bundles
 from evidence.models import LockIncident
 from evidence.opening import MAX_DEPTH, MAX_ROWS, OpenRefused, open_bundle
 from runs.models import Run
+from runs.submission import submit
 from tests.faultruns import DOCS
 from tests.test_open_bundle import bundle_of, counts, reseal, rewrite
 
@@ -36,7 +37,7 @@ QUICK = 2.0
 
 
 def with_events(count: int) -> Run:
-    run = Run.objects.submit(question=f"{count} events", documents=DOCS[:1])
+    run = submit(question=f"{count} events", documents=DOCS[:1])
     with connection.cursor() as cursor:
         cursor.execute(
             """INSERT INTO runs_runevent (run_id, kind, message, data, created_at)
@@ -88,7 +89,7 @@ def events_rewritten(change: Callable[[bytes], bytes], *, rows: int | None = Non
 def incident_log(tmp_path: Path) -> tuple[Run, Path]:
     """A run of this installation and a server log whose deadlock report
     names it (its executor's connection)."""
-    run = Run.objects.submit(question="a run that deadlocked", documents=DOCS[:1])
+    run = submit(question="a run that deadlocked", documents=DOCS[:1])
     log = tmp_path / "postgresql.csv"
     log.write_text(THREE_WAY_CSV.read_text().replace("run-2", f"run-{run.pk}"))
     return run, log

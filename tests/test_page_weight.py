@@ -21,6 +21,7 @@ from evidence.bundle_report import PLOTLY_JS, report_html
 from evidence.models import IncidentSource
 from runs.executor import claim_and_drive
 from runs.models import Run
+from runs.submission import submit
 from runs.timeline import timeline
 from tests.test_pglog import THREE_WAY
 
@@ -45,7 +46,7 @@ def registered_traces() -> set[str]:
 
 @pytest.fixture
 def run() -> Run:
-    run = Run.objects.submit(question="Compare the funds", documents=["northwind-clean-energy.md"])
+    run = submit(question="Compare the funds", documents=["northwind-clean-energy.md"])
     claim_and_drive(run.pk)
     timeline.flush()
     return run

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from django.conf import settings as django_settings
 
-from runs.providers import (
+from runs.agent import ToolFailed
+from runs.agents.providers import (
     COMPARE_INSTRUCTIONS,
     MAX_ANSWER_BYTES,
     SUMMARIZE_INSTRUCTIONS,
@@ -27,8 +28,9 @@ from runs.providers import (
     figure,
     research_prompt,
 )
-from runs.tools import ToolFailed, model_call
+from runs.agents.tools import model_call
 from tests.receivers import LocalServer, chat_completion, status
+from tests.tool_calls import call
 
 CORPUS = Path(django_settings.RUNDESK_CORPUS_DIR)
 SHEETS = sorted(p.name for p in CORPUS.glob("*.md") if p.name != "README.md")
@@ -694,7 +696,7 @@ def test_model_call_returns_the_openai_providers_text_and_journals_it(
 ):
     model_api.respond = chat_completion("compared")
 
-    result = model_call({"messages": MESSAGES}, "rundesk:run-3:compose")
+    result = model_call({"messages": MESSAGES}, call("rundesk:run-3:compose"))
 
     assert result == {"provider": "openai", "text": "compared"}
     [(headers, body)] = model_api.requests
@@ -707,7 +709,7 @@ def test_model_call_text_holds_no_nul_nor_lone_surrogate(openai_settings, model_
     # JSON can carry both; no receipt could hold them.
     model_api.respond = answer(b'{"choices": [{"message": {"content": "a\\u0000b\\ud800c"}}]}')
 
-    result = model_call({"messages": MESSAGES}, "rundesk:run-3:compose")
+    result = model_call({"messages": MESSAGES}, call("rundesk:run-3:compose"))
 
     assert result["text"] == "a\ufffdb\ufffdc"
 
@@ -728,7 +730,7 @@ def test_model_call_turns_a_provider_error_into_a_known_failure_without_journal(
     model_api.respond = respond
 
     with pytest.raises(ToolFailed, match="model API"):
-        model_call({"messages": MESSAGES}, "rundesk:run-3:compose")
+        model_call({"messages": MESSAGES}, call("rundesk:run-3:compose"))
     assert journal.entries() == []
 
 
@@ -736,7 +738,7 @@ def test_model_call_offline_summarises_without_any_network(settings, journal):
     settings.RUNDESK_MODEL_PROVIDER = "offline"
     prompt = document_block("n.md", (CORPUS / "northwind-clean-energy.md").read_text())
 
-    result = model_call({"messages": messages(SUMMARIZE_INSTRUCTIONS, prompt)}, "id-offline")
+    result = model_call({"messages": messages(SUMMARIZE_INSTRUCTIONS, prompt)}, call("id-offline"))
 
     assert result["provider"] == "offline"
     assert "- Expense ratio: 0.45%" in result["text"]

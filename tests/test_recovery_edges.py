@@ -40,6 +40,7 @@ from runs.models import (
     RunStatus,
 )
 from runs.outcomes import open_item
+from runs.submission import submit
 from runs.sweep import sweep
 from tests.faultruns import DOCS, wait_for
 
@@ -61,7 +62,7 @@ def future_xid() -> int:
 
 def completed_run(settings) -> tuple[Run, Checkpoint]:
     settings.RUNDESK_CHECKPOINT_SECONDS = 0
-    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    run = submit(question="q", documents=DOCS[:1])
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     saved = Checkpoint.objects.filter(run=run, state__isnull=False).order_by("number").first()
     return run, saved
@@ -157,7 +158,7 @@ def effect_item_on_a_running_run(*, owner_lost_the_run: bool = False) -> tuple[L
     `owner_lost_the_run`, the owner that dispatched it lost its lease during
     the call, and the next owner found the action dispatched, with no
     receipt: that call may still be in flight."""
-    run = Run.objects.submit(question="q", documents=["a.md"])
+    run = submit(question="q", documents=["a.md"])
     lease = Lease.claim(run.pk, "owner")
     action_id = lease.record_boundary(
         step_key="deliver", kind="deliver_report", effect_class="effect", input={"to": "x"}
@@ -368,7 +369,7 @@ def test_an_owner_that_saw_its_calls_answer_lost_leaves_nothing_in_flight(operat
 def waiting_with_a_checkpoint_item() -> tuple[Run, OutcomeItem]:
     """A run that waits for an operator (its receipt does not verify), and
     whose only open item is an unknown checkpoint's, which holds nothing."""
-    run = Run.objects.submit(question="q", documents=["a.md"])
+    run = submit(question="q", documents=["a.md"])
     lease = Lease.claim(run.pk, "owner")
     action_id = lease.record_boundary(
         step_key="read:0", kind="read_document", effect_class="read", input={"path": "a.md"}

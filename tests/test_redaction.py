@@ -18,6 +18,7 @@ from evidence import bundles
 from evidence.redaction import Redactor
 from runs.executor import claim_and_drive
 from runs.models import OutcomeItem, OutcomeState, Run, RunStatus
+from runs.submission import submit
 from runs.timeline import EventKind, timeline
 from tests.faultruns import DOCS, run_with
 
@@ -443,7 +444,7 @@ def test_an_items_evidence_shown_as_fields_in_the_report_is_redacted(journal, tm
 
 
 def _completed_run() -> Run:
-    run = Run.objects.submit(question="Compare these funds", documents=DOCS[:1])
+    run = submit(question="Compare these funds", documents=DOCS[:1])
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     return run
 

@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from runs.models import Action, AnswerRevision, OutcomeItem, Receipt, Run, RunStatus
+from runs.submission import submit
 from runs.timeline import EventKind
 from tests.conftest import manage
 from tests.faultruns import wait_for
@@ -26,9 +27,7 @@ def finish(proc) -> str:
 
 
 def test_sigkill_mid_run_then_another_executor_completes_without_replay(process_env, journal):
-    run = Run.objects.submit(
-        question="Compare", documents=DOCS, faults=[{"point": "tool_delay", "ms": 300}]
-    )
+    run = submit(question="Compare", documents=DOCS, faults=[{"point": "tool_delay", "ms": 300}])
     first = manage("executor", "--run", str(run.pk), env=process_env)
     wait_for(lambda: Receipt.objects.filter(run=run).count() >= 3)
     os.kill(first.pid, signal.SIGKILL)
@@ -65,7 +64,7 @@ def test_effect_with_boundary_and_no_receipt_is_marked_unknown_never_sent_again(
     with LocalServer(status(200)) as receiver:
         env = {**process_env, "RUNDESK_DELIVERY_URL": receiver.url}
         # Action 4 is the delivery: its boundary is written, then the tool waits.
-        run = Run.objects.submit(
+        run = submit(
             question="q",
             documents=DOCS[:1],
             faults=[{"point": "tool_delay", "action": 4, "ms": 60_000}],
@@ -94,9 +93,7 @@ def test_effect_with_boundary_and_no_receipt_is_marked_unknown_never_sent_again(
 
 
 def test_sigterm_gives_the_run_back_and_another_executor_finishes_it(process_env, journal):
-    run = Run.objects.submit(
-        question="q", documents=DOCS, faults=[{"point": "tool_delay", "ms": 300}]
-    )
+    run = submit(question="q", documents=DOCS, faults=[{"point": "tool_delay", "ms": 300}])
     first = manage("executor", "--concurrency", "1", env=process_env)
     wait_for(lambda: Receipt.objects.filter(run=run).count() >= 2)
     first.send_signal(signal.SIGTERM)

@@ -39,6 +39,7 @@ from runs.models import (
     RunStatus,
 )
 from runs.outcomes import Settlement, open_item
+from runs.submission import submit
 from runs.timeline import EventKind, timeline
 from tests.faultruns import DOCS, run_with, wait_for
 from tests.test_pglog import THREE_WAY
@@ -98,7 +99,7 @@ def operator_name() -> str:
 
 
 def test_item_evidence_is_labelled_fields_never_a_python_dict(viewer):
-    run = Run.objects.submit(question="q", documents=["a.md"])
+    run = submit(question="q", documents=["a.md"])
     item = open_item(
         run_id=run.pk,
         kind=OutcomeKind.RECEIPT,
@@ -238,7 +239,7 @@ def test_a_settled_unknown_checkpoint_is_one_row_with_its_history(viewer, journa
 
 
 def test_the_draft_answer_is_rendered_and_sanitised_like_the_final_one(viewer):
-    run = Run.objects.submit(question="q", documents=["a.md"])
+    run = submit(question="q", documents=["a.md"])
     lease = Lease.claim(run.pk, "owner")
     assert lease is not None
     lease.publish_revision(
@@ -263,7 +264,7 @@ def test_the_draft_answer_is_rendered_and_sanitised_like_the_final_one(viewer):
 def test_action_bars_stay_visible_across_a_pause_and_lease_changes_are_drawn(viewer):
     """read:0 was in flight when its owner lost the lease; ten minutes later
     another owner resumed the run and dispatched it again."""
-    run = Run.objects.submit(question="paused", documents=DOCS)
+    run = submit(question="paused", documents=DOCS)
     first = Lease.claim(run.pk, "first-owner")
     assert first is not None
     read0 = first.record_boundary(
@@ -310,7 +311,7 @@ def test_action_bars_stay_visible_across_a_pause_and_lease_changes_are_drawn(vie
 
 
 def test_a_stale_owners_attempt_and_the_new_owners_are_both_drawn(viewer, journal):
-    run = Run.objects.submit(
+    run = submit(
         question="q", documents=DOCS, faults=[{"point": "tool_delay", "action": 2, "ms": 1500}]
     )
     stale = Lease.claim(run.pk, "old-owner")
@@ -374,7 +375,7 @@ def test_gaps_page_without_gaps_says_so_instead_of_an_empty_chart(viewer):
 
 
 def test_a_cancelled_run_says_who_cancelled_it(viewer, operator, journal):
-    queued = Run.objects.submit(question="to cancel", documents=["a.md"])
+    queued = submit(question="to cancel", documents=["a.md"])
     cancel = {"reason": "wrong question", "confirm": "on"}
     assert operator.post(f"/runs/{queued.pk}/cancel/", cancel).status_code == 302
     page = viewer.get(f"/runs/{queued.pk}/").content.decode()
@@ -394,7 +395,7 @@ def test_a_cancelled_run_says_who_cancelled_it(viewer, operator, journal):
 
 def test_a_viewer_posting_an_operator_action_gets_a_403_page_that_says_why(settings, viewer):
     settings.DEBUG = False
-    queued = Run.objects.submit(question="to cancel", documents=["a.md"])
+    queued = submit(question="to cancel", documents=["a.md"])
     response = viewer.post(f"/runs/{queued.pk}/cancel/")
     assert response.status_code == 403
     page = response.content.decode()

@@ -7,6 +7,7 @@ from django.db import connection, transaction
 
 from runs.executor import Executor, claim_and_drive
 from runs.models import Action, AnswerRevision, Phase, Receipt, Run, RunStatus
+from runs.submission import submit
 from runs.timeline import EventKind
 from tests.receivers import LocalServer, status
 
@@ -16,7 +17,7 @@ DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md", "meridian-wo
 
 
 def test_run_goes_from_queued_to_completed_with_receipts_and_revisions(journal, _outbox):
-    run = Run.objects.submit(question="Which fund is cheapest?", documents=DOCS)
+    run = submit(question="Which fund is cheapest?", documents=DOCS)
     assert run.status == RunStatus.QUEUED
 
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
@@ -56,7 +57,7 @@ def test_run_goes_from_queued_to_completed_with_receipts_and_revisions(journal, 
 
 
 def test_final_report_puts_the_funds_side_by_side():
-    run = Run.objects.submit(question="Compare fees and risks", documents=DOCS)
+    run = submit(question="Compare fees and risks", documents=DOCS)
     claim_and_drive(run.pk)
     final = AnswerRevision.objects.get(run=run, is_final=True).content
     assert "| | NWCE | CSTB | MWEI |" in final
@@ -83,7 +84,7 @@ def test_a_run_over_another_corpus_of_prose_reports_each_documents_points(settin
     (corpus / "nul.txt").write_bytes(b"Binary lease dump\n\nA lease \x00 record.\n")
     (corpus / "utf16.txt").write_text("Lease of UTF-16\n\nThe lease is read.\n", "utf-16")
     settings.RUNDESK_CORPUS_DIR = corpus
-    run = Run.objects.submit(
+    run = submit(
         question="How do runs stay safe?",
         documents=["2026/leases.txt", "receipts.md", "latin1.txt", "nul.txt", "utf16.txt"],
         action_budget=12,
@@ -107,7 +108,12 @@ def test_a_run_over_another_corpus_of_prose_reports_each_documents_points(settin
 def test_refused_document_is_reported_and_the_run_still_completes(journal):
     # Submission refuses such a path now (test_submit_paths.py): a run queued
     # before it did still meets the read tool's refusal.
-    run = Run.objects.create(question="Compare", documents=["../../etc/passwd", DOCS[0]])
+    documents = ["../../etc/passwd", DOCS[0]]
+    run = Run.objects.create(
+        question="Compare",
+        documents=documents,
+        input={"question": "Compare", "documents": documents},
+    )
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     receipt = Receipt.objects.get(run=run, step_key="read:0")
     assert "'..' is refused" in receipt.result["refused"]
@@ -117,7 +123,7 @@ def test_refused_document_is_reported_and_the_run_still_completes(journal):
 
 
 def test_exhausted_budget_moves_to_finalizing_and_still_answers(journal):
-    run = Run.objects.submit(question="Compare", documents=DOCS, action_budget=6)
+    run = submit(question="Compare", documents=DOCS, action_budget=6)
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     run.refresh_from_db()
     assert run.phase == Phase.DONE
@@ -130,14 +136,14 @@ def test_exhausted_budget_moves_to_finalizing_and_still_answers(journal):
 
 
 def test_executor_once_drains_the_queue_with_concurrency():
-    runs = [Run.objects.submit(question=f"q{i}", documents=DOCS[:1]) for i in range(4)]
+    runs = [submit(question=f"q{i}", documents=DOCS[:1]) for i in range(4)]
     results = Executor(concurrency=2, poll_seconds=0.05).serve(once=True)
     assert sorted(results) == sorted((r.pk, RunStatus.COMPLETED) for r in runs)
     assert set(Run.objects.values_list("lease_epoch", flat=True)) == {1}
 
 
 def test_completed_run_is_not_claimable_again(journal):
-    run = Run.objects.submit(question="q", documents=DOCS[:1])
+    run = submit(question="q", documents=DOCS[:1])
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     assert claim_and_drive(run.pk) == "not_claimable"
     assert sum(journal.counts().values()) == 4  # read, summarize, compose, deliver
@@ -146,7 +152,7 @@ def test_completed_run_is_not_claimable_again(journal):
 def test_refused_delivery_fails_the_run_and_a_requeue_does_not_send_it_again(settings):
     with LocalServer(status(422)) as receiver:
         settings.RUNDESK_DELIVERY_URL = receiver.url
-        run = Run.objects.submit(question="q", documents=DOCS[:1])
+        run = submit(question="q", documents=DOCS[:1])
         assert claim_and_drive(run.pk) == RunStatus.FAILED
         assert Action.objects.get(run=run, step_key="deliver").state == "failed"
         # Requeued by hand, past the lifecycle (a failed run never goes back

@@ -44,6 +44,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from django.db.models.functions import Now
 
+from runs import submission
 from runs.benchmarks import scale
 from runs.benchmarks.scale import FILESYSTEM, Broker
 from runs.leases import Lease
@@ -122,7 +123,7 @@ def ready(*nodes: Worker) -> list[Worker]:
 
 def submit(count: int, documents: list[str], faults: list | None = None) -> list[int]:
     return [
-        Run.objects.submit(question=f"Compare, run {i}", documents=documents, faults=faults).pk
+        submission.submit(question=f"Compare, run {i}", documents=documents, faults=faults).pk
         for i in range(count)
     ]
 
@@ -496,7 +497,7 @@ def test_beats_sweep_ends_a_dead_owners_cancelled_run_while_the_workers_are_busy
         celery_broker.send(backlog)
         wait_until(lambda: holder(backlog, worker), 30, "the backlog did not start", worker)
         # From here on, a task sent now would wait behind three runs.
-        dead = Run.objects.submit(question="Compare", documents=THREE_DOCS)
+        dead = submission.submit(question="Compare", documents=THREE_DOCS)
         assert Lease.claim(dead.pk, "dead-owner") is not None
         assert dead.request_cancel(by="alice")
         Run.objects.filter(pk=dead.pk).update(lease_expires_at=Now() - dt.timedelta(seconds=1))

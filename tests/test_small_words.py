@@ -16,6 +16,7 @@ from playwright.sync_api import Page, expect
 
 from runs.drills import restart_refused
 from runs.models import Run
+from runs.submission import submit
 from tests.faultruns import run_with
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -42,7 +43,7 @@ def test_a_run_page_says_when_it_was_submitted_started_and_ended_with_the_zone(v
 
 
 def test_a_queued_run_says_it_has_not_started_or_ended(viewer):
-    run = Run.objects.submit(question="not yet", documents=["a.md"])
+    run = submit(question="not yet", documents=["a.md"])
     said = run_times(viewer.get(f"/runs/{run.pk}/").content.decode())
     assert said.endswith("· not started yet · not ended") and said.startswith("submitted ")
 

@@ -10,8 +10,11 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
+from runs.agent import ToolRefused
+from runs.agents.tools import read_document
 from runs.models import Run
-from runs.tools import ToolRefused, read_document
+from runs.submission import submit
+from tests.tool_calls import call
 
 pytestmark = pytest.mark.django_db
 
@@ -35,7 +38,7 @@ def corpus(tmp_path: Path, settings) -> Path:
 
 def refusal_when_read(path: str) -> str:
     with pytest.raises(ToolRefused) as refused:
-        read_document({"path": path}, "rundesk:run-1:read:0")
+        read_document({"path": path}, call("rundesk:run-1:read:0"))
     return str(refused.value)
 
 
@@ -67,12 +70,12 @@ def test_submit_run_refuses_a_path_the_read_tool_refuses_in_its_words(corpus, pa
 @pytest.mark.parametrize("path", NO_CORPUS_PATHS)
 def test_no_submission_queues_a_run_that_names_no_corpus_path(corpus, path):
     with pytest.raises(ValueError) as refused:
-        Run.objects.submit(question="Compare", documents=[path])
+        submit(question="Compare", documents=[path])
     assert str(refused.value) == refusal_when_read(path)
     assert not Run.objects.exists()
 
 
 @pytest.mark.parametrize("path", ["fund.md", "alias.md", "funds/added-later.md", "later.md"])
 def test_a_corpus_path_is_queued_even_before_its_document_is_there(corpus, path):
-    run = Run.objects.submit(question="Compare", documents=[path])
+    run = submit(question="Compare", documents=[path])
     assert Run.objects.get().documents == [path] == run.documents

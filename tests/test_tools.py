@@ -15,15 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from runs.tools import (
-    MAX_DOCUMENT_BYTES,
-    OutcomeUnknown,
-    ToolFailed,
-    ToolRefused,
-    deliver_report,
-    read_document,
-)
+from runs.agent import OutcomeUnknown, ToolFailed, ToolRefused
+from runs.agents.tools import MAX_DOCUMENT_BYTES, deliver_report, read_document
 from tests.receivers import LocalServer, status
+from tests.tool_calls import call
 
 IDENTITY = "rundesk:run-7:read:0"
 # The key a delivery is sent under (runs.models.new_idempotency_key), and
@@ -88,7 +83,7 @@ def free_port() -> int:
 def test_read_document_returns_the_file_with_its_digest_and_journals_one_read(corpus, journal):
     data = (corpus / "fund.md").read_bytes()
 
-    result = read_document({"path": "fund.md"}, IDENTITY)
+    result = read_document({"path": "fund.md"}, call(IDENTITY))
 
     assert result == {
         "path": "fund.md",
@@ -103,14 +98,14 @@ def test_read_document_returns_the_file_with_its_digest_and_journals_one_read(co
 
 
 def test_read_document_reads_a_file_in_a_corpus_subfolder(corpus, journal):
-    assert read_document({"path": "funds/nested.md"}, IDENTITY)["text"] == "nested sheet\n"
+    assert read_document({"path": "funds/nested.md"}, call(IDENTITY))["text"] == "nested sheet\n"
     assert journal.counts("read_document") == {IDENTITY: 1}
 
 
 def test_read_document_allows_a_symlink_that_stays_inside_the_corpus(corpus, journal):
     (corpus / "alias.md").symlink_to(corpus / "funds" / "nested.md")
 
-    result = read_document({"path": "alias.md"}, IDENTITY)
+    result = read_document({"path": "alias.md"}, call(IDENTITY))
 
     assert result["text"] == "nested sheet\n" and result["path"] == "alias.md"
     assert journal.counts("read_document") == {IDENTITY: 1}
@@ -125,13 +120,13 @@ def test_read_document_text_holds_no_nul_and_follows_a_byte_order_mark(corpus, j
     (corpus / "wider-be.md").write_bytes(codecs.BOM_UTF32_BE + "wider sheet\n".encode("utf-32-be"))
     (corpus / "marked.md").write_bytes(b"\xef\xbb\xbfmarked\n")
 
-    nul = read_document({"path": "nul.md"}, IDENTITY)
+    nul = read_document({"path": "nul.md"}, call(IDENTITY))
     assert nul["text"] == "a\ufffdb" and nul["bytes"] == 3
     assert nul["sha256"] == hashlib.sha256(b"a\x00b").hexdigest()  # of the bytes as read
-    assert read_document({"path": "wide.md"}, "wide")["text"] == "wide sheet\n"
-    assert read_document({"path": "wider.md"}, "wider")["text"] == "wider sheet\n"
-    assert read_document({"path": "wider-be.md"}, "wider-be")["text"] == "wider sheet\n"
-    assert read_document({"path": "marked.md"}, "marked")["text"] == "marked\n"
+    assert read_document({"path": "wide.md"}, call("wide"))["text"] == "wide sheet\n"
+    assert read_document({"path": "wider.md"}, call("wider"))["text"] == "wider sheet\n"
+    assert read_document({"path": "wider-be.md"}, call("wider-be"))["text"] == "wider sheet\n"
+    assert read_document({"path": "marked.md"}, call("marked"))["text"] == "marked\n"
 
 
 @pytest.mark.parametrize(
@@ -145,7 +140,7 @@ def test_read_document_text_holds_no_nul_and_follows_a_byte_order_mark(corpus, j
 )
 def test_read_document_reads_text_of_an_encoding_no_mark_names(corpus, journal, data, text):
     (corpus / "sheet.txt").write_bytes(data)
-    assert read_document({"path": "sheet.txt"}, IDENTITY)["text"] == text
+    assert read_document({"path": "sheet.txt"}, call(IDENTITY))["text"] == text
 
 
 def tar_of_text() -> bytes:
@@ -174,10 +169,10 @@ def test_read_document_refuses_what_is_mostly_no_text(corpus, journal, data):
     UTF-8 text.  A Latin-1 page (its accented letters lost) is still read."""
     (corpus / "thing.md").write_bytes(data)
     with pytest.raises(ToolRefused, match=r"not text \(binary data, or an encoding other than"):
-        read_document({"path": "thing.md"}, IDENTITY)
+        read_document({"path": "thing.md"}, call(IDENTITY))
     latin = ("Les frais de gestion sont élevés à Genève. " * 20).encode("latin-1")
     (corpus / "latin.md").write_bytes(latin)
-    assert read_document({"path": "latin.md"}, IDENTITY)["text"].count("\ufffd") == 80
+    assert read_document({"path": "latin.md"}, call(IDENTITY))["text"].count("\ufffd") == 80
     assert journal.counts("read_document") == {IDENTITY: 1}
 
 
@@ -193,7 +188,7 @@ def test_read_document_refuses_what_is_mostly_no_text(corpus, journal, data):
 def test_read_document_refuses_a_file_that_is_no_text(corpus, journal, data, kind):
     (corpus / "report.bin").write_bytes(data)
     with pytest.raises(ToolRefused, match=f"'report.bin': {kind}.*, not text"):
-        read_document({"path": "report.bin"}, IDENTITY)
+        read_document({"path": "report.bin"}, call(IDENTITY))
     assert journal.entries() == []
 
 
@@ -211,7 +206,7 @@ def test_read_document_refuses_a_file_that_is_no_text(corpus, journal, data, kin
 )
 def test_read_document_refuses_paths_that_do_not_name_a_corpus_file(corpus, journal, path, message):
     with pytest.raises(ToolRefused, match=message):
-        read_document({"path": path}, IDENTITY)
+        read_document({"path": path}, call(IDENTITY))
     assert journal.entries() == []
 
 
@@ -219,7 +214,7 @@ def test_read_document_refuses_a_symlink_that_leaves_the_corpus(corpus, journal,
     (corpus / "escape.md").symlink_to(tmp_path / "secret.txt")
 
     with pytest.raises(ToolRefused, match="resolves outside the corpus") as refused:
-        read_document({"path": "escape.md"}, IDENTITY)
+        read_document({"path": "escape.md"}, call(IDENTITY))
 
     assert "outside the corpus\n" not in str(refused.value)
     assert journal.entries() == []
@@ -229,19 +224,21 @@ def test_read_document_refuses_a_symlinked_folder_that_leaves_the_corpus(corpus,
     (corpus / "elsewhere").symlink_to(tmp_path)
 
     with pytest.raises(ToolRefused, match="resolves outside the corpus"):
-        read_document({"path": "elsewhere/secret.txt"}, IDENTITY)
+        read_document({"path": "elsewhere/secret.txt"}, call(IDENTITY))
     assert journal.entries() == []
 
 
 def test_read_document_reads_a_path_written_with_dot_parts(corpus, journal):
-    assert read_document({"path": "./funds/./nested.md"}, IDENTITY)["text"] == "nested sheet\n"
+    assert (
+        read_document({"path": "./funds/./nested.md"}, call(IDENTITY))["text"] == "nested sheet\n"
+    )
 
 
 def test_read_document_refuses_a_symlink_loop(corpus, journal):
     (corpus / "loop.md").symlink_to(corpus / "loop.md")
 
     with pytest.raises(ToolRefused, match=r"'loop\.md': Too many levels of symbolic links"):
-        read_document({"path": "loop.md"}, IDENTITY)
+        read_document({"path": "loop.md"}, call(IDENTITY))
     assert journal.entries() == []
 
 
@@ -258,9 +255,9 @@ def test_read_document_confines_to_the_folder_a_symlinked_corpus_points_at(
     (tmp_path / "corpus-link").symlink_to(real)
     settings.RUNDESK_CORPUS_DIR = tmp_path / "corpus-link"
 
-    assert read_document({"path": "fund.md"}, IDENTITY)["text"] == "sheet\n"
+    assert read_document({"path": "fund.md"}, call(IDENTITY))["text"] == "sheet\n"
     with pytest.raises(ToolRefused, match="resolves outside the corpus"):
-        read_document({"path": "out.md"}, "other")
+        read_document({"path": "out.md"}, call("other"))
     assert journal.counts() == {IDENTITY: 1}
 
 
@@ -269,11 +266,11 @@ def test_read_document_refuses_a_file_larger_than_the_limit(corpus, journal):
     (corpus / "limit.md").write_bytes(b"y" * MAX_DOCUMENT_BYTES)
 
     with pytest.raises(ToolRefused, match=f"larger than {MAX_DOCUMENT_BYTES} bytes"):
-        read_document({"path": "huge.md"}, IDENTITY)
+        read_document({"path": "huge.md"}, call(IDENTITY))
     assert journal.entries() == []
 
     # Exactly at the limit is still a document.
-    assert read_document({"path": "limit.md"}, "other")["bytes"] == MAX_DOCUMENT_BYTES
+    assert read_document({"path": "limit.md"}, call("other"))["bytes"] == MAX_DOCUMENT_BYTES
     assert journal.counts() == {"other": 1}
 
 
@@ -283,7 +280,7 @@ def test_read_document_refuses_a_file_larger_than_the_limit(corpus, journal):
 def test_delivery_posts_the_report_with_the_actions_key_as_idempotency_key(receiver, journal):
     receiver.answer = status(201)
 
-    result = deliver_report({"content": REPORT}, "rundesk:run-7:deliver", KEY)
+    result = deliver_report({"content": REPORT}, call("rundesk:run-7:deliver", KEY))
 
     assert result == {
         "delivered_to": receiver.url + "/reports",
@@ -300,7 +297,7 @@ def test_delivery_refused_by_the_receiver_with_4xx_is_known_not_delivered(receiv
     receiver.answer = status(422)
 
     with pytest.raises(ToolFailed, match="HTTP 422"):
-        deliver_report({"content": REPORT}, "id-422", "id-422")
+        deliver_report({"content": REPORT}, call("id-422", "id-422"))
 
     assert len(receiver.requests) == 1
     assert journal.entries() == []
@@ -311,7 +308,7 @@ def test_delivery_answered_with_5xx_is_an_unknown_outcome(receiver, journal, cod
     receiver.answer = status(code)
 
     with pytest.raises(OutcomeUnknown, match=f"HTTP {code}"):
-        deliver_report({"content": REPORT}, "id-5xx", "id-5xx")
+        deliver_report({"content": REPORT}, call("id-5xx", "id-5xx"))
 
     assert len(receiver.requests) == 1
     assert journal.entries() == []
@@ -324,7 +321,7 @@ def test_delivery_answer_lost_to_a_timeout_is_unknown_though_the_receiver_got_it
     receiver.answer = status(200, delay=0.8)
 
     with pytest.raises(OutcomeUnknown, match="answer lost"):
-        deliver_report({"content": REPORT}, "id-slow", "id-slow")
+        deliver_report({"content": REPORT}, call("id-slow", "id-slow"))
 
     # The request reached the receiver: only its answer was lost.
     [(headers, body)] = receiver.requests
@@ -337,7 +334,7 @@ def test_delivery_to_a_port_nothing_listens_on_is_known_not_delivered(settings, 
     settings.RUNDESK_DELIVERY_URL = f"http://127.0.0.1:{free_port()}/reports"
 
     with pytest.raises(ToolFailed, match="unreachable"):
-        deliver_report({"content": REPORT}, "id-refused", "id-refused")
+        deliver_report({"content": REPORT}, call("id-refused", "id-refused"))
     assert journal.entries() == []
 
 
@@ -348,7 +345,7 @@ def test_delivery_to_an_address_with_credentials_sends_them_as_basic_auth(
     port = receiver.url.rsplit(":", 1)[1]
     settings.RUNDESK_DELIVERY_URL = f"http://rundesk:p%40ss w0rd@127.0.0.1:{port}/reports"
 
-    result = deliver_report({"content": REPORT}, "id-auth", "id-auth")
+    result = deliver_report({"content": REPORT}, call("id-auth", "id-auth"))
 
     [(headers, _)] = receiver.requests
     assert headers["Authorization"] == "Basic " + base64.b64encode(b"rundesk:p@ss w0rd").decode()
@@ -367,7 +364,7 @@ def test_a_webhooks_token_in_the_query_is_sent_but_never_kept(receiver, settings
     receiver.answer = answer
     settings.RUNDESK_DELIVERY_URL = receiver.url + "/hooks/reports?token=tok-SECRET-456#x"
 
-    result = deliver_report({"content": REPORT}, "id-token", "id-token")
+    result = deliver_report({"content": REPORT}, call("id-token", "id-token"))
 
     assert paths == ["/hooks/reports?token=tok-SECRET-456"]
     assert result["delivered_to"] == receiver.url + "/hooks/reports"
@@ -383,7 +380,7 @@ def test_a_receiver_that_redirects_is_never_followed(receiver, settings, journal
         port = receiver.url.rsplit(":", 1)[1]
         settings.RUNDESK_DELIVERY_URL = f"http://svc:secret@127.0.0.1:{port}/reports"
         with pytest.raises(OutcomeUnknown, match=f"HTTP {code}"):
-            deliver_report({"content": REPORT}, "id-redirected", "id-redirected")
+            deliver_report({"content": REPORT}, call("id-redirected", "id-redirected"))
         assert len(receiver.requests) == 1 and elsewhere.requests == []
 
 
@@ -391,7 +388,7 @@ def test_delivery_to_a_name_that_does_not_resolve_is_known_not_delivered(setting
     settings.RUNDESK_DELIVERY_URL = "http://no-such-receiver.invalid/reports"
 
     with pytest.raises(ToolFailed, match="unreachable"):
-        deliver_report({"content": REPORT}, "id-nowhere", "id-nowhere")
+        deliver_report({"content": REPORT}, call("id-nowhere", "id-nowhere"))
     assert journal.entries() == []
 
 
@@ -401,7 +398,7 @@ def test_delivery_to_a_name_that_does_not_resolve_is_known_not_delivered(setting
 def test_outbox_delivery_writes_the_report_once_under_its_key(settings, _outbox, journal):
     settings.RUNDESK_DELIVERY_URL = ""
 
-    first = deliver_report({"content": REPORT}, "rundesk:run-7:deliver", KEY)
+    first = deliver_report({"content": REPORT}, call("rundesk:run-7:deliver", KEY))
 
     target = _outbox / KEY_FILE
     assert first == {
@@ -416,11 +413,11 @@ def test_outbox_delivery_repeated_with_the_same_content_is_already_delivered(
     settings, _outbox, journal
 ):
     settings.RUNDESK_DELIVERY_URL = ""
-    deliver_report({"content": REPORT}, "rundesk:run-7:deliver", KEY)
+    deliver_report({"content": REPORT}, call("rundesk:run-7:deliver", KEY))
     target = _outbox / KEY_FILE
     written = target.stat().st_mtime_ns, target.stat().st_ino
 
-    again = deliver_report({"content": REPORT}, "rundesk:run-7:deliver", KEY)
+    again = deliver_report({"content": REPORT}, call("rundesk:run-7:deliver", KEY))
 
     assert again["already_delivered"] is True
     assert again["delivered_to"] == str(target)
@@ -435,10 +432,10 @@ def test_outbox_refuses_other_content_under_a_used_key_and_keeps_the_first(
     settings, _outbox, journal
 ):
     settings.RUNDESK_DELIVERY_URL = ""
-    deliver_report({"content": REPORT}, "rundesk:run-7:deliver", KEY)
+    deliver_report({"content": REPORT}, call("rundesk:run-7:deliver", KEY))
 
     with pytest.raises(ToolFailed, match="another report under this key"):
-        deliver_report({"content": "# A different report\n"}, "rundesk:run-7:deliver", KEY)
+        deliver_report({"content": "# A different report\n"}, call("rundesk:run-7:deliver", KEY))
 
     assert (_outbox / KEY_FILE).read_text() == REPORT
     assert journal.counts("deliver_report") == {"rundesk:run-7:deliver": 1}
@@ -450,14 +447,14 @@ def test_an_outbox_that_cannot_be_written_is_a_known_failure(settings, tmp_path,
     settings.RUNDESK_OUTBOX_DIR.write_text("not a folder")
 
     with pytest.raises(ToolFailed, match=r"outbox .*a-file"):
-        deliver_report({"content": REPORT}, "rundesk:run-7:deliver", KEY)
+        deliver_report({"content": REPORT}, call("rundesk:run-7:deliver", KEY))
     assert journal.entries() == []
 
 
 def test_outbox_keeps_reports_of_different_keys_apart(settings, _outbox):
     settings.RUNDESK_DELIVERY_URL = ""
-    deliver_report({"content": "run 7\n"}, "rundesk:run-7:deliver", "rundesk:a:7")
-    deliver_report({"content": "run 8\n"}, "rundesk:run-8:deliver", "rundesk:a:8")
+    deliver_report({"content": "run 7\n"}, call("rundesk:run-7:deliver", "rundesk:a:7"))
+    deliver_report({"content": "run 8\n"}, call("rundesk:run-8:deliver", "rundesk:a:8"))
 
     assert {p.name: p.read_text() for p in _outbox.iterdir()} == {
         "rundesk%3Aa%3A7.md": "run 7\n",

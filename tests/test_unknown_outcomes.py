@@ -12,6 +12,9 @@ import psycopg
 import pytest
 from django.db import connection
 
+from runs.agent import ToolCall
+from runs.agents.research import ResearchAgent
+from runs.agents.tools import DELIVER_REPORT, MODEL_CALL, READ_DOCUMENT
 from runs.decisions import settle_open_items
 from runs.executor import claim_and_drive
 from runs.models import (
@@ -26,8 +29,8 @@ from runs.models import (
 )
 from runs.outcomes import find_orphan, settle, xact_status
 from runs.sql import Backend, CommitUnanswered
+from runs.submission import submit
 from runs.timeline import EventKind
-from runs.tools import TOOLS
 from tests.faultruns import KEYS, dispatched, events, executions, run_with, wait_for
 from tests.receivers import LocalServer, status
 
@@ -203,11 +206,10 @@ def test_an_effects_receipt_refused_for_its_moment_is_written_again(journal, mon
     receipt is known not written, and it is written again.  Left to the
     next owner, the delivery was unknown, and the run waited for an
     operator to find out what this owner had known."""
-    deliver = TOOLS["deliver_report"]
     released = []
 
-    def delivered_then_locked(input: dict, identity: str, key: str) -> dict:
-        result = deliver.run(input, identity, key)
+    def delivered_then_locked(input: dict, call: ToolCall) -> dict:
+        result = DELIVER_REPORT.run(input, call)
         stranger = psycopg.connect(**connection.get_connection_params())
         stranger.execute("LOCK TABLE runs_receipt IN SHARE MODE")
         timer = threading.Timer(held_for, stranger.close)
@@ -217,8 +219,9 @@ def test_an_effects_receipt_refused_for_its_moment_is_written_again(journal, mon
             cursor.execute("SET lock_timeout = '200ms'")
         return result
 
-    monkeypatch.setitem(TOOLS, "deliver_report", replace(deliver, run=delivered_then_locked))
-    run = Run.objects.submit(question="q", documents=["crestline-short-treasury.md"])
+    locked = replace(DELIVER_REPORT, run=delivered_then_locked)
+    monkeypatch.setattr(ResearchAgent, "tools", (READ_DOCUMENT, MODEL_CALL, locked))
+    run = submit(question="q", documents=["crestline-short-treasury.md"])
     try:
         assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     finally:

@@ -24,6 +24,7 @@ from typing import Any
 
 from runs import lifecycle
 from runs.models import Run
+from runs.submission import submit
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def holding_run(question: str) -> Run:
     """A run that only holds a benchmark's rows (events, copies): ended at
     once, so no executor of the database takes it, nor refuses to start
     (bench --throughput) because it waits to be claimed."""
-    run = Run.objects.submit(question=question, documents=["(none)"])
+    run = submit(question=question, documents=["(none)"])
     lifecycle.cancel(run.pk, "a benchmark", "a benchmark's run: never executed", [run.status])
     run.refresh_from_db()
     return run

@@ -14,7 +14,8 @@ from django.db import connection
 from evidence.capture import capture
 from evidence.models import CaptureStats
 from runs.executor import claim_and_drive
-from runs.models import AnswerRevision, Run
+from runs.models import AnswerRevision
+from runs.submission import submit
 from runs.timeline import timeline
 
 
@@ -40,7 +41,7 @@ def report(rounds: int) -> dict[str, Any]:
     locked_runs: list[int] = []
     for _ in range(rounds):
         for mode in seconds:
-            run = Run.objects.submit(
+            run = submit(
                 question=f"bench --evidence-locked ({mode}): compare these funds",
                 documents=documents,
             )

@@ -44,6 +44,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from kombu import Connection, Exchange, Queue
 
+from runs import submission
 from runs.benchmarks.pages import bench_database
 from runs.harness import GroupProcess
 from runs.models import Run, RunStatus
@@ -319,7 +320,7 @@ def submit(count: int, what: str) -> list[int]:
     document = "northwind-clean-energy.md"
     with transaction.atomic():
         run_ids = [
-            Run.objects.submit(question=f"bench --scale: {what} {i}", documents=[document]).pk
+            submission.submit(question=f"bench --scale: {what} {i}", documents=[document]).pk
             for i in range(count)
         ]
     return run_ids

@@ -29,13 +29,15 @@ from django.conf import settings
 from django.core.management.base import CommandError
 
 from evidence.capture import capture
-from runs.agent import ResearchAgent
+from runs.agents.research import ResearchAgent
+from runs.agents.tools import NOOP
 from runs.benchmarks import ServerCounts, p50
 from runs.dispatch import Dispatcher
 from runs.executor import heartbeat
 from runs.leases import Lease, PendingReceipt, new_owner_name
 from runs.models import Checkpoint, Run, RunStatus
 from runs.sql import server_cursor
+from runs.submission import submit
 from runs.timeline import timeline
 
 # Seconds for every backend to report its counts (PostgreSQL 15 reports
@@ -107,7 +109,7 @@ def _long_run(steps: int) -> Run:
         p.name for p in settings.RUNDESK_CORPUS_DIR.glob("*.md") if p.name != "README.md"
     )
     documents = [corpus[i % len(corpus)] for i in range(max(1, math.ceil((steps - 2) / 2)))]
-    return Run.objects.submit(
+    return submit(
         question="bench: compare", documents=documents, action_budget=2 * len(documents) + 2
     )
 
@@ -120,9 +122,7 @@ def _research(run: Run, dispatcher_class: type[Dispatcher]) -> int:
         raise CommandError(f"could not claim bench run {run.pk}")
     with heartbeat(lease) as lost:
         dispatcher = dispatcher_class(lease, stop=threading.Event(), lease_lost=lost)
-        agent = ResearchAgent(dispatcher)
-        with dispatcher.receipt_kept():
-            agent.research(dispatcher.resume(agent.replay))
+        dispatcher.run_agent(ResearchAgent)
         if dispatcher.finish(RunStatus.COMPLETED, "bench") != RunStatus.COMPLETED:
             raise CommandError(f"bench run {run.pk} did not complete")
     timeline.flush()
@@ -189,13 +189,15 @@ def noop_report(steps: int, samples: dict[str, list[float]]) -> dict[str, Any]:
 def noop_run(steps: int) -> Iterator[Dispatcher]:
     """The Dispatcher of a claimed run for `steps` no-op reads
     (`noop_step`), finished on the way out."""
-    run = Run.objects.submit(
+    run = submit(
         question=f"bench: {steps} no-op reads", documents=["(none)"], action_budget=2 * steps
     )
     lease = Lease.claim(run.pk, new_owner_name())
     if lease is None:
         raise CommandError(f"could not claim bench run {run.pk}")
-    dispatcher = Dispatcher(lease, stop=threading.Event(), lease_lost=threading.Event())
+    dispatcher = Dispatcher(
+        lease, stop=threading.Event(), lease_lost=threading.Event(), tools=[NOOP]
+    )
     yield dispatcher
     dispatcher.finish(RunStatus.COMPLETED, "bench")
     timeline.flush()

@@ -70,6 +70,7 @@ import psycopg
 from django.conf import settings
 from django.db import connection, transaction
 
+from runs import submission
 from runs.benchmarks import ServerCounts, p50
 from runs.benchmarks.scale import worker_env
 from runs.harness import GroupProcess
@@ -303,7 +304,7 @@ def refuse_shared_database() -> None:
 def submit(count: int, what: str, faults: list[dict[str, Any]] | None = None) -> list[int]:
     with transaction.atomic():
         return [
-            Run.objects.submit(
+            submission.submit(
                 question=f"{QUESTION} {what} {i}", documents=DOCUMENTS, faults=faults
             ).pk
             for i in range(count)

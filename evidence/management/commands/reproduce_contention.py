@@ -45,11 +45,13 @@ from evidence.capture import POLICIES, Copy, CopyTransaction, gap_reason, record
 from evidence.models import IncidentSource
 from evidence.records import record_model_call, record_source
 from evidence.sources import SourceRefresh
+from runs.agent import ToolCall
+from runs.agents.tools import read_document
 from runs.benchmarks import percentile
 from runs.leases import Lease
-from runs.models import Run, RunStatus, digest
+from runs.models import RunStatus, action_identity, digest
 from runs.sql import server_cursor, this_backend
-from runs.tools import TOOLS
+from runs.submission import submit
 
 DEADLOCK = "40P01"
 DOCUMENT = "northwind-clean-energy.md"
@@ -133,7 +135,7 @@ class Command(BaseCommand):
 
     def _set_up(self) -> None:
         """A run with one source and one model call, through the real paths."""
-        self.run = Run.objects.submit(
+        self.run = submit(
             question=f"reproduce_contention --policy {self.policy}", documents=[DOCUMENT]
         )
         lease = Lease.claim(self.run.pk, "reproduce-contention")
@@ -144,7 +146,8 @@ class Command(BaseCommand):
         read_id = lease.record_boundary(
             step_key="read:0", kind="read_document", effect_class="read", input=read_input
         )
-        read = TOOLS["read_document"].run(read_input, f"rundesk:run-{self.run.pk}:read:0")
+        identity = action_identity(self.run.pk, "read:0")
+        read = read_document(read_input, ToolCall(self.run.pk, "read:0", identity, "", 30.0))
         lease.record_receipt(read_id, read)
         record_source(self.run.pk, read_id, DOCUMENT, read["sha256"], read["bytes"])
         call_input = {"messages": [{"role": "user", "content": read["text"]}]}

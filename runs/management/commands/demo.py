@@ -17,6 +17,7 @@ from django.core.management.base import BaseCommand
 from django.db import transaction
 
 from runs.models import Run
+from runs.submission import submit
 from runs.tasks import execute_run
 
 SAMPLE_RUNS: list[dict[str, Any]] = [
@@ -222,11 +223,11 @@ class Command(BaseCommand):
             return
         for index, sample in enumerate(SAMPLE_RUNS):
             with transaction.atomic():
-                run = Run.objects.submit(**sample)
+                run = submit(**sample)
                 if index == 0:  # this one goes through Celery; the lease settles who runs it
                     execute_run.delay_on_commit(run.pk)
         for question, faults in DECISION_TABLE_RUNS:
-            Run.objects.submit(question=question, documents=TWO_FUNDS, faults=faults)
+            submit(question=question, documents=TWO_FUNDS, faults=faults)
         self.stdout.write(
             f"demo: {len(SAMPLE_RUNS) + len(DECISION_TABLE_RUNS)} sample runs queued, "
             f"{len(DECISION_TABLE_RUNS)} of them with a fault plan"

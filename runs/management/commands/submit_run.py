@@ -9,7 +9,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 from django.utils import timezone
 
-from runs.models import Run
+from runs.submission import submit
 from runs.tasks import execute_run, hand_over
 
 
@@ -51,7 +51,7 @@ class Command(BaseCommand):
                 ) from None
         with transaction.atomic():
             try:
-                run = Run.objects.submit(
+                run = submit(
                     question=options["question"],
                     documents=options["docs"],
                     faults=faults,

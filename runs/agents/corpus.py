@@ -1,6 +1,6 @@
 """Which paths name a document of the corpus (RUNDESK_CORPUS_DIR): one
-answer, and one wording of it, for the read tool (runs/tools.py) and for a
-run's submission (Run.objects.submit), so that a path the tool would refuse
+answer, and one wording of it, for the read tool (runs/agents/tools.py) and for a
+run's submission (runs/submission.py), so that a path the tool would refuse
 is refused before a run is queued, in the same words."""
 
 from __future__ import annotations

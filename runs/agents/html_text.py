@@ -1,4 +1,4 @@
-"""An HTML page as the text the offline provider reads (runs/providers.py):
+"""An HTML page as the text the offline provider reads (runs/agents/providers.py):
 headings as `#`, list items as `-`, table rows as `| a | b |`, paragraphs
 apart, the page's title first where no heading gives one; what a browser
 does not show as text (scripts, styles, the head, code) left out.  Only a

@@ -1,10 +1,9 @@
-"""The research agent's tools.
+"""The shipped agents' tools: reading a document of the corpus, a model
+call, delivering a report, and a no-op for the benchmarks.
 
-A tool runs outside any database transaction.  It returns a JSON result, or
-raises ToolRefused (a definite answer with no effect: recorded in the
-receipt), ToolFailed (known not to have happened) or OutcomeUnknown (it may
-have happened; only evidence can tell).  Every real execution is appended
-to the tool journal when RUNDESK_TOOL_JOURNAL is set.
+Each runs outside any database transaction (runs/agent.py says what a tool
+answers).  Every real execution is appended to the tool journal when
+RUNDESK_TOOL_JOURNAL is set: drills and tests count executions from it.
 """
 
 from __future__ import annotations
@@ -21,17 +20,16 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
 
-from runs.corpus import NotInCorpus, corpus_file
-from runs.models import UNSTORABLE, EffectClass
-from runs.providers import ProviderError, get_provider
-from runs.unredirected import NOT_REDIRECTED
+from runs.agent import EFFECT, READ, OutcomeUnknown, Tool, ToolCall, ToolFailed, ToolRefused
+from runs.agents.corpus import NotInCorpus, corpus_file
+from runs.agents.providers import ProviderError, get_provider
+from runs.agents.unredirected import NOT_REDIRECTED
+from runs.models import UNSTORABLE
 
 MAX_DOCUMENT_BYTES = 1_000_000
 # How a file that is no text begins: it is refused, not read as garbage.
@@ -52,32 +50,6 @@ NOT_TEXT = {
 }
 
 
-class ToolRefused(Exception):
-    """The tool gave a definite answer and did nothing (e.g. a path outside
-    the corpus).  It is a result: the receipt records it."""
-
-
-class ToolFailed(Exception):
-    """The tool did not do its work, and is known not to have done it."""
-
-
-class OutcomeUnknown(Exception):
-    """The tool may or may not have done its work (e.g. a request was sent
-    and its answer was lost)."""
-
-
-@dataclass(frozen=True)
-class Tool:
-    """`run(input, identity, idempotency_key)`: the action's identity names
-    it in the journal; its key (Action.idempotency_key) is what a receiver
-    knows it by.  A read, repeatable and without outside effect, needs no
-    key."""
-
-    name: str
-    effect_class: EffectClass
-    run: Callable[[dict[str, Any], str, str], dict[str, Any]]
-
-
 def journal(tool: str, identity: str, **detail: Any) -> None:
     """Appends one line per real execution.  O_APPEND keeps lines from
     concurrent processes whole."""
@@ -94,7 +66,7 @@ def journal(tool: str, identity: str, **detail: Any) -> None:
 
 def resolve_in_corpus(relative: str, corpus: Path) -> Path:
     """The file `relative` names inside the corpus folder, or ToolRefused
-    saying why not (runs/corpus.py: a submission is refused in the same
+    saying why not (runs/agents/corpus.py: a submission is refused in the same
     words)."""
     try:
         return corpus_file(relative, corpus)
@@ -102,9 +74,7 @@ def resolve_in_corpus(relative: str, corpus: Path) -> Path:
         raise ToolRefused(str(refusal)) from None
 
 
-def read_document(
-    input: dict[str, Any], identity: str, idempotency_key: str = ""
-) -> dict[str, Any]:
+def read_document(input: dict[str, Any], call: ToolCall) -> dict[str, Any]:
     path = resolve_in_corpus(str(input.get("path", "")), settings.RUNDESK_CORPUS_DIR)
     try:
         with path.open("rb") as handle:
@@ -120,7 +90,7 @@ def read_document(
         raise ToolRefused(
             f"{input['path']!r}: not text (binary data, or an encoding other than UTF-8 and UTF-16)"
         )
-    journal("read_document", identity, path=input["path"])
+    journal("read_document", call.identity, path=input["path"])
     return {
         "path": input["path"],
         "bytes": len(data),
@@ -183,12 +153,13 @@ def storable(text: str) -> str:
     return UNSTORABLE.sub("\ufffd", text)
 
 
-def deliver_report(input: dict[str, Any], identity: str, idempotency_key: str) -> dict[str, Any]:
+def deliver_report(input: dict[str, Any], call: ToolCall) -> dict[str, Any]:
     """POSTs the report with the action's Idempotency-Key, or, with no
     RUNDESK_DELIVERY_URL, writes it to the outbox once per key.  The key is
     unique in the world (models.new_idempotency_key), unlike the identity: a
     run 4 of another installation, or of this one's database made anew,
     never meets this run 4's report."""
+    identity, idempotency_key = call.identity, call.idempotency_key
     body = input["content"].encode()
     sha = hashlib.sha256(body).hexdigest()
     if settings.RUNDESK_DELIVERY_URL:
@@ -296,29 +267,60 @@ def _post(url: str, body: bytes, key: str, credentials: str = "") -> int:
         raise OutcomeUnknown(f"delivery answer lost: {error!r}") from error
 
 
-def model_call(input: dict[str, Any], identity: str, idempotency_key: str = "") -> dict[str, Any]:
+def model_call(input: dict[str, Any], call: ToolCall) -> dict[str, Any]:
     """A read-class action: repeatable, no outside effect."""
     provider = get_provider()
     try:
         text = provider.complete(input["messages"])
     except ProviderError as error:
         raise ToolFailed(str(error)) from error
-    journal("model_call", identity, provider=provider.name)
+    journal("model_call", call.identity, provider=provider.name)
     return {"provider": provider.name, "text": storable(text)}
 
 
-def noop(input: dict[str, Any], identity: str, idempotency_key: str = "") -> dict[str, Any]:
+def noop(input: dict[str, Any], call: ToolCall) -> dict[str, Any]:
     """A read that does nothing: `bench` measures the executor's own cost."""
-    journal("noop", identity)
+    journal("noop", call.identity)
     return {"ok": True}
 
 
-TOOLS: dict[str, Tool] = {
-    tool.name: tool
-    for tool in [
-        Tool("read_document", EffectClass.READ, read_document),
-        Tool("model_call", EffectClass.READ, model_call),
-        Tool("deliver_report", EffectClass.EFFECT, deliver_report),
-        Tool("noop", EffectClass.READ, noop),
-    ]
+DOCUMENT = {"type": "object", "required": ["path"], "properties": {"path": {"type": "string"}}}
+MESSAGES = {
+    "type": "object",
+    "required": ["messages"],
+    "properties": {
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {"role": {"type": "string"}, "content": {"type": "string"}},
+            },
+        }
+    },
 }
+REPORT = {
+    "type": "object",
+    "required": ["content"],
+    "properties": {"content": {"type": "string"}, "revision": {"type": "integer"}},
+}
+
+READ_DOCUMENT = Tool("read_document", READ, read_document, timeout=30, input_schema=DOCUMENT)
+MODEL_CALL = Tool(
+    "model_call",
+    READ,
+    model_call,
+    timeout=settings.RUNDESK_MODEL_TIMEOUT + 5,
+    input_schema=MESSAGES,
+)
+DELIVER_REPORT = Tool(
+    "deliver_report",
+    EFFECT,
+    deliver_report,
+    accepts_idempotency_key=True,
+    timeout=settings.RUNDESK_DELIVERY_TIMEOUT + 5,
+    input_schema=REPORT,
+    receiver=lambda input, key: receiver(key),
+)
+NOOP = Tool("noop", READ, noop)

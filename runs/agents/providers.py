@@ -26,8 +26,8 @@ from typing import Protocol
 
 from django.conf import settings
 
-from runs.html_text import is_page, page_text
-from runs.unredirected import NOT_REDIRECTED
+from runs.agents.html_text import is_page, page_text
+from runs.agents.unredirected import NOT_REDIRECTED
 
 SUMMARIZE_INSTRUCTIONS = (
     "You are a research assistant. Summarise the fact sheet in the document: key figures, "

@@ -1,0 +1,73 @@
+"""Submitting a run to an installed agent: its input checked against the
+shape the agent declares (and its own checks), refused with the field
+named and nothing queued; the run records the agent's name and version."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from django.db import transaction
+
+from runs import registry
+from runs.agent import input_refusal
+from runs.faults import MAX_STEPS, FaultPlan
+from runs.models import UNSTORABLE, Run, canonical_json
+from runs.timeline import EventKind, timeline
+
+
+def submit(
+    agent: str = "research",
+    input: dict[str, Any] | None = None,
+    *,
+    question: str | None = None,
+    documents: list[str] | None = None,
+    faults: Any = None,
+    action_budget: int | None = None,
+    deadline: dt.datetime | None = None,
+    drill: bool = False,
+) -> Run:
+    """Queues a run of `agent` on `input` (`question` and `documents`: the
+    research agent's input, said short; `drill`: one a fault drill made,
+    runs/drills.py).  Bad input raises ValueError with what is wrong."""
+    if question is not None or documents is not None:
+        input = {"question": question or "", "documents": documents or [], **(input or {})}
+    try:
+        declared = registry.agent_class(agent)
+    except registry.NotInstalled as error:
+        raise ValueError(str(error)) from None
+    if input is None:
+        raise ValueError(f"a run of {agent} needs an input")
+    if refusal := input_refusal(declared.input_schema, input):
+        raise ValueError(f"{agent}: {refusal}")
+    try:
+        canonical_json(input)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{agent}: the input is not JSON: {error}") from None
+    if UNSTORABLE.search(canonical_json(input)):
+        raise ValueError(
+            f"{agent}: the input holds a character no text can: NUL or a lone surrogate"
+        )
+    declared.check_input(input)
+    FaultPlan.parse(faults)
+    if action_budget is not None and action_budget < 1:
+        raise ValueError("the action budget must be at least 1")
+    if action_budget is not None and action_budget > MAX_STEPS:
+        raise ValueError(f"the action budget must be at most {MAX_STEPS}")
+    fields: dict[str, Any] = {"faults": faults or [], "deadline": deadline, "is_drill": drill}
+    if action_budget is not None:
+        fields["action_budget"] = action_budget
+    documents = declared.documents(input)
+    run = Run.objects.create(
+        agent=agent,
+        agent_version=declared.version,
+        input=input,
+        question=declared.title(input).strip()[:10_000] or agent,
+        documents=documents,
+        **fields,
+    )
+    # An observation: it must not be able to fail the submission, so the
+    # timeline writes it off the main path once the run is committed.
+    said = f"{agent} {declared.version}" + (f": {len(documents)} documents" if documents else "")
+    transaction.on_commit(lambda: timeline.record(run.pk, EventKind.SUBMITTED, said))
+    return run
