@@ -148,7 +148,7 @@ class Lab:
             RUNDESK_TOOL_JOURNAL=str(self.journal),
             RUNDESK_OUTBOX_DIR=self.outbox,
             RUNDESK_DELIVERY_URL="",
-            RUNDESK_CORPUS_DIR=ROOT / "runs" / "sample_corpus",
+            RUNDESK_CORPUS_DIR=ROOT / "runs" / "agents" / "sample_corpus",
             RUNDESK_MODEL_PROVIDER="offline",
             RUNDESK_DRILL_LAB=True,
         ):
@@ -177,7 +177,7 @@ class Lab:
             "DATABASE_URL": database_url(),
             "RUNDESK_TOOL_JOURNAL": str(self.journal),
             "RUNDESK_OUTBOX_DIR": str(self.outbox),
-            "RUNDESK_CORPUS_DIR": str(ROOT / "runs" / "sample_corpus"),
+            "RUNDESK_CORPUS_DIR": str(ROOT / "runs" / "agents" / "sample_corpus"),
             "RUNDESK_MODEL_PROVIDER": "offline",
             "RUNDESK_DELIVERY_URL": "",
             "RUNDESK_VAR_DIR": str(settings.VAR_DIR),

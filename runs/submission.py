@@ -68,6 +68,6 @@ def submit(
     )
     # An observation: it must not be able to fail the submission, so the
     # timeline writes it off the main path once the run is committed.
-    said = f"{agent} {declared.version}" + (f": {len(documents)} documents" if documents else "")
+    said = f"{len(documents)} documents" if documents else f"{agent} {declared.version}"
     transaction.on_commit(lambda: timeline.record(run.pk, EventKind.SUBMITTED, said))
     return run

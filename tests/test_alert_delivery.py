@@ -91,7 +91,8 @@ def test_an_alert_outlives_a_process_that_dies_right_after_the_commit(settings, 
         settings.RUNDESK_ALERT_URL = receiver.url
         script = (
             "import os, signal\n"
-            "from runs.models import Run, OutcomeKind\n"
+            "from runs.models import OutcomeKind\n"
+            "from runs.submission import submit\n"
             "from runs.outcomes import open_item\n"
             "run = submit(question='q', documents=['a.md'])\n"
             "item = open_item(run_id=run.pk, kind=OutcomeKind.EFFECT, subject='effect:dies',"

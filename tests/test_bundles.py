@@ -253,9 +253,10 @@ def test_secrets_never_leave_in_any_byte(journal, tmp_path, settings, monkeypatc
         for secret in (OPENAI_KEY, ENV_TOKEN, MODEL_KEY, "abcdefghijklmnop123456"):
             assert secret.encode() not in data, f"{secret[:8]}... left in {name}"
     redacted = exported.manifest["redacted"]
-    assert redacted["run.json"]["openai_key"] == 1
-    assert redacted["run.json"]["env:ACME_API_TOKEN"] == 1
-    assert redacted["run.json"]["setting:RUNDESK_MODEL_API_KEY"] == 1
+    # Each twice: in the question, and in the input that holds it.
+    assert redacted["run.json"]["openai_key"] == 2
+    assert redacted["run.json"]["env:ACME_API_TOKEN"] == 2
+    assert redacted["run.json"]["setting:RUNDESK_MODEL_API_KEY"] == 2
     assert redacted["evidence_copies.jsonl"]  # the model's input quoted the question
     assert "[REDACTED:openai_key]" in entries(path)["report.html"].decode()
     assert OPENAI_KEY not in json.dumps(exported.manifest)
@@ -363,7 +364,8 @@ def test_passwords_in_urls_and_named_fields_never_leave(journal, tmp_path):
             for form in {secret, html.escape(secret)}:
                 assert form.encode() not in data, f"{secret[:6]}... left in {name}"
     redacted = exported.manifest["redacted"]["run.json"]
-    assert (redacted["url_password"], redacted["credential"]) == (1, 3)
+    # Each twice: in the question, and in the input that holds it.
+    assert (redacted["url_password"], redacted["credential"]) == (2, 6)
     # What the secrets belonged to stays readable.
     run_json = json.loads(files["run.json"])
     assert "postgres://bob:[REDACTED:url_password]@10.0.0.5/app" in run_json["question"]

@@ -381,7 +381,7 @@ def test_a_running_run_without_an_owner_is_refused(facts):
         ({"question": "q", "documents": [DOCS[0], " "]}, "document 2 is not a path"),
         ({"question": "q", "documents": ["a\x00b"]}, "document 1 is not a path"),
         ({"question": "q", "documents": ["a.md\n# Injected"]}, "document 1 is not a path"),
-        ({"question": "q", "documents": [7]}, "document 1 is not a path"),
+        ({"question": "q", "documents": [7]}, r"input\.documents\[0\]: 7 is not of type 'string'"),
     ],
     ids=[
         "blank-question",

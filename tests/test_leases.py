@@ -147,7 +147,7 @@ def test_past_its_lease_expiry_an_owner_writes_its_receipts_but_starts_nothing()
             kind="read_document",
             effect_class="read",
             input={"path": DOCS[1]},
-            receipt=PendingReceipt(read, {"text": "x"}),
+            receipts=[PendingReceipt(read, {"text": "x"})],
         )
     assert sorted(Receipt.objects.filter(run=run).values_list("step_key", flat=True)) == [
         "deliver",

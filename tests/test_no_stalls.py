@@ -276,7 +276,7 @@ def test_a_finish_fenced_out_stays_in_its_run_and_the_executor_goes_on(journal, 
     later = submit(question="q", documents=DOCS[:1])
     finish = Lease.finish
 
-    def taken_over_first(lease: Lease, status: RunStatus, reason: str = "") -> RunStatus:
+    def taken_over_first(lease: Lease, status: RunStatus, reason: str = "", **kw) -> RunStatus:
         # Another owner takes the run between its last fenced write and
         # its finish.
         if lease.run_id == failing.pk:
@@ -286,7 +286,7 @@ def test_a_finish_fenced_out_stays_in_its_run_and_the_executor_goes_on(journal, 
                     " WHERE id = %s",
                     (failing.pk,),
                 )
-        return finish(lease, status, reason)
+        return finish(lease, status, reason, **kw)
 
     monkeypatch.setattr(Lease, "finish", taken_over_first)
     results = Executor(concurrency=1).serve(once=True)

@@ -234,7 +234,11 @@ def test_an_empty_folder_setting_is_its_default_never_the_current_folder(tmp_pat
         timeout=60,
     )
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.split() == [str(ROOT / "runs" / "sample_corpus"), "outbox", "bundles"]
+    assert shown.stdout.split() == [
+        str(ROOT / "runs" / "agents" / "sample_corpus"),
+        "outbox",
+        "bundles",
+    ]
 
 
 def test_the_server_error_page_stands_alone():

@@ -61,12 +61,15 @@ def seed(runs: int, events_per_run: int) -> int:
         if missing > 0:
             cursor.execute(
                 """WITH new AS (
-                       INSERT INTO runs_run (question, documents, status, status_reason, phase,
+                       INSERT INTO runs_run (agent, agent_version, input, question, documents,
+                           status, status_reason, phase,
                            phase_reason, action_budget, faults, faults_fired, lease_owner,
                            lease_epoch, cancel_requested_by, is_drill, origin_format,
                            origin_installation, origin_seal, created_at, updated_at,
                            started_at, finished_at)
-                       SELECT 'Compare the funds, bench run ' || g, ARRAY['a.md'], 'completed',
+                       SELECT 'research', '1', jsonb_build_object('question',
+                           'Compare the funds, bench run ' || g, 'documents', jsonb_build_array('a.md')),
+                           'Compare the funds, bench run ' || g, ARRAY['a.md'], 'completed',
                            '', 'done', '', 40, '[]', '{}', '', 1, '', false, '', '', '',
                            now() - make_interval(secs => g), now(), now(), now()
                        FROM generate_series(1, %s) g

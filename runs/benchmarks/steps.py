@@ -226,13 +226,13 @@ def measure(steps: int) -> dict[str, list[float]]:
         samples[name].append((time.perf_counter() - start) * 1000)
 
     def writes(lease: Lease, i: int) -> None:
-        receipt = None if previous[0] is None else PendingReceipt(previous[0], {"ok": True})
+        receipts = [] if previous[0] is None else [PendingReceipt(previous[0], {"ok": True})]
         previous[0] = lease.record_boundary(
             step_key=f"writes:{i}",
             kind="noop",
             effect_class="read",
             input={"i": i},
-            receipt=receipt,
+            receipts=receipts,
         )
 
     with noop_run(steps) as dispatcher, commit_table() as cursor:
