@@ -35,7 +35,14 @@ from runs.models import (
     RunStatus,
 )
 from runs.timeline import EventKind
-from runs.words import cut_words, human_duration, plain, unowned_words, wait_words
+from runs.words import (
+    cut_words,
+    human_duration,
+    plain,
+    unowned_words,
+    wait_words,
+    waiting_words,
+)
 
 # Colours and legend names of action attempts, by the state each is in now:
 # how it ended, or what settled it since (an unknown delivery an operator
@@ -178,7 +185,7 @@ class Idle:
 
     why: str  # a key of IDLE
     start: dt.datetime
-    end: dt.datetime
+    end: dt.datetime | None  # None: it still waits
     label: str
 
 
@@ -219,6 +226,13 @@ class Axis:
     def width(self) -> float:
         return self.x(self.last)
 
+    def till(self, end: dt.datetime | None) -> float:
+        """Where a span ends; one still open (a wait) runs on past the last
+        moment drawn, over CUT_WIDTH of the plotted width."""
+        if end is not None:
+            return self.x(end)
+        return max(self.width, 0.001) / (1 - CUT_WIDTH)
+
     def kept(self) -> list[tuple[dt.datetime, dt.datetime]]:
         """The spans drawn at their real scale, in order."""
         starts = [self.origin, *(cut.end for cut in self.cuts)]
@@ -231,7 +245,6 @@ def timeline(
     actions: Sequence[Action],
     checkpoints: Sequence[CheckpointRow],
     redact: Callable[[str], str] = str,
-    now: dt.datetime | None = None,
 ) -> dict[str, Any] | None:
     """Each attempt of an action as a bar from its dispatch to how it ended,
     coloured by its state now (its history in its hover); the spans where
@@ -240,7 +253,7 @@ def timeline(
     (one marker per number, its final outcome) and capture gaps on lanes of
     their own; lease changes, answer revisions and phase changes as labelled
     vertical lines.  None when there is nothing to draw (a run nobody took)."""
-    now = now or timezone.now()
+    now = timezone.now()
     events = list(
         run.events.filter(
             kind__in=[
@@ -261,7 +274,7 @@ def timeline(
     decisions = {d.pk: d for d in run.decisions.order_by("created_at", "id")}
     attempts, outcomes = _attempts(actions, events, until)
     _settle(attempts, list(decisions.values()), _refused(actions))
-    idle = _idle(run, events, decisions, now)
+    idle = _idle(run, events, decisions)
     gaps = list(CaptureGap.objects.filter(run=run).order_by("id"))
     marks = [
         Mark(e["created_at"], _lease_label(e), LEASE_CHANGES[e["kind"]][1], inert(e["message"]))
@@ -284,7 +297,7 @@ def timeline(
     ]
     points = [m.at for m in marks] + [c.at for c in checkpoints] + [g.created_at for g in gaps]
     points += [at for late in outcomes.values() for _, at, _ in late]
-    points += [moment for span in idle for moment in (span.start, span.end)]
+    points += [moment for span in idle for moment in (span.start, span.end) if moment]
     if not attempts and not points:
         return None
     axis = _axis([(a.start, a.end) for a in attempts], points)
@@ -304,9 +317,12 @@ def timeline(
                 orientation="h",
                 y=[IDLE_LANE] * len(spans),
                 base=[axis.x(s.start) for s in spans],
-                x=[axis.x(s.end) - axis.x(s.start) for s in spans],
+                x=[axis.till(s.end) - axis.x(s.start) for s in spans],
                 marker={"color": fill, "line": {"color": edge, "width": 1}},
-                customdata=[[inert(s.label), _clock(s.start), _clock(s.end)] for s in spans],
+                customdata=[
+                    [inert(s.label), _clock(s.start), _clock(s.end) if s.end else "now"]
+                    for s in spans
+                ],
                 hovertemplate="%{customdata[0]}<br>%{customdata[1]} to %{customdata[2]}"
                 "<extra></extra>",
             )
@@ -533,15 +549,14 @@ def _settle(attempts: list[Attempt], decisions: list[OperatorDecision], refused:
 
 
 def _idle(
-    run: Run,
-    events: list[dict[str, Any]],
-    decisions: dict[int, OperatorDecision],
-    now: dt.datetime,
+    run: Run, events: list[dict[str, Any]], decisions: dict[int, OperatorDecision]
 ) -> list[Idle]:
     """The spans where nothing of the run ran: from its wait for an
-    operator to what ended it (a decision, the run's end; still waiting:
-    up to `now`), and from its owner's stop (lease lost, given back, the
-    run put back in the queue) to the next owner, when that took long."""
+    operator to what ended it (a decision, the run's end), or open (it
+    still waits), and from its owner's stop (lease lost, given back, the
+    run put back in the queue) to the next owner, when that took long.  No
+    span ends at the clock's now: a bundle's report of an unchanged run is
+    the same bytes whenever it is exported (evidence/bundle_report.py)."""
     spans: list[Idle] = []
     waiting: dt.datetime | None = None
     ender = ""
@@ -554,9 +569,8 @@ def _idle(
             elif kind in WAIT_ENDS:
                 if kind == EventKind.RUN_CANCELLED and not ender:
                     ender = f"the cancel asked by {run.cancel_requested_by or '(not recorded)'}"
-                spans.append(
-                    Idle("operator", waiting, at, wait_words((at - waiting).total_seconds(), ender))
-                )
+                said = wait_words((at - waiting).total_seconds(), ender)
+                spans.append(Idle("operator", waiting, at, said))
                 waiting = None
                 if kind == EventKind.RUN_REQUEUED:
                     unowned = (at, "back in the queue")
@@ -573,21 +587,13 @@ def _idle(
             unowned = None
         elif kind in (EventKind.LEASE_LOST, EventKind.LEASE_RELEASED, EventKind.RUN_REQUEUED):
             unowned = unowned or (at, plain(EventKind, kind))
-    if waiting is not None:
-        still = run.status == RunStatus.NEEDS_OPERATOR
-        end = now if still else (run.finished_at or waiting)
+    if waiting is not None and run.status == RunStatus.NEEDS_OPERATOR:
+        spans.append(Idle("operator", waiting, None, waiting_words(_clock(waiting, millis=False))))
+    elif waiting is not None:  # ended, its end's event not (yet) written
+        end = max(run.finished_at or waiting, waiting)
         spans.append(
-            Idle(
-                "operator",
-                waiting,
-                max(end, waiting),
-                wait_words((end - waiting).total_seconds(), None if still else ender),
-            )
+            Idle("operator", waiting, end, wait_words((end - waiting).total_seconds(), ender))
         )
-    elif unowned is not None and run.is_active and now - unowned[0] >= UNOWNED_SHOWN:
-        since, why = unowned
-        said = unowned_words((now - since).total_seconds(), why, "still queued")
-        spans.append(Idle("owner", since, now, said))
     return spans
 
 
@@ -683,7 +689,7 @@ def _lease_label(event: dict[str, Any]) -> str:
 def _idle_label(figure: go.Figure, span: Idle, axis: Axis) -> None:
     """A span's words on its lane, over its bar; where the bar is near an
     end of the axis, running inwards from its edge, so they stay in view."""
-    start, end = axis.x(span.start), axis.x(span.end)
+    start, end = axis.x(span.start), axis.till(span.end)
     middle = (start + end) / 2
     x, anchor = middle, "center"
     if middle < axis.width * 0.3:

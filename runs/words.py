@@ -161,12 +161,15 @@ def since(moment: dt.datetime, now: dt.datetime) -> str:
     return human_duration((now - moment).total_seconds())
 
 
-def wait_words(seconds: float, ended_by: str | None) -> str:
+def wait_words(seconds: float, ended_by: str) -> str:
     """A run's wait for an operator, as its timeline labels it: how long,
-    and what ended it ("the decision of olga (…)"); None: it still waits."""
-    if ended_by is None:
-        return f"waiting for an operator: {human_duration(seconds)} so far, still waiting"
+    and what ended it ("the decision of olga (…)")."""
     return f"waiting for an operator: {human_duration(seconds)}, ended by {ended_by or 'its end'}"
+
+
+def waiting_words(since: str) -> str:
+    """A run's wait for an operator that goes on, as its timeline labels it."""
+    return f"waiting for an operator since {since}, still waiting"
 
 
 def unowned_words(seconds: float, after: str, until: str) -> str:
