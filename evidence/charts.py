@@ -16,7 +16,7 @@ import math
 import re
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import plotly.graph_objects as go
@@ -24,24 +24,54 @@ from django.utils import timezone
 
 from evidence.models import CaptureGap, GapReason, LockIncident
 from runs.checkpoint_rows import CheckpointRow
-from runs.models import Action, CheckpointOutcome, Run
+from runs.models import (
+    Action,
+    ActionState,
+    CheckpointOutcome,
+    DecisionChoice,
+    OperatorDecision,
+    Receipt,
+    Run,
+    RunStatus,
+)
 from runs.timeline import EventKind
-from runs.words import human_duration, plain
+from runs.words import (
+    cut_words,
+    human_duration,
+    plain,
+    unowned_words,
+    wait_words,
+    waiting_words,
+)
 
-# Colours and legend names of action attempts, by how each ended.
+# Colours and legend names of action attempts, by the state each is in now:
+# how it ended, or what settled it since (an unknown delivery an operator
+# confirmed is completed).  A read refused is a definite answer with no
+# content: not drawn as a success.
 ATTEMPTS = {
     "completed": ("#2e9d4e", "action completed"),
+    "refused": ("#c2407e", "read refused: a definite answer, nothing read"),
     "dispatched": ("#3b7dd8", "action in flight, no receipt yet"),
     "failed": ("#d9473b", "action failed: known not to have happened"),
     "unknown": ("#e0a21b", "action outcome unknown"),
     "interrupted": ("#9aa5b1", "attempt cut short: lease lost or given back"),
 }
-OUTCOME_COLOURS = {
-    "committed": "#2e9d4e",
-    "resolved_committed": "#2e9d4e",
-    "failed_before_write": "#d9473b",
-    "resolved_not_written": "#d9473b",
-    "unknown": "#e0a21b",
+# What an operator's decision on an attempt whose outcome was unknown says
+# of it; a resend under the same identity leaves the first one unknown.
+SETTLES = {
+    DecisionChoice.CONFIRMED_HAPPENED: "completed",
+    DecisionChoice.CONFIRMED_NOT_HAPPENED: "failed",
+    DecisionChoice.WRITTEN: "completed",
+    DecisionChoice.NOT_WRITTEN: "failed",
+}
+# A checkpoint's marker by its outcome: a colour and a symbol of its own
+# for each, so that committed and committed-settled-by-evidence differ.
+CHECKPOINT_MARKERS = {
+    CheckpointOutcome.COMMITTED: ("#2e9d4e", "diamond"),
+    CheckpointOutcome.SETTLED_COMMITTED: ("#138a8a", "star-diamond"),
+    CheckpointOutcome.FAILED_BEFORE_WRITE: ("#d9473b", "triangle-down"),
+    CheckpointOutcome.SETTLED_NOT_WRITTEN: ("#8f2d25", "square-x"),
+    CheckpointOutcome.UNKNOWN: ("#e0a21b", "hourglass"),
 }
 # Lease changes, drawn as vertical lines: (label, colour).
 LEASE_CHANGES = {
@@ -66,10 +96,44 @@ INTERRUPTIONS = {
     EventKind.RUN_FAILED,
     EventKind.RUN_CANCELLED,
 }
-# A bar is drawn at least this fraction of the chart's time span wide: an
-# action of a few milliseconds in a run that paused for minutes stays visible
-# (its hover says how long it really took).
+# What ends a wait for an operator: the run back in the queue (an item
+# decided), taken again, or ended (abandoned, cancelled).
+WAIT_ENDS = {
+    EventKind.RUN_REQUEUED,
+    EventKind.LEASE_ACQUIRED,
+    EventKind.RUN_COMPLETED,
+    EventKind.RUN_FAILED,
+    EventKind.RUN_CANCELLED,
+}
+# Spans where nothing ran: (fill, edge, legend name), drawn on a lane of their own.
+IDLE = {
+    "operator": ("rgba(138, 92, 209, 0.3)", "#8a5cd1", "waiting for an operator"),
+    "owner": ("rgba(91, 101, 112, 0.2)", "#5b6570", "nobody ran it: no lease held"),
+}
+IDLE_LANE = "waits"
+# A claim takes a free executor well under a second: a shorter span without
+# an owner is the queue doing its job, not worth a bar.
+UNOWNED_SHOWN = dt.timedelta(seconds=1)
+# A span where nothing ran is cut (drawn at a fixed width, its real length
+# said on it) when it is longer than CUT_AFTER and longer than CUT_SHARE of
+# the rest of the chart: a ten-minute wait for an operator after a minute of
+# work would leave every action a sliver.  Each cut takes CUT_WIDTH of the
+# plotted width, all of them together at most CUTS_WIDTH.
+CUT_AFTER = dt.timedelta(seconds=0.5)
+CUT_SHARE = 0.25
+CUT_WIDTH = 0.12
+CUTS_WIDTH = 0.3
+# A bar is drawn at least this fraction of the plotted width wide: an action
+# of a few milliseconds among longer ones stays visible (its hover says how
+# long it really took).
 MIN_BAR_FRACTION = 1 / 250
+# About this many ticks on the time axis.
+TICKS = 8
+# Tick steps, in seconds: 1-2-5 below a minute, then whole minutes and hours.
+TICK_STEPS = [
+    *(m * 10.0**e for e in range(-3, 2) for m in (1, 2, 5)),
+    60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400,
+]  # fmt: skip
 # Labels of vertical lines go at up to this many heights; a label is about
 # this fraction of the chart's width wide.
 LABEL_LEVELS = 4
@@ -92,13 +156,16 @@ def inert(text: str) -> str:
 
 @dataclass
 class Attempt:
-    """One dispatch of an action, from its boundary to how it ended."""
+    """One dispatch of an action, from its boundary to how it ended; its
+    state now (`now`, a key of ATTEMPTS) and what happened to it, in words."""
 
     action: Action
     number: int
     start: dt.datetime
     end: dt.datetime
-    how: str  # a key of ATTEMPTS
+    how: str  # how it ended, a key of ATTEMPTS
+    now: str = ""
+    history: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -111,16 +178,81 @@ class Mark:
     hover: str = ""
 
 
+@dataclass
+class Idle:
+    """A span where nothing of the run ran: it waited for an operator
+    (`why` "operator"), or nobody held its lease ("owner")."""
+
+    why: str  # a key of IDLE
+    start: dt.datetime
+    end: dt.datetime | None  # None: it still waits
+    label: str
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A span of time drawn narrower than it was."""
+
+    start: dt.datetime
+    end: dt.datetime
+    at: float  # where it starts on the plotted axis
+    width: float  # how wide it is drawn there
+
+    @property
+    def length(self) -> dt.timedelta:
+        return self.end - self.start
+
+
+@dataclass
+class Axis:
+    """The time axis, in seconds from `origin`, with long idle spans cut:
+    moments inside a cut are spread evenly over its drawn width."""
+
+    origin: dt.datetime
+    last: dt.datetime
+    cuts: list[Cut]
+
+    def x(self, moment: dt.datetime) -> float:
+        shift = 0.0
+        for cut in self.cuts:
+            if moment <= cut.start:
+                break
+            if moment < cut.end:
+                return cut.at + cut.width * ((moment - cut.start) / cut.length)
+            shift += cut.length.total_seconds() - cut.width
+        return (moment - self.origin).total_seconds() - shift
+
+    @property
+    def width(self) -> float:
+        return self.x(self.last)
+
+    def till(self, end: dt.datetime | None) -> float:
+        """Where a span ends; one still open (a wait) runs on past the last
+        moment drawn, over CUT_WIDTH of the plotted width."""
+        if end is not None:
+            return self.x(end)
+        return max(self.width, 0.001) / (1 - CUT_WIDTH)
+
+    def kept(self) -> list[tuple[dt.datetime, dt.datetime]]:
+        """The spans drawn at their real scale, in order."""
+        starts = [self.origin, *(cut.end for cut in self.cuts)]
+        ends = [*(cut.start for cut in self.cuts), self.last]
+        return list(zip(starts, ends, strict=True))
+
+
 def timeline(
     run: Run,
     actions: Sequence[Action],
     checkpoints: Sequence[CheckpointRow],
     redact: Callable[[str], str] = str,
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """Each attempt of an action as a bar from its dispatch to how it ended,
-    coloured by that; checkpoints (one marker per number, its final outcome)
-    and capture gaps on lanes of their own; lease changes, answer revisions
-    and phase changes as labelled vertical lines."""
+    coloured by its state now (its history in its hover); the spans where
+    the run waited for an operator, or nobody ran it, as labelled bars on a
+    lane of their own, cut short when long (the cut says how long); checkpoints
+    (one marker per number, its final outcome) and capture gaps on lanes of
+    their own; lease changes, answer revisions and phase changes as labelled
+    vertical lines.  None when there is nothing to draw (a run nobody took)."""
     now = timezone.now()
     events = list(
         run.events.filter(
@@ -129,6 +261,7 @@ def timeline(
                 *ENDS,
                 *INTERRUPTIONS,
                 *LEASE_CHANGES,
+                *WAIT_ENDS,
                 EventKind.PHASE_CHANGED,
                 EventKind.DECISION,
             ]
@@ -138,7 +271,10 @@ def timeline(
     )
     last_seen = run.finished_at or max((e["created_at"] for e in events), default=None)
     until = now if run.is_active or last_seen is None else last_seen
+    decisions = {d.pk: d for d in run.decisions.order_by("created_at", "id")}
     attempts, outcomes = _attempts(actions, events, until)
+    _settle(attempts, list(decisions.values()), _refused(actions))
+    idle = _idle(run, events, decisions)
     gaps = list(CaptureGap.objects.filter(run=run).order_by("id"))
     marks = [
         Mark(e["created_at"], _lease_label(e), LEASE_CHANGES[e["kind"]][1], inert(e["message"]))
@@ -159,17 +295,40 @@ def timeline(
         for e in events
         if e["kind"] == EventKind.DECISION
     ]
-    moments = [a.start for a in attempts] + [a.end for a in attempts] + [m.at for m in marks]
-    moments += [c.at for c in checkpoints] + [g.created_at for g in gaps]
-    span = (max(moments) - min(moments)) if moments else dt.timedelta(0)
-    shortest = max(span.total_seconds() * 1000 * MIN_BAR_FRACTION, 1.0)
+    points = [m.at for m in marks] + [c.at for c in checkpoints] + [g.created_at for g in gaps]
+    points += [at for late in outcomes.values() for _, at, _ in late]
+    points += [moment for span in idle for moment in (span.start, span.end) if moment]
+    if not attempts and not points:
+        return None
+    axis = _axis([(a.start, a.end) for a in attempts], points)
+    shortest = axis.width * MIN_BAR_FRACTION
 
     def hover(text: str, limit: int) -> str:
         return inert(redact(text)[:limit])
 
     figure = go.Figure()
+    for why, (fill, edge, name) in IDLE.items():
+        spans = [s for s in idle if s.why == why]
+        if not spans:
+            continue
+        figure.add_trace(
+            go.Bar(
+                name=name,
+                orientation="h",
+                y=[IDLE_LANE] * len(spans),
+                base=[axis.x(s.start) for s in spans],
+                x=[axis.till(s.end) - axis.x(s.start) for s in spans],
+                marker={"color": fill, "line": {"color": edge, "width": 1}},
+                customdata=[
+                    [inert(s.label), _clock(s.start), _clock(s.end) if s.end else "now"]
+                    for s in spans
+                ],
+                hovertemplate="%{customdata[0]}<br>%{customdata[1]} to %{customdata[2]}"
+                "<extra></extra>",
+            )
+        )
     for how, (colour, name) in ATTEMPTS.items():
-        bars = [a for a in attempts if a.how == how]
+        bars = [a for a in attempts if a.now == how]
         if not bars:
             continue
         figure.add_trace(
@@ -177,8 +336,8 @@ def timeline(
                 name=name,
                 orientation="h",
                 y=[inert(a.action.step_key) for a in bars],
-                base=[a.start.isoformat() for a in bars],
-                x=[max(_ms(a.end - a.start), shortest) for a in bars],
+                base=[axis.x(a.start) for a in bars],
+                x=[max(axis.x(a.end) - axis.x(a.start), shortest) for a in bars],
                 marker={"color": colour, "pattern": {"shape": "/" if how == "interrupted" else ""}},
                 customdata=[
                     [
@@ -186,45 +345,51 @@ def timeline(
                         a.action.input_digest[:12],
                         hover(a.action.error or "", 200),
                         a.number,
-                        _duration(a.end - a.start),
+                        human_duration((a.end - a.start).total_seconds()),
+                        "<br>".join(hover(line, 300) for line in a.history),
                     ]
                     for a in bars
                 ],
                 hovertemplate=(
                     "%{y}<br>attempt %{customdata[3]}, took %{customdata[4]}"
-                    "<br>input %{customdata[1]}…<br>%{customdata[2]}<extra>" + name + "</extra>"
+                    "<br>%{customdata[5]}<br>input %{customdata[1]}…<br>%{customdata[2]}"
+                    "<extra>" + name + "</extra>"
                 ),
             )
         )
-    for how, points in sorted(outcomes.items()):
+    for how, late in sorted(outcomes.items()):
         colour, name = ATTEMPTS[how]
         figure.add_trace(
             go.Scatter(
                 name=f"{name} (said after a pause)",
                 mode="markers",
-                x=[at.isoformat() for _, at, _ in points],
-                y=[inert(action.step_key) for action, _, _ in points],
-                marker={"color": colour, "size": 11, "symbol": "x"},
-                customdata=[[hover(message, 200)] for _, _, message in points],
-                hovertemplate="%{y}<br>%{customdata[0]}<extra>" + name + "</extra>",
+                x=[axis.x(at) for _, at, _ in late],
+                y=[inert(action.step_key) for action, _, _ in late],
+                marker={"color": colour, "size": 11, "symbol": "circle-x"},
+                customdata=[[hover(message, 200), _clock(at)] for _, at, message in late],
+                hovertemplate="%{y} at %{customdata[1]}<br>%{customdata[0]}<extra>"
+                + name
+                + "</extra>",
             )
         )
-    for outcome, colour in OUTCOME_COLOURS.items():
-        points = [c for c in checkpoints if c.outcome == outcome]
-        if not points:
+    for outcome, (colour, symbol) in CHECKPOINT_MARKERS.items():
+        saved = [c for c in checkpoints if c.outcome == outcome]
+        if not saved:
             continue
         name = f"checkpoint {plain(CheckpointOutcome, outcome)}"
         figure.add_trace(
             go.Scatter(
                 name=name,
                 mode="markers",
-                x=[c.at.isoformat() for c in points],
-                y=["checkpoints"] * len(points),
-                marker={"color": colour, "size": 11, "symbol": "diamond"},
-                customdata=[[c.number, c.xid or "—", hover(c.summary, 300)] for c in points],
+                x=[axis.x(c.at) for c in saved],
+                y=["checkpoints"] * len(saved),
+                marker={"color": colour, "size": 11, "symbol": symbol},
+                customdata=[
+                    [c.number, c.xid or "—", hover(c.summary, 300), _clock(c.at)] for c in saved
+                ],
                 hovertemplate=(
-                    "checkpoint %{customdata[0]}<br>xid %{customdata[1]}<br>%{customdata[2]}"
-                    "<extra>" + name + "</extra>"
+                    "checkpoint %{customdata[0]} at %{customdata[3]}<br>xid %{customdata[1]}"
+                    "<br>%{customdata[2]}<extra>" + name + "</extra>"
                 ),
             )
         )
@@ -233,27 +398,50 @@ def timeline(
             go.Scatter(
                 name="capture gap",
                 mode="markers",
-                x=[g.created_at.isoformat() for g in gaps],
+                x=[axis.x(g.created_at) for g in gaps],
                 y=["capture gaps"] * len(gaps),
                 marker={"color": "#8a5cd1", "size": 10, "symbol": "x"},
-                customdata=[[plain(GapReason, g.reason), hover(g.detail, 200)] for g in gaps],
-                hovertemplate="%{customdata[0]}<br>%{customdata[1]}<extra>capture gap</extra>",
+                customdata=[
+                    [plain(GapReason, g.reason), hover(g.detail, 200), _clock(g.created_at)]
+                    for g in gaps
+                ],
+                hovertemplate="%{customdata[0]} at %{customdata[2]}<br>%{customdata[1]}"
+                "<extra>capture gap</extra>",
             )
         )
-    for mark, level in _levels(marks, span):
-        _vertical(figure, mark, level)
-    lanes = [inert(a.step_key) for a in actions] + ["checkpoints", "capture gaps"]
+    for span in idle:
+        _idle_label(figure, span, axis)
+    for cut in axis.cuts:
+        _cut(figure, cut)
+    for mark, level in _levels(marks, axis):
+        _vertical(figure, mark, axis.x(mark.at), level)
+    lanes = [IDLE_LANE] if idle else []
+    lanes += [inert(a.step_key) for a in actions] + ["checkpoints", "capture gaps"]
+    ticks = _ticks(axis)
     figure.update_layout(
-        **{**LAYOUT, "margin": {**LAYOUT["margin"], "t": 16 * LABEL_LEVELS + 14}},
-        height=max(240, 26 * len(lanes) + 120),
+        **{**LAYOUT, "margin": {**LAYOUT["margin"], "t": 16 * LABEL_LEVELS + 14, "b": 50}},
+        height=max(240, 26 * len(lanes) + 130),
         barmode="overlay",
-        xaxis={"type": "date", "title": None},
+        xaxis={
+            # Its range left to plotly: a reader's zoom then stays as the
+            # run page redraws the chart (uirevision keeps what the reader
+            # changed only where the figure's own value did not change).
+            "type": "linear",
+            "tickmode": "array",
+            "tickvals": [x for x, _ in ticks],
+            "ticktext": [text for _, text in ticks],
+            "zeroline": False,
+            "title": {"text": _dates(axis), "font": {"size": 11}},
+        },
         yaxis={
             "categoryorder": "array",
             "categoryarray": list(reversed(lanes)),
             "automargin": True,
         },
-        legend={"orientation": "h", "y": -0.15},
+        # Always, even for one trace; on the right, clear of the time axis
+        # and its date.
+        showlegend=True,
+        legend={"orientation": "v", "x": 1.01, "xanchor": "left", "y": 1, "yanchor": "top"},
         # The run page redraws this chart as the run goes on: the reader's
         # zoom and pan stay.
         uirevision=f"run-{run.pk}",
@@ -317,16 +505,177 @@ def _attempts(
     return attempts, late
 
 
-def _levels(marks: list[Mark], span: dt.timedelta) -> list[tuple[Mark, int]]:
+def _refused(actions: Sequence[Action]) -> set[int]:
+    """The actions whose receipt holds a refusal (a read of a file that is
+    not text, say): completed, with a definite answer and nothing read."""
+    return set(
+        Receipt.objects.filter(
+            action_id__in=[a.pk for a in actions], result__has_key="refused"
+        ).values_list("action_id", flat=True)
+    )
+
+
+def _settle(attempts: list[Attempt], decisions: list[OperatorDecision], refused: set[int]) -> None:
+    """Each attempt's state now and its history: how it ended, and the
+    decision taken on it since (a delivery whose answer was lost, confirmed
+    by an operator, is completed now).  The last attempt of an action is in
+    its action's state when that was settled otherwise (by evidence)."""
+    for i, attempt in enumerate(attempts):
+        action = attempt.action
+        following = next((a for a in attempts[i + 1 :] if a.action is action), None)
+        attempt.history = [f"dispatched at {_clock(attempt.start)}"]
+        if attempt.how != "dispatched":
+            attempt.history.append(f"{ATTEMPTS[attempt.how][1]} at {_clock(attempt.end)}")
+        attempt.now = attempt.how
+        for decision in decisions:
+            if decision.action_id != action.pk or decision.created_at < attempt.start:
+                continue
+            if following is not None and decision.created_at >= following.start:
+                continue
+            said = f"{decision.get_choice_display()}, by {decision.decided_by} at "
+            said += _clock(decision.created_at)
+            if decision.reference:
+                said += f" (reference {decision.reference})"
+            attempt.history.append(said)
+            if attempt.how == "unknown":
+                attempt.now = SETTLES.get(decision.choice, attempt.now)
+        settled = action.state in (ActionState.COMPLETED, ActionState.FAILED)
+        if following is None and attempt.now in ("unknown", "dispatched") and settled:
+            attempt.now = action.state
+        if attempt.now == "completed" and action.pk in refused:
+            attempt.now = "refused"
+        if attempt.now != attempt.how:
+            attempt.history.append(f"now: {ATTEMPTS[attempt.now][1]}")
+
+
+def _idle(
+    run: Run, events: list[dict[str, Any]], decisions: dict[int, OperatorDecision]
+) -> list[Idle]:
+    """The spans where nothing of the run ran: from its wait for an
+    operator to what ended it (a decision, the run's end), or open (it
+    still waits), and from its owner's stop (lease lost, given back, the
+    run put back in the queue) to the next owner, when that took long.  No
+    span ends at the clock's now: a bundle's report of an unchanged run is
+    the same bytes whenever it is exported (evidence/bundle_report.py)."""
+    spans: list[Idle] = []
+    waiting: dt.datetime | None = None
+    ender = ""
+    unowned: tuple[dt.datetime, str] | None = None
+    for e in events:
+        kind, at = e["kind"], e["created_at"]
+        if waiting is not None:
+            if kind == EventKind.DECISION:
+                ender = _ender(decisions.get((e["data"] or {}).get("decision")), e["message"])
+            elif kind in WAIT_ENDS:
+                if kind == EventKind.RUN_CANCELLED and not ender:
+                    ender = f"the cancel asked by {run.cancel_requested_by or '(not recorded)'}"
+                said = wait_words((at - waiting).total_seconds(), ender)
+                spans.append(Idle("operator", waiting, at, said))
+                waiting = None
+                if kind == EventKind.RUN_REQUEUED:
+                    unowned = (at, "back in the queue")
+            continue
+        if kind == EventKind.NEEDS_OPERATOR:
+            waiting, ender, unowned = at, "", None
+        elif kind == EventKind.LEASE_ACQUIRED and unowned is not None:
+            since, why = unowned
+            if at - since >= UNOWNED_SHOWN:
+                epoch = (e["data"] or {}).get("epoch")
+                taken = f"until epoch {epoch} took it" if epoch else "until an executor took it"
+                said = unowned_words((at - since).total_seconds(), why, taken)
+                spans.append(Idle("owner", since, at, said))
+            unowned = None
+        elif kind in (EventKind.LEASE_LOST, EventKind.LEASE_RELEASED, EventKind.RUN_REQUEUED):
+            unowned = unowned or (at, plain(EventKind, kind))
+    if waiting is not None and run.status == RunStatus.NEEDS_OPERATOR:
+        spans.append(Idle("operator", waiting, None, waiting_words(_clock(waiting, millis=False))))
+    elif waiting is not None:  # ended, its end's event not (yet) written
+        end = max(run.finished_at or waiting, waiting)
+        spans.append(
+            Idle("operator", waiting, end, wait_words((end - waiting).total_seconds(), ender))
+        )
+    return spans
+
+
+def _ender(decision: OperatorDecision | None, message: str) -> str:
+    """What a decision that ended a wait is called on its span."""
+    if decision is None:  # its row is not readable: the event says who
+        return f"a decision ({message})"
+    if decision.user_id is None:
+        return f"the evidence ({decision.decided_by})"
+    return f"the decision of {decision.decided_by} ({decision.get_choice_display()})"
+
+
+def _axis(busy: list[tuple[dt.datetime, dt.datetime]], points: list[dt.datetime]) -> Axis:
+    """The time axis: the spans between what was drawn (attempts, marks,
+    markers, the ends of idle spans) are idle; the longest are cut, per
+    CUT_AFTER and CUT_SHARE, largest first, each drawn CUT_WIDTH wide."""
+    blocks = sorted(busy + [(p, p) for p in points])
+    origin, reach = blocks[0]
+    idle = []
+    for start, end in blocks[1:]:
+        if start > reach:
+            idle.append((start - reach, reach, start))
+        reach = max(reach, end)
+    span = reach - origin
+    cut: list[tuple[dt.datetime, dt.datetime]] = []
+    cut_length = dt.timedelta(0)
+    for length, start, end in sorted(idle, reverse=True):
+        if length <= CUT_AFTER or length <= CUT_SHARE * (span - cut_length - length):
+            break
+        cut.append((start, end))
+        cut_length += length
+    kept = max((span - cut_length).total_seconds(), 0.001)
+    share = min(CUT_WIDTH, CUTS_WIDTH / len(cut)) if cut else 0.0
+    width = share * kept / (1 - len(cut) * share)
+    axis = Axis(origin, reach, [])
+    for start, end in sorted(cut):
+        axis.cuts.append(Cut(start, end, axis.x(start), width))
+    return axis
+
+
+def _ticks(axis: Axis) -> list[tuple[float, str]]:
+    """Clock times along the axis, about TICKS of them, at a round step,
+    on the spans drawn at their real scale (none inside a cut)."""
+    wanted = axis.width / TICKS
+    step = next((s for s in TICK_STEPS if s >= wanted), TICK_STEPS[-1])
+    ticks: list[tuple[float, str]] = []
+    for start, end in axis.kept():
+        first = math.ceil(start.timestamp() / step) * step
+        for n in range(int((end.timestamp() - first) // step) + 1):
+            moment = dt.datetime.fromtimestamp(first + n * step, tz=dt.UTC)
+            x = axis.x(moment)
+            # Clear of the tick before it, over a cut's edge.
+            if not ticks or x - ticks[-1][0] >= step * 0.6:
+                ticks.append((x, _clock(moment, millis=step < 1)))
+    return ticks
+
+
+def _dates(axis: Axis) -> str:
+    """The day (or days) the axis' clock times are on, and their time zone."""
+    first, last = timezone.localtime(axis.origin), timezone.localtime(axis.last)
+    days = first.strftime("%Y-%m-%d")
+    if last.date() != first.date():
+        days += f" to {last.strftime('%Y-%m-%d')}"
+    return f"{days}, {first.tzname()}"
+
+
+def _clock(moment: dt.datetime, millis: bool = True) -> str:
+    local = timezone.localtime(moment)
+    return local.strftime("%H:%M:%S.%f")[:-3] if millis else local.strftime("%H:%M:%S")
+
+
+def _levels(marks: list[Mark], axis: Axis) -> list[tuple[Mark, int]]:
     """The height each mark's label goes at: the lowest whose last label is
     far enough to the left not to overlap, else the one used longest ago."""
-    apart = span * LABEL_WIDTH_FRACTION
-    last: list[dt.datetime | None] = [None] * LABEL_LEVELS
+    apart = axis.width * LABEL_WIDTH_FRACTION
+    last: list[float | None] = [None] * LABEL_LEVELS
     placed = []
     for mark in sorted(marks, key=lambda m: m.at):
-        free = [i for i, at in enumerate(last) if at is None or mark.at - at >= apart]
-        level = free[0] if free else min(range(LABEL_LEVELS), key=lambda i: last[i] or mark.at)
-        last[level] = mark.at
+        x = axis.x(mark.at)
+        free = [i for i, at in enumerate(last) if at is None or x - at >= apart]
+        level = free[0] if free else min(range(LABEL_LEVELS), key=lambda i: last[i] or x)
+        last[level] = x
         placed.append((mark, level))
     return placed
 
@@ -335,6 +684,45 @@ def _lease_label(event: dict[str, Any]) -> str:
     label = LEASE_CHANGES[event["kind"]][0]
     epoch = (event["data"] or {}).get("epoch")
     return f"{label}, epoch {epoch}" if epoch is not None else label
+
+
+def _idle_label(figure: go.Figure, span: Idle, axis: Axis) -> None:
+    """A span's words on its lane, over its bar; where the bar is near an
+    end of the axis, running inwards from its edge, so they stay in view."""
+    start, end = axis.x(span.start), axis.till(span.end)
+    middle = (start + end) / 2
+    x, anchor = middle, "center"
+    if middle < axis.width * 0.3:
+        x, anchor = start, "left"
+    elif middle > axis.width * 0.7:
+        x, anchor = end, "right"
+    figure.add_annotation(
+        x=x,
+        y=IDLE_LANE,
+        text=inert(span.label),
+        xanchor=anchor,
+        showarrow=False,
+        font={"size": 11, "color": "#3d2a66" if span.why == "operator" else "#3c434a"},
+        bgcolor="rgba(255, 255, 255, 0.8)",
+    )
+
+
+def _cut(figure: go.Figure, cut: Cut) -> None:
+    """Where time was cut: a shaded band over the whole plot, and on the
+    time axis how much of it is not drawn."""
+    figure.add_vrect(
+        x0=cut.at, x1=cut.at + cut.width, fillcolor="#eef0f3", line_width=0, layer="below"
+    )
+    figure.add_annotation(
+        x=cut.at + cut.width / 2,
+        y=0,
+        yref="paper",
+        text=inert(cut_words(cut.length.total_seconds())),
+        hovertext=f"{_clock(cut.start)} to {_clock(cut.end)}: nothing ran, drawn shorter",
+        showarrow=False,
+        font={"size": 11, "color": "#5b6570"},
+        bgcolor="#fff",
+    )
 
 
 # The lock graph is laid out in data units drawn at a fixed scale, so that a
@@ -734,23 +1122,10 @@ def gaps_over_time(gaps: Iterable[tuple[str, str, int]]) -> dict[str, Any]:
     return figure.to_dict()
 
 
-def _ms(delta: dt.timedelta) -> float:
-    return max(delta.total_seconds() * 1000, 1.0)
-
-
-def _duration(delta: dt.timedelta) -> str:
-    seconds = delta.total_seconds()
-    if seconds < 1:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    return f"{seconds / 60:.1f} min"
-
-
-def _vertical(figure: go.Figure, mark: Mark, level: int) -> None:
-    """A vertical line at `mark`, its label above the plot at one of
-    LABEL_LEVELS heights, so that labels of close moments do not overlap."""
-    x = mark.at.isoformat()
+def _vertical(figure: go.Figure, mark: Mark, x: float, level: int) -> None:
+    """A vertical line at `mark` (at `x` on the axis), its label above the
+    plot at one of LABEL_LEVELS heights, so that labels of close moments do
+    not overlap; its hover says when."""
     figure.add_vline(x=x, line={"color": mark.colour, "dash": "dot", "width": 1})
     figure.add_annotation(
         x=x,
@@ -759,7 +1134,7 @@ def _vertical(figure: go.Figure, mark: Mark, level: int) -> None:
         yanchor="bottom",
         yshift=2 + 16 * level,
         text=mark.label,
-        hovertext=mark.hover or mark.label,
+        hovertext=f"{_clock(mark.at)}: {mark.hover or mark.label}",
         showarrow=False,
         font={"size": 10, "color": mark.colour},
     )

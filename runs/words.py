@@ -161,6 +161,28 @@ def since(moment: dt.datetime, now: dt.datetime) -> str:
     return human_duration((now - moment).total_seconds())
 
 
+def wait_words(seconds: float, ended_by: str) -> str:
+    """A run's wait for an operator, as its timeline labels it: how long,
+    and what ended it ("the decision of olga (…)")."""
+    return f"waiting for an operator: {human_duration(seconds)}, ended by {ended_by or 'its end'}"
+
+
+def waiting_words(since: str) -> str:
+    """A run's wait for an operator that goes on, as its timeline labels it."""
+    return f"waiting for an operator since {since}, still waiting"
+
+
+def unowned_words(seconds: float, after: str, until: str) -> str:
+    """A span where nobody ran a run (no lease held), as its timeline
+    labels it: "nobody ran it for 40 s: lease lost, until epoch 3 took it"."""
+    return f"nobody ran it for {human_duration(seconds)}: {after}, {until}"
+
+
+def cut_words(seconds: float) -> str:
+    """Where a timeline's axis leaves time out: how much."""
+    return f"… {human_duration(seconds)} …"
+
+
 # A queued run nobody has taken for this long is said to be waiting for an
 # executor (a claim takes a free executor well under a second).
 QUEUED_LONG = dt.timedelta(seconds=10)

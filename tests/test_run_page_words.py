@@ -296,14 +296,22 @@ def test_action_bars_stay_visible_across_a_pause_and_lease_changes_are_drawn(vie
     cut = bars["attempt cut short: lease lost or given back"]
     done = bars["action completed"]
     assert cut["y"] == ["read:0"] and done["y"] == ["read:0"]
-    assert dt.datetime.fromisoformat(cut["base"][0]) == t0 + dt.timedelta(milliseconds=10)
-    assert dt.datetime.fromisoformat(done["base"][0]) == later + dt.timedelta(milliseconds=5)
-    # A 50 ms and a 4 ms attempt on a ten-minute axis: both wide enough to see.
-    span_ms = (later - t0).total_seconds() * 1000
+    # Their hovers say when, in real clock times.
+    clock = timezone.localtime(t0 + dt.timedelta(milliseconds=10)).strftime("%H:%M:%S.%f")[:-3]
+    assert f"dispatched at {clock}" in cut["customdata"][0][5]
+    clock = timezone.localtime(later + dt.timedelta(milliseconds=5)).strftime("%H:%M:%S.%f")[:-3]
+    assert f"dispatched at {clock}" in done["customdata"][0][5]
+    # A 50 ms and a 4 ms attempt around ten minutes nobody ran it: the ten
+    # minutes are cut, and both bars are wide enough to see.
+    ends = [base + x for bar in bars.values() for base, x in zip(bar["base"], bar["x"])]
+    width = max(ends) - min(base for bar in bars.values() for base in bar["base"])
     for bar in (cut, done):
-        assert bar["x"][0] >= span_ms / 300
+        assert bar["x"][0] >= width / 300
     assert cut["customdata"][0][4] == "50 ms" and done["customdata"][0][4] == "4 ms"
     labels = [a["text"] for a in figure["layout"]["annotations"]]
+    assert "nobody ran it for 10 min: lease lost, until epoch 2 took it" in labels
+    # Cut where nothing was drawn: up to the run back in the queue, and after.
+    assert "… 20 s …" in labels and "… 9 min 40 s …" in labels
     for label in ["lease taken, epoch 1", "lease lost", "back in the queue"]:
         assert label in labels, label
     assert "lease taken, epoch 2" in labels and "resumed" in labels
