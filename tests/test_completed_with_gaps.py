@@ -18,6 +18,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from evidence.bundle_report import report_html
 from runs.executor import claim_and_drive
 from runs.models import Action, Phase, Run, RunStatus
 from runs.timeline import timeline
@@ -257,3 +258,19 @@ def test_a_clean_run_page_says_nothing_of_gaps(viewer: Client, clean):
     page = viewer.get(f"/runs/{clean.pk}/").content.decode()
     assert 'id="run-left-out"' not in page and "Completed with gaps" not in page
     assert 'class="state refused"' not in page
+
+
+# -- a bundle's report.html --------------------------------------------------------
+
+
+def test_a_bundles_report_says_it_too(refused, clean):
+    report = report_html(refused)
+    read = action(refused, "read:0")
+    block = top(report)
+    assert visible(block) == (
+        "Completed with gaps: the answer leaves out "
+        "reading prospectus.pdf: refused: a PDF document, not text"
+    )
+    assert f'href="#action-{read.pk}"' in block
+    assert '<span class="state refused"' in section(report, f'<tr id="action-{read.pk}">', "</tr>")
+    assert 'id="run-left-out"' not in report_html(clean)
