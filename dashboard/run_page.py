@@ -11,7 +11,7 @@ from django import forms
 
 from runs.models import Run, RunStatus
 from runs.timeline import EventKind
-from runs.words import cancel_words, queue_words, status_now
+from runs.words import cancel_words, left_out, queue_words, status_now
 
 
 class CancelForm(forms.Form):
@@ -44,8 +44,9 @@ def cancel_reason(run: Run) -> str:
 
 
 def run_now(run: Run, now: dt.datetime, cancel_form: CancelForm | None = None) -> dict[str, Any]:
-    """What the run page's status, lease and cancel lines say at `now`, and
-    the cancel form (as sent, with its errors, after a refused cancel)."""
+    """What the run page's status, lease and cancel lines say at `now`, what
+    a completed run's answer leaves out, and the cancel form (as sent, with
+    its errors, after a refused cancel)."""
     said = status_now(run, now)
     run.status_label = said.words
     return {
@@ -55,4 +56,7 @@ def run_now(run: Run, now: dt.datetime, cancel_form: CancelForm | None = None) -
         "queue_said": queue_words(run, now),
         "cancel_said": cancel_words(run, cancel_reason(run), now),
         "cancel_form": cancel_form or CancelForm(),
+        # A completed run whose answer leaves work out says what, at its top
+        # (Run.objects.completed_with_gaps() lists it so).
+        "left_out": left_out(run) if run.status == RunStatus.COMPLETED else [],
     }

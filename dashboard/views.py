@@ -45,9 +45,14 @@ from runs.models import Phase, Run, RunStatus, older_than, page_cursor
 from runs.sql import unless_locked
 from runs.tasks import hand_over
 from runs.timeline import EventKind
-from runs.words import human_duration, plain, status_now, status_words
+from runs.words import WITH_GAPS, human_duration, plain, status_now, status_words
 
 PAGE_SIZE = 50
+# The runs list's status filter: each status and, after completed, the
+# completed runs whose answer leaves work out (Run.objects.completed_with_gaps()).
+GAPS_FILTER = "completed_with_gaps"
+STATUS_FILTER = [(value, plain(RunStatus, value)) for value in RunStatus.values]
+STATUS_FILTER.insert(RunStatus.values.index(RunStatus.COMPLETED) + 1, (GAPS_FILTER, WITH_GAPS))
 EVENTS_PAGE = 50
 BUNDLES_SHOWN = 10
 LOG_UPLOAD_LIMIT = 5 * 1024 * 1024
@@ -93,7 +98,7 @@ def needs_you(request: HtmxHttpRequest) -> HttpResponse:
 @rejects_bad_input
 def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     filters = {
-        "status": params.choice(request, "status", RunStatus.values),
+        "status": params.choice(request, "status", [value for value, _ in STATUS_FILTER]),
         "unknown": params.flag(request, "unknown"),
         "gaps": params.flag(request, "gaps"),
         "drills": params.flag(request, "drills"),
@@ -116,7 +121,9 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     )
     # Drills' runs (runs/drills.py) are shown only when asked for, alone.
     runs = runs.filter(is_drill=filters["drills"])
-    if filters["status"]:
+    if filters["status"] == GAPS_FILTER:
+        runs = runs.completed_with_gaps()
+    elif filters["status"]:
         runs = runs.filter(status=filters["status"])
     if filters["unknown"]:
         runs = runs.with_open_unknowns()
@@ -136,7 +143,7 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     context = {
         "runs": page,
         "filters": filters,
-        "statuses": [(value, plain(RunStatus, value)) for value in RunStatus.values],
+        "statuses": STATUS_FILTER,
         "next_cursor": page_cursor(page[-1]) if more and page else "",
         "live": any(run.is_active for run in page),
         "now": now,

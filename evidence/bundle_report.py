@@ -37,9 +37,9 @@ from evidence.models import CaptureGap, EvidenceCopy, LockWait
 from evidence.run_facts import run_facts
 from runs.answers import answer_html
 from runs.inbox import history
-from runs.models import Run
+from runs.models import Run, RunStatus
 from runs.timeline import EventKind
-from runs.words import evidence_fields, plain
+from runs.words import evidence_fields, left_out, plain
 
 TEMPLATE = "bundle_report.html"
 # The plotly.js bundle templates/base.html loads too; `make plotly` updates both.
@@ -93,6 +93,8 @@ def report_html(
         "events_total": total,
         "events_left_out": total - len(shown),
         "time_zone": timezone.get_current_timezone_name(),
+        # What the run page says at its top of a completed run with gaps.
+        "left_out": left_out(run) if run.status == RunStatus.COMPLETED else [],
     }
     body = redact(render_to_string(f"{TEMPLATE}#body", context))
     # Only the page's own scripts run: a nonce nobody writing a question or

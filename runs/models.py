@@ -21,7 +21,17 @@ from typing import Any
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
 from django.db import models, transaction
-from django.db.models import Count, Exists, F, Func, OuterRef, Q, Subquery, Value
+from django.db.models import (
+    Count,
+    Exists,
+    ExpressionWrapper,
+    F,
+    Func,
+    OuterRef,
+    Q,
+    Subquery,
+    Value,
+)
 from django.db.models.functions import Cast, Coalesce, Concat, Now
 
 from runs import lifecycle
@@ -113,6 +123,28 @@ def _count_per_run(rows: models.QuerySet) -> Coalesce:
     return Coalesce(Subquery(per_run), 0)
 
 
+def reads_left_out() -> models.QuerySet[Action]:
+    """Read actions (effect class read: a document, a model's summary, any
+    agent's) whose work a run's answer goes without: refused (the tool
+    answered, and its receipt holds why not) or failed (known not to have
+    happened).  What words.left_out names, one by one."""
+    return Action.objects.filter(effect_class=EffectClass.READ).filter(
+        Q(state=ActionState.FAILED) | Q(receipt__result__has_key="refused")
+    )
+
+
+def _completed_with_gaps() -> Q:
+    """A completed run whose answer leaves work out: a read of it refused
+    or failed (reads_left_out), or research ended early, by its budget or
+    deadline (phase_reason: only they move a run to finalizing, and they
+    do it before a read not yet dispatched).  Derived from the run's own
+    rows, for any agent: its status stays completed.  An EXISTS worked out
+    for the rows of a page only, as listing's counts."""
+    return Q(status=RunStatus.COMPLETED) & (
+        Q(Exists(reads_left_out().filter(run=OuterRef("pk")))) | ~Q(phase_reason="")
+    )
+
+
 # What no PostgreSQL text can hold: NUL, and lone surrogates (UTF-8 cannot
 # encode them).
 UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
@@ -138,7 +170,13 @@ class RunQuerySet(models.QuerySet["Run"]):
             actions_done=_count_per_run(Action.objects.filter(state=ActionState.COMPLETED)),
             unknown_open=_count_per_run(OutcomeItem.objects.filter(state=OutcomeState.OPEN)),
             gaps=Coalesce(F("capture_stats__lost"), 0),
+            with_gaps=ExpressionWrapper(_completed_with_gaps(), models.BooleanField()),
         )
+
+    def completed_with_gaps(self) -> RunQuerySet:
+        """Completed runs whose answer leaves work out (_completed_with_gaps):
+        the runs list's "completed with gaps"."""
+        return self.filter(_completed_with_gaps())
 
     def with_open_unknowns(self) -> RunQuerySet:
         return self.filter(

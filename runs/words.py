@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.db.models import Max, TextChoices
+from django.db.models.fields.json import KeyTextTransform
 from django.utils import timezone
 
 from evidence.models import GapReason
@@ -30,6 +31,7 @@ from runs.models import (
     Phase,
     Run,
     RunStatus,
+    reads_left_out,
 )
 from runs.timeline import EventKind
 
@@ -312,6 +314,66 @@ def did(action: Action, documents: list[str]) -> str:
     if action.kind == "model_call" and action.step_key == "compose":
         return "composing the report (the model)"
     return f"{words(action.kind)} ({action.step_key})"
+
+
+# A completed run whose answer leaves work out (left_out): its status stays
+# completed, and the runs list and its page say this beside it.
+WITH_GAPS = "completed with gaps"
+
+# The documents a line of left_out names before it counts the rest.
+NOT_READ_NAMED = 5
+
+
+@dataclass(frozen=True)
+class LeftOut:
+    """One piece of work a run's answer goes without, in words, and the
+    action that was to do it (None: none was dispatched)."""
+
+    words: str
+    action_id: int | None = None
+
+
+def left_out(run: Run) -> list[LeftOut]:
+    """What a run's answer leaves out, in the order it was met: each read
+    refused ("reading report.pdf: refused: a PDF document, not text") or
+    failed ("summarising crestline.md (the model): failed: ..."), named by
+    what it did, then the documents research ended before ("1 of 3
+    documents not read (action budget of 6 exhausted): meridian.md").
+    Empty when nothing was; it asks of the run's rows what
+    Run.objects.completed_with_gaps() asks of every run's."""
+    lines = []
+    reads = (
+        reads_left_out()
+        .filter(run=run)
+        .annotate(refusal=KeyTextTransform("refused", "receipt__result"))
+    )
+    for action in reads.order_by("id"):
+        if action.state == ActionState.FAILED:
+            what = f"failed: {action.error}"
+        else:
+            # The read tool's refusal begins with the path did() names.
+            path = action.input.get("path") if isinstance(action.input, dict) else None
+            what = f"refused: {action.refusal.removeprefix(f'{path!r}: ')}"
+        lines.append(LeftOut(f"{did(action, run.documents)}: {what}", action.pk))
+    if run.phase_reason:
+        tried = set(
+            run.actions.filter(effect_class=EffectClass.READ).values_list("input__path", flat=True)
+        )
+        unread = [path for path in run.documents if path not in tried]
+        lines.append(LeftOut(_not_read(unread, len(run.documents), run.phase_reason)))
+    return lines
+
+
+def _not_read(unread: list[str], documents: int, reason: str) -> str:
+    """The documents research ended before, named up to NOT_READ_NAMED;
+    none named (a run whose input lists none): that it ended, and why."""
+    if not unread:
+        return f"research ended early: {reason}"
+    named = ", ".join(unread[:NOT_READ_NAMED])
+    if len(unread) > NOT_READ_NAMED:
+        named += f" and {len(unread) - NOT_READ_NAMED} more"
+    plural = "s" if documents != 1 else ""
+    return f"{len(unread)} of {documents} document{plural} not read ({reason}): {named}"
 
 
 # -- evidence as labelled fields ----------------------------------------------------
