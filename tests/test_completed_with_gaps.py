@@ -21,6 +21,7 @@ from django.utils import timezone
 from evidence.bundle_report import report_html
 from runs.executor import claim_and_drive
 from runs.models import Action, Phase, Run, RunStatus
+from runs.submission import submit
 from runs.timeline import timeline
 from runs.words import LeftOut, left_out
 from tests.faultruns import DOCS, run_with
@@ -43,7 +44,7 @@ def corpus(tmp_path: Path, settings) -> Path:
 
 
 def completed(question: str, documents: list[str], **options) -> Run:
-    run = Run.objects.submit(question=question, documents=documents, **options)
+    run = submit(question=question, documents=documents, **options)
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     timeline.flush()
     run.refresh_from_db()
@@ -151,7 +152,7 @@ def test_a_run_with_no_documents_listed_says_research_ended_early():
 
 def test_only_completed_runs_are_completed_with_gaps(corpus):
     # Refused its only document, then cancelled before it could answer.
-    run = Run.objects.submit(
+    run = submit(
         question="q",
         documents=["prospectus.pdf", DOCS[0]],
         faults=[{"point": "cancel", "action": 2}],
@@ -192,7 +193,7 @@ def test_the_list_marks_completed_runs_with_gaps_in_words(viewer: Client, refuse
 
 
 def test_the_status_filter_offers_completed_with_gaps(viewer: Client, refused, over_budget, clean):
-    queued = Run.objects.submit(question="still queued", documents=DOCS[:1])
+    queued = submit(question="still queued", documents=DOCS[:1])
     page = viewer.get("/", {"status": "completed_with_gaps"}).content.decode()
     shown = set(map(int, re.findall(r'<tr class="[^"]*">\s*<td><a href="/runs/(\d+)/"', page)))
     assert shown == {refused.pk, over_budget.pk}

@@ -31,6 +31,7 @@ from runs.models import (
     RunEvent,
     RunStatus,
 )
+from runs.submission import submit
 from runs.timeline import EventKind, timeline
 from tests.faultruns import KEYS, run_with
 from tests.receivers import LocalServer, status
@@ -213,7 +214,7 @@ def test_the_legend_is_shown_for_a_single_trace_and_clear_of_the_time_axis(setti
 
 
 def test_a_queued_run_draws_no_chart_and_says_so(viewer):
-    run = Run.objects.submit(question="Compare the funds", documents=["northwind-clean-energy.md"])
+    run = submit(question="Compare the funds", documents=["northwind-clean-energy.md"])
     assert figure_of(run) is None
     page = viewer.get(f"/runs/{run.pk}/").content.decode()
     assert "chart-timeline" not in page
