@@ -67,8 +67,9 @@ def seed(runs: int, events_per_run: int) -> int:
                            lease_epoch, cancel_requested_by, is_drill, origin_format,
                            origin_installation, origin_seal, created_at, updated_at,
                            started_at, finished_at)
-                       SELECT 'research', '1', jsonb_build_object('question',
-                           'Compare the funds, bench run ' || g, 'documents', jsonb_build_array('a.md')),
+                       SELECT 'research', '1',
+                           jsonb_build_object('question', 'Compare the funds, bench run ' || g,
+                                              'documents', jsonb_build_array('a.md')),
                            'Compare the funds, bench run ' || g, ARRAY['a.md'], 'completed',
                            '', 'done', '', 40, '[]', '{}', '', 1, '', false, '', '', '',
                            now() - make_interval(secs => g), now(), now(), now()
