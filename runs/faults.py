@@ -29,8 +29,8 @@ resumed run does not meet it again.
 - `cancel` `{"action": K}`: before action K a cancel request arrives.
 - `tool_error` `{"action": K}`: the tool of action K fails (known not to
   have happened) instead of running.
-- `delivery_timeout` `{}`: the report is delivered (the receiver gets it)
-  but the answer is lost.
+- `delivery_timeout` `{"action": K}`: an effect's tool runs (its receiver
+  gets it) but its answer is lost (of the first effect without "action").
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ POINTS: dict[str, set[str]] = {
     "lease_stolen": {"action"},
     "cancel": {"action"},
     "tool_error": {"action"},
-    "delivery_timeout": set(),
+    "delivery_timeout": {"action"},
 }
 # The most steps a run can take: its action budget is a PostgreSQL integer.
 # A fault's action is one of them.

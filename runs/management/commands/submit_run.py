@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
@@ -14,16 +15,23 @@ from runs.tasks import execute_run, hand_over
 
 
 class Command(BaseCommand):
-    help = "Queues a research run and prints its id."
+    help = (
+        "Queues a run of an installed agent on its input (--agent, --input) and prints its id; "
+        "--question and --doc are the research agent's input, said short."
+    )
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("--question", required=True)
+        parser.add_argument("--agent", default="research", help="an installed agent's name")
+        parser.add_argument(
+            "--input",
+            help="the run's input as JSON, or @FILE to read it from a file (the agent's shape)",
+        )
+        parser.add_argument("--question", help="research: the question")
         parser.add_argument(
             "--doc",
             action="append",
-            required=True,
             dest="docs",
-            help="a document path relative to RUNDESK_CORPUS_DIR (repeat for several)",
+            help="research: a document path relative to RUNDESK_CORPUS_DIR (repeat for several)",
         )
         parser.add_argument("--faults", default="", help="fault plan, as JSON (runs/faults.py)")
         parser.add_argument("--budget", type=int, help="action budget")
@@ -36,6 +44,12 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        shorthand = options["question"] is not None or options["docs"] is not None
+        if shorthand and options["agent"] != "research":
+            raise CommandError("--question and --doc are the research agent's: use --input")
+        if shorthand == (options["input"] is not None):
+            raise CommandError("give --input (or, for the research agent, --question and --doc)")
+        input = read_input(options["input"]) if options["input"] is not None else None
         try:
             faults = json.loads(options["faults"]) if options["faults"] else []
         except json.JSONDecodeError as error:
@@ -52,6 +66,8 @@ class Command(BaseCommand):
         with transaction.atomic():
             try:
                 run = submit(
+                    options["agent"],
+                    input,
                     question=options["question"],
                     documents=options["docs"],
                     faults=faults,
@@ -71,3 +87,19 @@ class Command(BaseCommand):
             self.stdout.write(json.dumps({"run_id": run.pk}))
         else:
             self.stdout.write(f"run {run.pk} queued")
+
+
+def read_input(given: str) -> dict[str, Any]:
+    """--input's JSON object, given as text or as @FILE."""
+    if given.startswith("@"):
+        try:
+            given = Path(given[1:]).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise CommandError(f"--input {given}: cannot read it: {error}") from None
+    try:
+        input = json.loads(given)
+    except json.JSONDecodeError as error:
+        raise CommandError(f"--input is not valid JSON: {error}") from None
+    if not isinstance(input, dict):
+        raise CommandError("--input must be a JSON object")
+    return input
