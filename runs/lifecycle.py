@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
 from django.db import models, transaction
 
 from runs.handover import hand_over_run
@@ -226,7 +227,11 @@ _CLAIM = (
                 {order} LIMIT 1 FOR NO KEY UPDATE SKIP LOCKED)
     RETURNING id, lease_epoch"""
 )
-CLAIM_NEXT_SQL = _CLAIM.format(which="true", order="ORDER BY created_at, id")
+# An executor's loop takes only runs of the agents installed in its process
+# (%(agents)s): a run of an agent only other processes know waits for them.
+CLAIM_NEXT_SQL = _CLAIM.format(
+    which="agent = ANY(%(agents)s::text[])", order="ORDER BY created_at, id"
+)
 CLAIM_ONE_SQL = _CLAIM.format(which="id = %(run)s", order="")
 
 RELEASE_SQL = f"""UPDATE runs_run SET lease_owner = '', lease_expires_at = NULL,
@@ -304,11 +309,15 @@ CANCEL_SQL = """UPDATE runs_run SET
 def claim(
     owner: str, ttl: dt.timedelta, *, lab: bool, run_id: int | None = None
 ) -> tuple[int, int] | None:
-    """CLAIM: the oldest claimable run (or `run_id`, if claimable), for
+    """CLAIM: the oldest claimable run of an installed agent (or `run_id`, if
+    claimable, whatever its agent: its driver says why it cannot run it), for
     `owner`: (run id, new epoch), or None.  The caller's transaction
     (leases.claiming) commits it."""
     sql = CLAIM_NEXT_SQL if run_id is None else CLAIM_ONE_SQL
-    return _fetch_one(sql, {"owner": owner, "ttl": ttl, "lab": lab, "run": run_id})
+    agents = list(settings.RUNDESK_AGENTS)
+    return _fetch_one(
+        sql, {"owner": owner, "ttl": ttl, "lab": lab, "run": run_id, "agents": agents}
+    )
 
 
 def release(fence: Mapping[str, Any]) -> RunStatus | None:
