@@ -54,7 +54,7 @@ from django.db import DatabaseError, IntegrityError, transaction
 from django.utils import timezone
 from psycopg.types.json import Jsonb
 
-from runs import lifecycle
+from runs import lifecycle, registry
 from runs.agents.tools import receiver
 from runs.models import (
     AUTHORISING,
@@ -205,14 +205,17 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
     return shown
 
 
-def call_timeout(kind: str) -> float:
-    """How long a call of the tool `kind` may last (its timeout); a tool
-    not named here is given the longest of them."""
-    timeouts = {
-        "deliver_report": settings.RUNDESK_DELIVERY_TIMEOUT,
-        "model_call": settings.RUNDESK_MODEL_TIMEOUT,
-    }
-    return timeouts.get(kind, max(timeouts.values()))
+def call_timeout(run: Run, kind: str) -> float:
+    """How long a call of the tool `kind` may last: the timeout the run's
+    agent declares for it, or, with its agent not installed here, the
+    longest a shipped tool may take."""
+    try:
+        tool = registry.agent_class(run.agent).tool(kind)
+    except registry.NotInstalled:
+        tool = None
+    if tool is not None:
+        return tool.timeout
+    return max(settings.RUNDESK_DELIVERY_TIMEOUT, settings.RUNDESK_MODEL_TIMEOUT)
 
 
 def in_flight_until(item: OutcomeItem) -> dt.datetime | None:
@@ -229,7 +232,7 @@ def in_flight_until(item: OutcomeItem) -> dt.datetime | None:
     if item.evidence.get("lease_epoch") == action.epoch:
         return None
     until = action.dispatched_at + dt.timedelta(
-        seconds=call_timeout(action.kind) + settings.RUNDESK_LEASE_SECONDS
+        seconds=call_timeout(item.run, action.kind) + settings.RUNDESK_LEASE_SECONDS
     )
     return until if until > timezone.now() else None
 

@@ -311,7 +311,7 @@ MODEL_CALL = Tool(
     "model_call",
     READ,
     model_call,
-    timeout=settings.RUNDESK_MODEL_TIMEOUT + 5,
+    timeout=settings.RUNDESK_MODEL_TIMEOUT,
     input_schema=MESSAGES,
 )
 DELIVER_REPORT = Tool(
@@ -319,7 +319,7 @@ DELIVER_REPORT = Tool(
     EFFECT,
     deliver_report,
     accepts_idempotency_key=True,
-    timeout=settings.RUNDESK_DELIVERY_TIMEOUT + 5,
+    timeout=settings.RUNDESK_DELIVERY_TIMEOUT,
     input_schema=REPORT,
     receiver=lambda input, key: receiver(key),
 )
