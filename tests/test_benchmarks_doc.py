@@ -66,6 +66,16 @@ SAMPLE: dict[str, Any] = {
         "enqueue_ms_max": 0.2,
         "queue_capacity": 125,
     },
+    "parallel": {
+        "reads": 20,
+        "delay_ms": 200,
+        "commit_ms_p50": 0.329,
+        "side_by_side_ms": 208.5,
+        "bound_ms": 302.0,
+        "within_bound": True,
+        "one_after_another_ms": 4069.6,
+        "commits_per_read": 0.65,
+    },
     "evidence_locked": {
         "rounds": 2,
         "documents": 5,
@@ -183,6 +193,7 @@ def test_the_document_is_one_table_with_the_machine_date_and_command():
         "agent path, 500 steps (249 documents)",
         "no-op step (500 steps)",
         "capture hand-over (500 copies, the evidence tables locked)",
+        "20 reads of 200 ms",
         "evidence locked (2 rounds, 5 documents a run)",
         "peers, 500 no-op steps \N{MULTIPLICATION SIGN} 3 rounds (commit p50 0.32 ms)",
         "throughput, 100-run batches of 3 documents (8 actions)",
@@ -233,8 +244,9 @@ def test_a_benchmark_that_failed_says_why_in_its_row_and_the_others_are_shown():
     assert rows["agent path and no-op step"] == (
         "failed: bench --steps: could not claim bench run 7"
     )
-    assert len(rows) == 10  # the two rows of steps became one
+    assert len(rows) == 11  # the two rows of steps became one
     assert "dashboard at 100,000 runs" in rows
+    assert rows["20 reads of 200 ms"].startswith("side by side 208.5 ms (bound")
 
 
 def test_every_benchmark_of_bench_has_its_rows_and_a_name_for_its_failure():

@@ -22,6 +22,7 @@ Row = tuple[str, str]
 TITLES = {
     "steps": "agent path and no-op step",
     "capture": "capture hand-over",
+    "parallel": "reads side by side",
     "evidence_locked": "evidence locked",
     "peers": "peers",
     "throughput": "throughput and failover",
@@ -268,10 +269,24 @@ def _page_load(figures: dict[str, Any]) -> list[Row]:
     ]
 
 
+def _parallel(figures: dict[str, Any]) -> list[Row]:
+    return [
+        (
+            f"{figures['reads']} reads of {figures['delay_ms']} ms",
+            f"side by side {_n(figures['side_by_side_ms'])} ms (bound 1.5 {TIMES} "
+            f"(delay + 4 commits) = {_n(figures['bound_ms'])} ms: "
+            f"{'met' if figures['within_bound'] else 'not met'}), one after another "
+            f"{_n(figures['one_after_another_ms'])} ms; {_n(figures['commits_per_read'])} "
+            "commits per read",
+        )
+    ]
+
+
 # Each benchmark's rows, by its key in `bench --all --json`.
 ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "steps": _steps,
     "capture": _capture,
+    "parallel": _parallel,
     "evidence_locked": _evidence_locked,
     "peers": _peers,
     "throughput": _throughput,

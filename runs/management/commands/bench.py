@@ -22,6 +22,7 @@ from runs.benchmarks import (
     evidence_locked,
     page_load,
     pages,
+    parallel,
     peers,
     scale,
     steps,
@@ -93,6 +94,12 @@ class Command(BaseCommand):
             help="runs/s and actions/s of 100-run batches with 1, 2 and 4 executor processes "
             "against the commits/s ceiling, and the time from an executor's death to another "
             "owner resuming its run",
+        )
+        parser.add_argument(
+            "--parallel",
+            action="store_true",
+            help="20 reads of 200 ms side by side and one after another, with the commits each "
+            "read costs",
         )
         parser.add_argument("--all", action="store_true", help="every benchmark, in one JSON")
         parser.add_argument("--json", action="store_true")
@@ -190,6 +197,7 @@ def _write_document(path: Path, report: dict[str, Any], options: dict[str, Any])
 BENCHMARKS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "steps": lambda options: steps.report(options["steps"]),
     "capture": lambda options: capture.report(options["steps"]),
+    "parallel": lambda options: parallel.report(),
     "evidence_locked": lambda options: evidence_locked.report(options["rounds"]),
     "peers": lambda options: peers.report(options["steps"], options["rounds"]),
     "throughput": lambda options: throughput.report(),
