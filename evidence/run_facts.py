@@ -19,12 +19,13 @@ from runs.checkpoint_rows import checkpoint_rows
 from runs.models import (
     ActionState,
     EffectClass,
+    OutcomeItem,
     OutcomeKind,
     OutcomeState,
     Phase,
     Run,
 )
-from runs.words import evidence_fields, plain, status_words, words
+from runs.words import Field, declared_tool, evidence_fields, plain, status_words, words
 
 
 def run_facts(run: Run, redact: Callable[[str], str] = str) -> dict[str, Any]:
@@ -45,7 +46,7 @@ def run_facts(run: Run, redact: Callable[[str], str] = str) -> dict[str, Any]:
     for item in items:
         item.kind_label = plain(OutcomeKind, item.kind)
         item.state_label = plain(OutcomeState, item.state)
-        item.fields = evidence_fields(item.evidence)
+        item.fields = item_fields(run, item, item.evidence)
     gaps = list(CaptureGap.objects.filter(run=run).order_by("id")[:50])
     for gap in gaps:
         gap.reason_label = plain(GapReason, gap.reason)
@@ -66,6 +67,21 @@ def run_facts(run: Run, redact: Callable[[str], str] = str) -> dict[str, Any]:
         "timeline": charts.timeline(run, actions, checkpoints, redact),
         "input": input_fields(run),
     }
+
+
+def item_fields(run: Run, item: OutcomeItem, evidence: Any) -> list[Field]:
+    """An item's evidence as labelled fields.  The key an effect's tool was
+    given is an Idempotency-Key sent only where the tool, as installed
+    here, sends it as one (an SMTP tool gives it as a Message-ID)."""
+    fields = evidence_fields(evidence)
+    if item.kind != OutcomeKind.EFFECT or item.action_id is None:
+        return fields
+    tool = declared_tool(run, item.action.kind).tool
+    if tool is None or not tool.accepts_idempotency_key:
+        for field_ in fields:
+            if field_.key == "idempotency_key":
+                field_.label = "Key the tool was given"
+    return fields
 
 
 def agent_words(run: Run) -> str:
