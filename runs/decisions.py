@@ -10,12 +10,16 @@ The choices offered are those the evidence allows, gathered fresh each time
   sent again), `resend_same_identity` and `confirmed_not_happened` (each
   authorises one more dispatch under the original identity and
   Idempotency-Key: the only way an effect is ever dispatched twice, and the
-  database counts these decisions, migration 0008);
+  database counts these decisions, migration 0008); `resend_same_identity`
+  only for a tool that sends the identity as an idempotency key, as the
+  run's agent installed here declares it;
 - a database write whose COMMIT got no answer: `check_again`, and only when
   the evidence cannot tell (no transaction status any more, or contradicting
   the probe), `written` or `not_written`, as the probe by identity allows;
 - the run itself: `resume` (back to the queue, from its receipts) when no
-  item holds it, `abandon` (it ends; everything it wrote stays readable).
+  item holds it, under the installed version of its agent if that
+  changed, `abandon` (it ends; everything it wrote stays readable); only
+  `abandon` when its agent is not installed here.
 
 A decision is a row nobody can change (OperatorDecision): who, why, the
 reference, the evidence shown and its SHA-256, the item's state before and

@@ -225,16 +225,15 @@ def known(item: OutcomeItem, shown: dict[str, Any]) -> list[str]:
 def _look_up(delivery: dict[str, Any]) -> str:
     """Where to look an effect up, and by what: its receiver as its tool
     names it, and the key the receiver knows it by, sent as an
-    Idempotency-Key or not.  An older item's evidence (gathered before the
-    tool was named) says only the receiver and the key."""
-    key, tool = delivery["idempotency_key"], delivery.get("tool")
-    where = delivery.get("receiver") or (f"the receiver of {tool}" if tool else "the receiver")
-    if delivery.get("tool_missing"):
+    Idempotency-Key or not (gather's "delivery")."""
+    key, tool = delivery["idempotency_key"], delivery["tool"]
+    where = delivery["receiver"] or (f"the receiver of {tool}" if tool else "the receiver")
+    if delivery["tool_missing"]:
         return (
             f"look it up at {where}, by its key {key} ({delivery['tool_missing']}: where "
             f"{tool or 'its tool'} sends is not known here)"
         )
-    if delivery.get("accepts_idempotency_key") is False:
+    if delivery["accepts_idempotency_key"] is False:
         return (
             f"look it up at {where}; {tool} gave it the key {key}, and sends no "
             "Idempotency-Key: its receiver keeps every copy it is sent"
@@ -362,13 +361,13 @@ def _delivery_fields(item: OutcomeItem, delivery: dict[str, Any]) -> list[Field]
     here (or why it is not known here), the receiver the tool names, the
     key it was sent under and the receiver's answer."""
     fields = []
-    if tool := delivery.get("tool"):
+    if tool := delivery["tool"]:
         of = f"{tool}, of agent {delivery['agent']}"
-        if delivery.get("tool_missing"):
+        if delivery["tool_missing"]:
             of += f": not known here ({delivery['tool_missing']})"
         fields.append(Field("tool", "Tool", text=of))
-    fields.append(Field("receiver", "Receiver", text=delivery.get("receiver") or "not known"))
-    accepts = delivery.get("accepts_idempotency_key")
+    fields.append(Field("receiver", "Receiver", text=delivery["receiver"] or "not known"))
+    accepts = delivery["accepts_idempotency_key"]
     key = delivery["idempotency_key"]
     if accepts:
         fields.append(Field("key", "Idempotency-Key sent", text=key))
