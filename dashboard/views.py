@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import permission_required
@@ -38,7 +39,7 @@ from evidence.models import (
     IncidentSource,
     LockIncident,
 )
-from evidence.run_facts import run_facts
+from evidence.run_facts import agent_words, run_facts
 from runs.attention import needing_you, unblocking
 from runs.decisions import OPERATE
 from runs.models import Phase, Run, RunStatus, older_than, page_cursor
@@ -94,10 +95,20 @@ def needs_you(request: HtmxHttpRequest) -> HttpResponse:
 # -- runs -------------------------------------------------------------------------
 
 
+def _agent_filter(request: HttpRequest) -> str:
+    """The runs list's agent: one installed here, or one no longer
+    installed whose runs are still here (named as its runs record it)."""
+    named = request.GET.get("agent", "").strip()
+    if named and named not in settings.RUNDESK_AGENTS and Run.objects.filter(agent=named).exists():
+        return named
+    return params.choice(request, "agent", sorted(settings.RUNDESK_AGENTS))
+
+
 @require_safe
 @rejects_bad_input
 def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     filters = {
+        "agent": _agent_filter(request),
         "status": params.choice(request, "status", [value for value, _ in STATUS_FILTER]),
         "unknown": params.flag(request, "unknown"),
         "gaps": params.flag(request, "gaps"),
@@ -106,6 +117,7 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     }
     runs = Run.objects.listing().only(
         "id",
+        "agent",
         "question",
         "status",
         "phase",
@@ -121,6 +133,8 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     )
     # Drills' runs (runs/drills.py) are shown only when asked for, alone.
     runs = runs.filter(is_drill=filters["drills"])
+    if filters["agent"]:
+        runs = runs.filter(agent=filters["agent"])
     if filters["status"] == GAPS_FILTER:
         runs = runs.completed_with_gaps()
     elif filters["status"]:
@@ -144,6 +158,8 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "runs": page,
         "filters": filters,
         "statuses": STATUS_FILTER,
+        # Installed here, and the one filtered on if it is no longer.
+        "agents": sorted({*settings.RUNDESK_AGENTS, filters["agent"]} - {""}),
         "next_cursor": page_cursor(page[-1]) if more and page else "",
         "live": any(run.is_active for run in page),
         "now": now,
@@ -191,6 +207,7 @@ def _live(request: HttpRequest, run: Run, cancel_form: CancelForm | None = None)
         **run_now(run, timezone.now(), cancel_form),
         "back": reverse("run-detail", args=[run.pk]),
         "unblocking": unblocking(run),
+        "agent": agent_words(run),
     }
 
 

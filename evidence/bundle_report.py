@@ -34,7 +34,7 @@ from django.utils import timezone
 from django.utils.safestring import SafeString, mark_safe
 
 from evidence.models import CaptureGap, EvidenceCopy, LockWait
-from evidence.run_facts import run_facts
+from evidence.run_facts import item_fields, run_facts
 from runs.answers import answer_html
 from runs.inbox import history
 from runs.models import Run, RunStatus
@@ -62,7 +62,7 @@ def report_html(
     page's own CSS and scripts."""
     context = run_facts(run, redact)
     for item in context["items"]:
-        item.fields = evidence_fields(_redacted(item.evidence, redact))
+        item.fields = item_fields(run, item, _redacted(item.evidence, redact))
     for revision in context["revisions"]:
         revision.html, revision.unlinked = _offline(answer_html(redact(revision.content)))
     decisions = history(run.decisions.all())

@@ -10,12 +10,16 @@ The choices offered are those the evidence allows, gathered fresh each time
   sent again), `resend_same_identity` and `confirmed_not_happened` (each
   authorises one more dispatch under the original identity and
   Idempotency-Key: the only way an effect is ever dispatched twice, and the
-  database counts these decisions, migration 0008);
+  database counts these decisions, migration 0008); `resend_same_identity`
+  only for a tool that sends the identity as an idempotency key, as the
+  run's agent installed here declares it;
 - a database write whose COMMIT got no answer: `check_again`, and only when
   the evidence cannot tell (no transaction status any more, or contradicting
   the probe), `written` or `not_written`, as the probe by identity allows;
 - the run itself: `resume` (back to the queue, from its receipts) when no
-  item holds it, `abandon` (it ends; everything it wrote stays readable).
+  item holds it, under the installed version of its agent if that
+  changed, `abandon` (it ends; everything it wrote stays readable); only
+  `abandon` when its agent is not installed here.
 
 A decision is a row nobody can change (OperatorDecision): who, why, the
 reference, the evidence shown and its SHA-256, the item's state before and
@@ -55,7 +59,6 @@ from django.utils import timezone
 from psycopg.types.json import Jsonb
 
 from runs import lifecycle, registry
-from runs.agents.tools import receiver
 from runs.models import (
     AUTHORISING,
     TERMINAL_STATUSES,
@@ -78,7 +81,7 @@ from runs.models import (
 from runs.outcomes import UNKNOWN_TO_SERVER, Settlement, settle, written, written_by
 from runs.sql import CommitUnanswered, lock_refused, server_cursor, waits_bounded
 from runs.timeline import EventKind, timeline
-from runs.words import did
+from runs.words import Declared, declared_tool, did, receiver
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +150,7 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
         action = item.action
         shown["boundary"] = {
             "identity": action_identity(run.pk, action.step_key),
-            "did": did(action, run.documents),
+            "did": did(action, run),
             "kind": action.kind,
             "effect_class": action.effect_class,
             "input_digest": action.input_digest,
@@ -159,10 +162,18 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
         }
     if item.kind == OutcomeKind.EFFECT:
         until = in_flight_until(item)
+        declared = _declared(item)
         shown["delivery"] = {
+            "agent": run.agent,
+            "tool": item.action.kind if item.action_id else "",
+            # Not known here (None): its agent is not installed; why, said.
+            "accepts_idempotency_key": declared.tool.accepts_idempotency_key
+            if declared.tool
+            else None,
+            "tool_missing": declared.missing,
             "idempotency_key": item.evidence.get("idempotency_key", ""),
             # Where to look it up: the only one who knows.
-            "receiver": receiver(item.evidence.get("idempotency_key", "")),
+            "receiver": receiver(item.action, declared) if item.action_id else "",
             "receiver_answer": item.action.error if item.action_id else "",
             "in_flight_until": until.isoformat() if until else None,
         }
@@ -194,7 +205,7 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
     shown["receipts"] = [
         {
             "step_key": receipt.step_key,
-            "did": did(receipt.action, run.documents),
+            "did": did(receipt.action, run),
             "result_digest": receipt.result_digest,
             "at": receipt.created_at.isoformat(),
             "after_item": receipt.created_at > item.created_at,
@@ -205,16 +216,22 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
     return shown
 
 
+def _declared(item: OutcomeItem) -> Declared:
+    """The tool of an effect item's action, as its run's agent declares it
+    here now: the one that would send it again."""
+    if item.action_id is None:
+        return Declared(None, f"{item.subject} names no action")
+    return declared_tool(item.run, item.action.kind)
+
+
 def call_timeout(run: Run, kind: str) -> float:
-    """How long a call of the tool `kind` may last: the timeout the run's
-    agent declares for it, or, with its agent not installed here, the
-    longest a shipped tool may take."""
-    try:
-        tool = registry.agent_class(run.agent).tool(kind)
-    except registry.NotInstalled:
-        tool = None
-    if tool is not None:
-        return tool.timeout
+    """How long a call of the tool `kind` of `run`'s agent may last: the
+    timeout its tool declares (its own I/O gives up by then).  A tool not
+    known here (its agent is not installed) is given the longest of the
+    runtime's own."""
+    declared = declared_tool(run, kind)
+    if declared.tool is not None:
+        return declared.tool.timeout
     return max(settings.RUNDESK_DELIVERY_TIMEOUT, settings.RUNDESK_MODEL_TIMEOUT)
 
 
@@ -287,7 +304,13 @@ def offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
 
 def _effect_offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
     """Sending again, or saying it did not happen, only once the previous
-    owner's call can no longer be in flight: the receiver may get it yet."""
+    owner's call can no longer be in flight: the receiver may get it yet.
+    Sending again when nobody knows ("send again under the same identity")
+    only where the tool hands the action's identity to its receiver as an
+    idempotency key (Tool.accepts_idempotency_key): a receiver that keeps
+    one copy per key makes it safe; any other would keep two.  Asked of the
+    tool as installed now (it is the one that would send it), never of the
+    evidence a client sent back."""
     ended = item.run.is_finished
     happened = Offer(
         DecisionChoice.CONFIRMED_HAPPENED,
@@ -303,6 +326,28 @@ def _effect_offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
             Offer(
                 DecisionChoice.CONFIRMED_NOT_HAPPENED,
                 "The receiver does not have it. Recorded so; nothing is sent: the run has ended.",
+            ),
+        ]
+    declared = _declared(item)
+    if declared.tool is None:
+        return [
+            happened,
+            Offer(
+                DecisionChoice.CONFIRMED_NOT_HAPPENED,
+                "The receiver does not have it. Recorded so: when the run goes on it sends it "
+                f"again, once, as a new attempt under the same identity; but {declared.missing}, "
+                "and nothing else runs it.",
+            ),
+        ]
+    if not declared.tool.accepts_idempotency_key:
+        return [
+            happened,
+            Offer(
+                DecisionChoice.CONFIRMED_NOT_HAPPENED,
+                "Sends it again, once, as a new attempt under the same identity: the receiver "
+                f"told you it does not have it. {declared.tool.name} sends no idempotency key, so "
+                "its receiver cannot tell a second copy from the first: it is never sent again "
+                "on a guess.",
             ),
         ]
     # Both choices below send it again, the same way: what differs is what
@@ -325,9 +370,42 @@ def _effect_offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
     ]
 
 
+@dataclass(frozen=True)
+class AgentHere:
+    """A run's agent as installed here now: its version (None: none is
+    installed under its name, `missing` says why), and whether that
+    version changed from the run's without declaring it continues it
+    (Agent.continues: the executor then leaves the run to an operator)."""
+
+    version: str | None
+    missing: str = ""
+    changed: bool = False
+
+
+def agent_here(run: Run) -> AgentHere:
+    try:
+        declared = registry.agent_class(run.agent)
+    except registry.NotInstalled as error:
+        return AgentHere(None, str(error))
+    return AgentHere(declared.version, changed=not declared.can_continue(run.agent_version))
+
+
 def run_offers(run: Run) -> list[Offer]:
+    """Resume or abandon, for a run that waits for an operator.  A run whose
+    agent is not installed here can only be abandoned: nothing else's code
+    ever runs it.  Resuming a run whose agent's version changed continues
+    it under the installed version, and says so."""
     if run.status != RunStatus.NEEDS_OPERATOR or run.is_imported:
         return []
+    here = agent_here(run)
+    if here.version is None:
+        return [
+            Offer(
+                DecisionChoice.ABANDON,
+                f"The run ends: {here.missing}, and nothing else runs it. Its receipts, "
+                "answers and evidence stay readable; nothing is sent.",
+            )
+        ]
     choices = [
         Offer(
             DecisionChoice.ABANDON,
@@ -335,14 +413,14 @@ def run_offers(run: Run) -> list[Offer]:
         )
     ]
     if not run.outcome_items.holding_runs().exists():
-        choices.insert(
-            0,
-            Offer(
-                DecisionChoice.RESUME,
-                "Back to the queue: it continues from its receipts, executing nothing that "
-                "completed.",
-            ),
-        )
+        goes_on = "it continues from its receipts, executing nothing that completed."
+        if here.changed:
+            goes_on = (
+                f"it continues under version {here.version} (it started under "
+                f"{run.agent_version}): its code changed. It continues from its receipts, "
+                "executing nothing that completed."
+            )
+        choices.insert(0, Offer(DecisionChoice.RESUME, f"Back to the queue: {goes_on}"))
     return choices
 
 
@@ -502,12 +580,21 @@ def decide_run(run_id: int, request: Request) -> Decided:
                 f"{request.choice} is not offered for run {run_id} ({run.get_status_display()}): "
                 f"{', '.join(sorted(offered)) or 'nothing is'} offered"
             )
-        shown = request.shown or {"run": {"id": run.pk, "status": run.status}}
+        here = agent_here(run)
+        shown = request.shown or {
+            "run": {"id": run.pk, "status": run.status},
+            "agent": {"name": run.agent, "version": run.agent_version, "installed": here.version},
+        }
         if request.choice == DecisionChoice.RESUME:
+            under = f" under version {here.version}" if here.changed else ""
             # The rule every resume follows: no open item holds the run.
             changed = Run.objects.resume_if_settled(
-                run_id, f"resumed by {request.who.name}: {request.reason}"
+                run_id, f"resumed by {request.who.name}{under}: {request.reason}"
             )
+            if changed and here.changed:
+                # What the executor checks before it runs the agent
+                # (executor.installed_agent): the run is now this version's.
+                Run.objects.filter(pk=run_id).update(agent_version=here.version)
             after = RunStatus.QUEUED
         else:
             changed = lifecycle.cancel(

@@ -97,7 +97,7 @@ def what(item: OutcomeItem) -> str:
     """The write or action an item is about, as an operator names it: by
     what the action did ("delivering the report to hooks.example.com"), not
     by its id or the item's subject (effect:action-71:attempt-1)."""
-    deed = functools.partial(did, documents=item.run.documents)
+    deed = functools.partial(did, run=item.run)
     return _about(item, deed, deed)
 
 
@@ -171,14 +171,12 @@ def known(item: OutcomeItem, shown: dict[str, Any]) -> list[str]:
         boundary = shown.get("boundary", {})
         delivery = shown["delivery"]
         sent = _moment(boundary["dispatched_at"]) if boundary else opened
-        key = delivery["idempotency_key"]
         sentences = [
             f"Known: {subject} was dispatched at {sent} (attempt {boundary.get('attempts', 1)}), "
             f"and no answer came back: {said(item, item.summary)}.",
             # Said once, here: what is not known, and where to look.
-            f"Not known: whether the receiver has it. Only the receiver can say: look it up "
-            f"at {delivery.get('receiver') or 'the receiver'} by Idempotency-Key {key}. "
-            "Nothing is sent again until someone decides.",
+            f"Not known: whether the receiver has it. Only the receiver can say: "
+            f"{_look_up(delivery)}. Nothing is sent again until someone decides.",
         ]
         if until := delivery.get("in_flight_until"):
             sentences.append(
@@ -222,6 +220,25 @@ def known(item: OutcomeItem, shown: dict[str, Any]) -> list[str]:
             "or the status is gone: you decide from the row, with a reason."
         )
     return sentences
+
+
+def _look_up(delivery: dict[str, Any]) -> str:
+    """Where to look an effect up, and by what: its receiver as its tool
+    names it, and the key the receiver knows it by, sent as an
+    Idempotency-Key or not (gather's "delivery")."""
+    key, tool = delivery["idempotency_key"], delivery["tool"]
+    where = delivery["receiver"] or (f"the receiver of {tool}" if tool else "the receiver")
+    if delivery["tool_missing"]:
+        return (
+            f"look it up at {where}, by its key {key} ({delivery['tool_missing']}: where "
+            f"{tool or 'its tool'} sends is not known here)"
+        )
+    if delivery["accepts_idempotency_key"] is False:
+        return (
+            f"look it up at {where}; {tool} gave it the key {key}, and sends no "
+            "Idempotency-Key: its receiver keeps every copy it is sent"
+        )
+    return f"look it up at {where} by Idempotency-Key {key}"
 
 
 def xid_status_words(status: str | None) -> str:
@@ -314,16 +331,7 @@ def panels(item: OutcomeItem, shown: dict[str, Any]) -> list[tuple[str, list[Fie
         saw.append(Field("summary", "Summary", text=said(item, item.summary)))
     result.append(("What the runtime saw", [*saw, *evidence_fields(recorded)]))
     if delivery:
-        result.append(
-            (
-                "The delivery",
-                [
-                    Field("receiver", "Receiver", text=delivery.get("receiver") or "not known"),
-                    Field("key", "Idempotency-Key sent", text=delivery["idempotency_key"]),
-                    Field("answer", "Receiver's answer", text=_answer(item, delivery)),
-                ],
-            )
-        )
+        result.append(("The delivery", _delivery_fields(item, delivery)))
     if now := shown.get("now"):
         settles = {"committed": "written", "not_written": "not written"}.get(
             now["settles_as"], "cannot tell"
@@ -346,6 +354,29 @@ def panels(item: OutcomeItem, shown: dict[str, Any]) -> list[tuple[str, list[Fie
             )
         )
     return result
+
+
+def _delivery_fields(item: OutcomeItem, delivery: dict[str, Any]) -> list[Field]:
+    """Where an effect went: its tool, as its run's agent declares it
+    here (or why it is not known here), the receiver the tool names, the
+    key it was sent under and the receiver's answer."""
+    fields = []
+    if tool := delivery["tool"]:
+        of = f"{tool}, of agent {delivery['agent']}"
+        if delivery["tool_missing"]:
+            of += f": not known here ({delivery['tool_missing']})"
+        fields.append(Field("tool", "Tool", text=of))
+    fields.append(Field("receiver", "Receiver", text=delivery["receiver"] or "not known"))
+    accepts = delivery["accepts_idempotency_key"]
+    key = delivery["idempotency_key"]
+    if accepts:
+        fields.append(Field("key", "Idempotency-Key sent", text=key))
+    else:
+        fields.append(Field("key", "Key the tool was given", text=key))
+    if accepts is False:
+        fields.append(Field("keyed", "Idempotency-Key sent", text="none: the tool sends none"))
+    fields.append(Field("answer", "Receiver's answer", text=_answer(item, delivery)))
+    return fields
 
 
 def receipts(item: OutcomeItem, shown: dict[str, Any]) -> dict[str, list[dict[str, str]]]:

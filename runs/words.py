@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import urllib.parse
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,7 +21,8 @@ from django.db.models.fields.json import KeyTextTransform
 from django.utils import timezone
 
 from evidence.models import GapReason
-from runs.agents.tools import receiver
+from runs import registry
+from runs.agent import Tool
 from runs.models import (
     Action,
     ActionState,
@@ -34,6 +36,8 @@ from runs.models import (
     reads_left_out,
 )
 from runs.timeline import EventKind
+
+logger = logging.getLogger(__name__)
 
 PLAIN: dict[type[TextChoices], dict[str, str]] = {
     RunStatus: {
@@ -295,25 +299,72 @@ def words(name: str) -> str:
     return name.replace("_", " ")
 
 
-def did(action: Action, documents: list[str]) -> str:
-    """What an action did, as an operator names it ("reading northwind.md",
-    "delivering the report to hooks.example.com"); `documents` are its
-    run's.  Its identity (rundesk:run-7:read:0) is the journal's name."""
+# The research agent's name: its runs, and only its, are said in its own
+# words (documents read and summarised, a report composed and delivered).
+RESEARCH = "research"
+
+
+def did(action: Action, run: Run) -> str:
+    """What an action of `run` did, as an operator names it ("reading
+    northwind.md", "delivering the report to hooks.example.com" for the
+    research agent's; "send email (reply)": the tool and the step, for any
+    other agent's).  Its identity (rundesk:run-7:read:0) is the journal's
+    name."""
+    if run.agent != RESEARCH:
+        return f"{words(action.kind)} ({action.step_key})"
     given = action.input if isinstance(action.input, dict) else {}
     step, _, index = action.step_key.partition(":")
     if action.kind == "read_document":
         return f"reading {given.get('path') or 'a document'}"
     if action.kind == "deliver_report":
-        where = receiver(action.idempotency_key)
-        host = urllib.parse.urlsplit(where).hostname
+        host = urllib.parse.urlsplit(receiver(action, declared_tool(run, action.kind))).hostname
         return f"delivering the report to {host or 'the outbox'}"
     if action.kind == "model_call" and step == "summarize" and index.isdigit():
         read = int(index)
+        documents = run.documents
         source = documents[read] if read < len(documents) else f"document {read + 1}"
         return f"summarising {source} (the model)"
     if action.kind == "model_call" and action.step_key == "compose":
         return "composing the report (the model)"
     return f"{words(action.kind)} ({action.step_key})"
+
+
+@dataclass(frozen=True)
+class Declared:
+    """The tool a run's agent, as installed here now, declares under an
+    action's kind: the one that would dispatch the action again, and that
+    says where it went.  None when there is none here: `missing` says why
+    (the agent is not installed, or declares no such tool)."""
+
+    tool: Tool | None
+    missing: str = ""
+
+
+def declared_tool(run: Run, kind: str) -> Declared:
+    try:
+        agent = registry.agent_class(run.agent)
+    except registry.NotInstalled as error:
+        return Declared(None, str(error))
+    tool = agent.tool(kind)
+    if tool is None:
+        return Declared(None, f"agent {run.agent} {agent.version} declares no tool {kind!r}")
+    return Declared(tool)
+
+
+def receiver(action: Action, declared: Declared) -> str:
+    """Where an effect went, as its tool says it (Tool.receiver: "smtp://mail.
+    example.com, message <key@host>"), for an operator to look it up there;
+    "" when the tool does not say, or is not known here.  A receiver() that
+    fails is an agent's bug: the item is shown all the same, without it."""
+    tool = declared.tool
+    if tool is None or tool.receiver is None:
+        return ""
+    given = action.input if isinstance(action.input, dict) else {}
+    try:
+        return str(tool.receiver(given, action.idempotency_key))
+    except Exception:
+        logger.exception("tool %s: receiver() failed", tool.name)
+        return ""
 
 
 # A completed run whose answer leaves work out (left_out): its status stays
@@ -354,21 +405,24 @@ def left_out(run: Run) -> list[LeftOut]:
             # The read tool's refusal begins with the path did() names.
             path = action.input.get("path") if isinstance(action.input, dict) else None
             what = f"refused: {action.refusal.removeprefix(f'{path!r}: ')}"
-        lines.append(LeftOut(f"{did(action, run.documents)}: {what}", action.pk))
+        lines.append(LeftOut(f"{did(action, run)}: {what}", action.pk))
     if run.phase_reason:
         tried = set(
             run.actions.filter(effect_class=EffectClass.READ).values_list("input__path", flat=True)
         )
         unread = [path for path in run.documents if path not in tried]
-        lines.append(LeftOut(_not_read(unread, len(run.documents), run.phase_reason)))
+        lines.append(LeftOut(_not_read(run, unread)))
     return lines
 
 
-def _not_read(unread: list[str], documents: int, reason: str) -> str:
+def _not_read(run: Run, unread: list[str]) -> str:
     """The documents research ended before, named up to NOT_READ_NAMED;
-    none named (a run whose input lists none): that it ended, and why."""
+    none named (a run whose input lists none, another agent's run): that
+    its work ended early, and why."""
+    reason, documents = run.phase_reason, len(run.documents)
     if not unread:
-        return f"research ended early: {reason}"
+        ended = "research" if run.agent == RESEARCH else "its work"
+        return f"{ended} ended early: {reason}"
     named = ", ".join(unread[:NOT_READ_NAMED])
     if len(unread) > NOT_READ_NAMED:
         named += f" and {len(unread) - NOT_READ_NAMED} more"

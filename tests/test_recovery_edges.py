@@ -23,6 +23,7 @@ from django.db import connection
 from django.db.models import F
 
 from runs import decisions
+from runs.agents.tools import DELIVER_REPORT
 from runs.decisions import DecisionRefused, Request, Who, decide, decide_run, gather, offers
 from runs.executor import _end, claim_and_drive
 from runs.leases import Lease
@@ -319,11 +320,12 @@ def test_a_choice_whose_meaning_an_abandon_changed_is_refused_under_the_lock(
 def test_sending_again_waits_until_the_previous_owners_call_cannot_be_in_flight(
     settings, operator_user, operator
 ):
-    settings.RUNDESK_DELIVERY_TIMEOUT = 10.0
     settings.RUNDESK_LEASE_SECONDS = 15.0
     item = waiting_effect_item(owner_lost_the_run=True)
     dispatched = Action.objects.get(pk=item.action_id).dispatched_at
-    offered_at = (dispatched + dt.timedelta(seconds=25)).astimezone(dt.UTC)
+    # The lease, then the timeout the tool declares: its own I/O gives up by then.
+    lasts = 15 + DELIVER_REPORT.timeout
+    offered_at = (dispatched + dt.timedelta(seconds=lasts)).astimezone(dt.UTC)
     words = (
         f"offered from {offered_at:%H:%M:%S} UTC, when the previous owner's call can no "
         "longer be in flight"
