@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,6 +93,9 @@ def test_a_ticket_is_answered_with_one_mail_and_one_ticket_update(receivers, jou
     assert "> A refund is issued to the original payment method within 5 business days" in body
     update = json.loads(receivers.helpdesk.updates()[0]["body"])
     assert update["message_id"] == message_id(key_of(run, "send"))
+    # A person reads it on the helpdesk's page.
+    with urllib.request.urlopen(receivers.helpdesk.url, timeout=5) as page:
+        assert "From our article “Refunds and returns”" in page.read().decode()
     revisions = list(AnswerRevision.objects.filter(run=run).order_by("number"))
     assert [(r.number, r.is_final) for r in revisions] == [(1, False), (2, True)]
     assert revisions[0].content.startswith("**Draft**")

@@ -166,21 +166,30 @@ class Helpdesk:
             }
             with self._file.open("a") as handle:
                 handle.write(json.dumps(update) + "\n")
-            lost = ticket in self.lose_answers_for
+            # Only a ticket's first update ever: kept from an earlier start
+            # of the helpdesk, it is not lost again.
+            lost = ticket in self.lose_answers_for and ticket not in {u["ticket"] for u in kept}
             self.lose_answers_for.discard(ticket)
         return 201, _answer(update), lost
 
     def page(self) -> str:
-        rows = "".join(
-            f"<tr><td>{u['number']}</td><td>{html.escape(u['ticket'])}</td>"
-            f"<td><code>{html.escape(u['idempotency_key'])}</code></td>"
-            f"<td><pre>{html.escape(_shown(u['body']))}</pre></td></tr>"
-            for u in self.updates()
-        )
+        """Every update as a person reads it: the reply as it was sent."""
+        rows = []
+        for update in self.updates():
+            fields = _fields(update["body"])
+            reply = fields.pop("reply", update["body"])
+            said = "".join(
+                f"{html.escape(k)}: {html.escape(str(v))}<br>" for k, v in fields.items()
+            )
+            rows.append(
+                f"<tr><td>{update['number']}</td><td>{html.escape(update['ticket'])}</td>"
+                f"<td><code>{html.escape(update['idempotency_key'])}</code></td>"
+                f"<td>{said}<pre>{html.escape(str(reply))}</pre></td></tr>"
+            )
         return (
-            "<!doctype html><title>Helpdesk</title><h1>Ticket updates received</h1>"
-            "<table border=1><tr><th>#</th><th>ticket</th><th>Idempotency-Key</th>"
-            f"<th>update</th></tr>{rows}</table>"
+            "<!doctype html><meta charset=utf-8><title>Helpdesk</title>"
+            "<h1>Ticket updates received</h1><table border=1><tr><th>#</th><th>ticket</th>"
+            f"<th>Idempotency-Key</th><th>update</th></tr>{''.join(rows)}</table>"
         )
 
 
@@ -188,11 +197,13 @@ def _answer(update: dict[str, Any]) -> dict[str, Any]:
     return {"ticket": update["ticket"], "update": update["number"]}
 
 
-def _shown(body: str) -> str:
+def _fields(body: str) -> dict[str, Any]:
+    """An update's fields, if it is a JSON object ({} if not)."""
     try:
-        return json.dumps(json.loads(body), indent=2, ensure_ascii=False)
+        fields = json.loads(body)
     except ValueError:
-        return body
+        return {}
+    return fields if isinstance(fields, dict) else {}
 
 
 def _handler(helpdesk: Helpdesk) -> type[BaseHTTPRequestHandler]:
