@@ -14,9 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.db import connection
 
 from runs.agent import OutcomeUnknown, ToolFailed
+from runs.agents.providers import SUPPORT_INSTRUCTIONS, OfflineProvider, support_prompt
 from runs.agents.receivers import Helpdesk, Mailbox
 from runs.agents.support import SupportAgent, message_id, send_email
 from runs.decisions import Request, Who, decide
@@ -256,3 +258,20 @@ def test_a_mail_whose_answer_is_lost_is_an_unknown_outcome(tmp_path, settings):
         (mail,) = mailbox.messages()
         assert mail.get_content().replace("\r\n", "\n") == MAIL["body"] + "\n"
         assert mail["Message-ID"] == "<rundesk.host.k2@rundesk>"
+
+
+def test_the_offline_draft_quotes_no_article_that_does_not_answer_the_ticket():
+    refunds = (Path(settings.RUNDESK_SUPPORT_DIR) / "articles" / "refunds.md").read_text()
+    prompt = support_prompt(
+        "Ticket T-7 from Bo <bo@example.com>: Weather",
+        "Will it rain tomorrow?",
+        [("refunds.md", refunds)],
+    )
+    messages = [
+        {"role": "system", "content": SUPPORT_INSTRUCTIONS},
+        {"role": "user", "content": prompt},
+    ]
+    reply = OfflineProvider().complete(messages)
+    assert reply.startswith("Hello Bo,\n\nThank you for writing to us about “Weather”.")
+    assert "a member of our team will reply to you in person" in reply
+    assert "From our article" not in reply

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import email.errors
+import email.utils
 import hashlib
 import json
 import re
@@ -170,14 +171,15 @@ def send_email(input: dict[str, Any], call: ToolCall) -> dict[str, Any]:
     try:
         try:
             smtp.ehlo_or_helo_if_needed()
-            for command in (
-                f"MAIL FROM:<{settings.RUNDESK_SUPPORT_FROM}>",
-                f"RCPT TO:<{input['to']}>",
-                "DATA",
+            sender = email.utils.parseaddr(settings.RUNDESK_SUPPORT_FROM)[1]
+            for command, accepted in (
+                (f"MAIL FROM:<{sender}>", (250,)),
+                (f"RCPT TO:<{input['to']}>", (250, 251)),
+                ("DATA", (354,)),
             ):
                 smtp.sock.settimeout(left())
                 code, said = smtp.docmd(command)
-                if code != (354 if command == "DATA" else 250):
+                if code not in accepted:
                     raise ToolFailed(
                         f"mail server refused {command.split(':')[0]}: {code} {_text(said)}"
                     )
