@@ -423,6 +423,7 @@ RUNDESK_CHECKPOINT_SECONDS = env_float("RUNDESK_CHECKPOINT_SECONDS", 0.5, minimu
 # without editing this file.
 RUNDESK_AGENTS = {
     "research": "runs.agents.research:ResearchAgent",
+    "support": "runs.agents.support:SupportAgent",
 }
 for _entry in env_list("RUNDESK_AGENTS"):
     _name, _, _path = _entry.partition("=")
@@ -438,6 +439,24 @@ RUNDESK_CORPUS_DIR = Path(
 RUNDESK_OUTBOX_DIR = Path(env_str("RUNDESK_OUTBOX_DIR", str(VAR_DIR / "outbox")))
 RUNDESK_DELIVERY_URL = env_url("RUNDESK_DELIVERY_URL")
 RUNDESK_DELIVERY_TIMEOUT = env_float("RUNDESK_DELIVERY_TIMEOUT", 10.0, minimum=0.1)
+# The support agent: its tickets and knowledge-base articles, the SMTP
+# server its replies go through and the helpdesk whose tickets it updates.
+# Unset, both are the addresses `make demo` starts its local receivers at.
+RUNDESK_SUPPORT_DIR = Path(
+    env_str("RUNDESK_SUPPORT_DIR", str(BASE_DIR / "runs" / "agents" / "support_samples"))
+)
+RUNDESK_SMTP_URL = env_str("RUNDESK_SMTP_URL", "smtp://127.0.0.1:8025")
+try:
+    _smtp = urllib.parse.urlsplit(RUNDESK_SMTP_URL)
+    _smtp_port = _smtp.port
+except ValueError as _error:
+    raise ImproperlyConfigured(f"RUNDESK_SMTP_URL: {_error}") from None
+if _smtp.scheme != "smtp" or not _smtp.hostname or _smtp.path not in ("", "/"):
+    raise ImproperlyConfigured(
+        f"RUNDESK_SMTP_URL must be smtp://host:port, got {RUNDESK_SMTP_URL!r}"
+    )
+RUNDESK_HELPDESK_URL = env_url("RUNDESK_HELPDESK_URL") or "http://127.0.0.1:8026/"
+RUNDESK_SUPPORT_FROM = env_str("RUNDESK_SUPPORT_FROM", "support@rundesk.example")
 # Every real tool execution is appended here (one JSON line), outside any
 # database transaction: drills and tests count executions from it.
 RUNDESK_TOOL_JOURNAL = os.environ.get("RUNDESK_TOOL_JOURNAL", "")

@@ -1,15 +1,25 @@
 """The demo seeds sample runs, each of which submission takes, and one run
 for each row of the decision table: each ends as its row says, through a
-real executor."""
+real executor.  Its support runs mail through its SMTP server and update
+its helpdesk, and two of them leave an effect's lost answer in the inbox."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from runs.decisions import settle_open_items
 from runs.executor import Executor
-from runs.management.commands.demo import DECISION_TABLE_RUNS, SAMPLE_RUNS, TWO_FUNDS
-from runs.models import CheckpointOutcome, OutcomeItem, OutcomeKind, RunStatus
+from runs.management.commands.demo import (
+    DECISION_TABLE_RUNS,
+    HELPDESK_LOSES,
+    SAMPLE_RUNS,
+    SUPPORT_RUNS,
+    TWO_FUNDS,
+    support_receivers,
+)
+from runs.models import ActionState, CheckpointOutcome, OutcomeItem, OutcomeKind, RunStatus
 from runs.outcomes import xact_status
 from runs.submission import submit
 from tests.faultruns import wait_for
@@ -54,3 +64,34 @@ def test_each_decision_table_run_of_the_demo_ends_as_its_row_says(settings):
     assert settle_open_items().settled == 1
     records[3].refresh_from_db()
     assert records[3].outcome == CheckpointOutcome.SETTLED_COMMITTED
+
+
+def test_the_demos_support_runs_leave_a_lost_mail_and_a_lost_ticket_update_in_the_inbox(
+    settings, tmp_path: Path
+):
+    mailbox, helpdesk = support_receivers(tmp_path, "smtp://127.0.0.1:0", "http://127.0.0.1:0/")
+    with mailbox, helpdesk:
+        settings.RUNDESK_SMTP_URL, settings.RUNDESK_HELPDESK_URL = mailbox.url, helpdesk.url
+        runs = [
+            submit(agent="support", input=input, faults=faults) for input, faults in SUPPORT_RUNS
+        ]
+        outcomes = dict(Executor().serve(once=True))
+
+        assert [outcomes[run.pk] for run in runs] == [
+            RunStatus.COMPLETED,
+            RunStatus.NEEDS_OPERATOR,  # the mail went; its answer was lost
+            RunStatus.NEEDS_OPERATOR,  # the helpdesk kept the update; its answer was lost
+            RunStatus.COMPLETED,
+        ]
+        items = {item.run_id: item for item in OutcomeItem.objects.select_related("action")}
+        assert set(items) == {runs[1].pk, runs[2].pk}
+        assert [(items[run.pk].kind, items[run.pk].action.step_key) for run in runs[1:3]] == [
+            (OutcomeKind.EFFECT, "send"),
+            (OutcomeKind.EFFECT, "update"),
+        ]
+        assert all(item.action.state == ActionState.UNKNOWN for item in items.values())
+        # Where a person sees them: one mail per run, an update for each
+        # run whose mail is known sent.
+        assert len(mailbox.messages()) == len(SUPPORT_RUNS)
+        updated = [update["ticket"] for update in helpdesk.updates()]
+        assert sorted(updated) == sorted(["T-1042", HELPDESK_LOSES, "T-1045"])

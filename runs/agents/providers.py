@@ -6,7 +6,8 @@ writes what a careful analyst would extract from fact sheets (figures, fees,
 holdings, risks), and, for a comparison, puts them side by side.  Any other
 document (prose, notes, an HTML page, another corpus) gives its title and
 its opening sentences as key points, and a comparison of such documents
-lists each one's points and the terms they all use.
+lists each one's points and the terms they all use.  A support ticket's
+reply quotes the knowledge-base articles that answer it (`support_reply`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ COMPARE_INSTRUCTIONS = (
     "You are a research assistant. Compare the fund summaries in the documents and answer the "
     "question with a markdown report: a side-by-side table of figures, fees, top holdings and "
     "risks, then short observations. Only state what the documents say."
+)
+
+SUPPORT_INSTRUCTIONS = (
+    "You are a customer support agent. Draft a plain-text email reply to the customer's ticket "
+    "(the document named 'ticket') from the knowledge-base articles in the other documents "
+    "only: answer what the customer asks, quote the sentences of each article you rely on and "
+    "name it. Sign it 'The support team'. If no article answers the ticket, say a member of "
+    "the team will reply in person."
 )
 
 _DOCUMENT = re.compile(r'<document name="([^"]*)">\n(.*?)\n</document>', re.S)
@@ -112,6 +121,16 @@ def document_blocks(prompt: str) -> list[tuple[str, str]]:
         (_NAME_QUOTE.unescape(name), _TEXT_END.unescape(text))
         for name, text in _DOCUMENT.findall(prompt)
     ]
+
+
+def support_prompt(heading: str, ticket: str, articles: Iterable[tuple[str, str]]) -> str:
+    """The user message of a support reply's draft: a heading line (the
+    ticket's id, customer and subject), the ticket's text as the document
+    named "ticket", then a block for each knowledge-base article (name,
+    text).  As in `research_prompt`, the heading cannot pass for a block."""
+    blocks = [document_block("ticket", ticket)]
+    blocks += (document_block(name, text) for name, text in articles)
+    return " ".join(_QUESTION_TAG.escape(heading).split()) + "\n\n" + "\n\n".join(blocks)
 
 
 # The opening of a document that is not a fact sheet: its key points.
@@ -568,6 +587,104 @@ def _giving(key: str, extreme: float, known: list[tuple[float, FactSheet]]) -> s
     return f"{labels} ({named[0].value(key)})"
 
 
+# A support reply quotes the articles that share the most with the ticket
+# (a share of at least QUOTED_TERMS, and two thirds of the largest), at
+# most QUOTED_ARTICLES of them, and of each the QUOTED_SENTENCES sentences
+# sharing the most.
+QUOTED_TERMS = 2
+QUOTED_ARTICLES = 2
+QUOTED_SENTENCES = 3
+# What a term of the ticket's subject adds to its weight: the subject says
+# what the ticket is about.
+SUBJECT_WEIGHT = 2
+# Words of a ticket that say nothing of what it asks, as terms (`_terms`).
+_GREETINGS = frozenset(
+    word[:5] for word in ["hello", "thanks", "regards", "best", "good", "morning", "dear", "please"]
+)
+# "Ticket T-1042 from Ada Lovelace <ada@example.com>: Refund" (support_prompt).
+_TICKET_HEADING = re.compile(r"Ticket (\S+) from (.*?) ?<[^<>]*>: (.*)")
+
+
+def support_reply(prompt: str) -> str:
+    """A reply to the ticket of a support prompt, quoting the sentences of
+    the articles that share the most of its terms (a word of four or more
+    letters, but the commonest; one of five or more by its first five, so
+    "refund" meets "refunds").  A term of its subject weighs more; one
+    that most of three or more articles use, not at all: it tells none
+    apart.  Each article quoted is named."""
+    blocks = document_blocks(prompt)
+    if not blocks or blocks[0][0] != "ticket":
+        raise ProviderError("the prompt holds no ticket")
+    heading = _QUESTION_TAG.unescape(prompt.partition("\n\n")[0])
+    match = _TICKET_HEADING.fullmatch(heading)
+    name, subject = (match[2], match[3]) if match else ("", heading)
+    articles = [
+        (article, _terms(text), *_article_sentences(text, article)) for article, text in blocks[1:]
+    ]
+    used = Counter(term for _, terms, _, _ in articles for term in terms)
+    common = {
+        term for term, count in used.items() if len(articles) >= 3 and 2 * count > len(articles)
+    }
+    weight = Counter(dict.fromkeys(_terms(blocks[0][1]) - _GREETINGS - common, 1))
+    for term in _terms(subject) - _GREETINGS - common:
+        weight[term] += SUBJECT_WEIGHT
+
+    def share(terms: set[str]) -> int:
+        return sum(weight[term] for term in terms)
+
+    quoted: list[tuple[int, str, str, list[str]]] = []
+    for article, terms, title, sentences in articles:
+        shares = [share(_terms(sentence)) for sentence in sentences]
+        best = sorted(range(len(sentences)), key=lambda i: -shares[i])[:QUOTED_SENTENCES]
+        chosen = [sentences[i] for i in sorted(best) if shares[i]]
+        if chosen and share(terms) >= QUOTED_TERMS:
+            quoted.append((share(terms), article, title, chosen))
+    quoted.sort(key=lambda each: (-each[0], each[1]))
+    quoted = [each for each in quoted if 3 * each[0] >= 2 * quoted[0][0]][:QUOTED_ARTICLES]
+    lines = [f"Hello {name}," if name else "Hello,", ""]
+    lines += [f"Thank you for writing to us about “{subject}”.", ""]
+    for _, article, title, chosen in quoted:
+        lines += [f"From our article “{title}” ({article}):", ""]
+        lines += [*(f"> {sentence}" for sentence in chosen), ""]
+    if quoted:
+        lines += ["If this does not answer your question, reply to this email and we will help."]
+    else:
+        lines += [
+            "No article of our knowledge base answers your question, so a member of our team "
+            "will reply to you in person."
+        ]
+    return "\n".join([*lines, "", "Kind regards,", "The support team"])
+
+
+def _terms(text: str) -> set[str]:
+    words = {word for word in _TERM.findall(text.lower()) if word not in COMMON_WORDS}
+    return {word[:5] for word in words}
+
+
+def _article_sentences(text: str, name: str) -> tuple[str, list[str]]:
+    """An article's title (its first heading; `name` without one) and the
+    sentences of its paragraphs and list items, in their order."""
+    title, sentences, paragraph = "", [], []
+
+    def end_paragraph() -> None:
+        sentences.extend(s for s in _SENTENCE_END.split(" ".join(paragraph)) if s)
+        paragraph.clear()
+
+    for raw in _without_code(text):
+        line = raw.strip()
+        words = " ".join(_MARKUP.sub("", line).split())
+        if not words or _HEADING.match(line) or _LIST_ITEM.match(line):
+            end_paragraph()
+            if _HEADING.match(line):
+                title = title or words
+            elif words:
+                sentences.append(words)
+        else:
+            paragraph.append(words)
+    end_paragraph()
+    return title or name, sentences
+
+
 class OfflineProvider:
     """Deterministic and extractive: it only repeats what the documents say."""
 
@@ -576,6 +693,8 @@ class OfflineProvider:
     def complete(self, messages: list[dict[str, str]]) -> str:
         system = next((m["content"] for m in messages if m["role"] == "system"), "")
         prompt = "\n".join(m["content"] for m in messages if m["role"] == "user")
+        if system == SUPPORT_INSTRUCTIONS:
+            return support_reply(prompt)
         sheets = [FactSheet.parse(text, name) for name, text in document_blocks(prompt)]
         if not sheets:
             raise ProviderError("the prompt holds no <document> block")

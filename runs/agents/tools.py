@@ -163,10 +163,17 @@ def deliver_report(input: dict[str, Any], call: ToolCall) -> dict[str, Any]:
     body = input["content"].encode()
     sha = hashlib.sha256(body).hexdigest()
     if settings.RUNDESK_DELIVERY_URL:
-        url, credentials = _credentials(settings.RUNDESK_DELIVERY_URL)
-        status = _post(url, body, idempotency_key, credentials)
+        url = settings.RUNDESK_DELIVERY_URL
+        status = post(
+            url,
+            body,
+            idempotency_key,
+            content_type="text/markdown; charset=utf-8",
+            timeout=settings.RUNDESK_DELIVERY_TIMEOUT,
+            what="the report",
+        )
         journal("deliver_report", identity, to="url", status=status, key=idempotency_key)
-        return {"delivered_to": _named(url), "status": status, "sha256": sha}
+        return {"delivered_to": named_address(url), "status": status, "sha256": sha}
     target = outbox_file(idempotency_key)
     outbox = target.parent
     # Written whole to a temporary file, then linked into place: link() fails
@@ -204,13 +211,18 @@ def outbox_file(idempotency_key: str) -> Path:
 
 def receiver(idempotency_key: str) -> str:
     """Where a report sent under `idempotency_key` goes, as an operator
-    is shown it (to look it up there): the delivery address without the
-    user and password it may carry and with its query's values blanked
-    (?token=…: most webhooks carry their secret there), or the outbox
-    file."""
+    is shown it (to look it up there): the delivery address
+    (`shown_address`), or the outbox file."""
     if not settings.RUNDESK_DELIVERY_URL:
         return str(outbox_file(idempotency_key))
-    url, _ = _credentials(settings.RUNDESK_DELIVERY_URL)
+    return shown_address(settings.RUNDESK_DELIVERY_URL)
+
+
+def shown_address(url: str) -> str:
+    """An HTTP receiver's address as an operator is shown it: without the
+    user and password it may carry and with its query's values blanked
+    (?token=…: most webhooks carry their secret there)."""
+    url, _ = _credentials(url)
     parts = urllib.parse.urlsplit(url)
     # A part with no "=" is a value alone (?s3cret): blanked whole.
     query = "&".join(
@@ -235,28 +247,36 @@ def _credentials(url: str) -> tuple[str, str]:
     return plain, "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
-def _named(url: str) -> str:
-    """The receiver's address as a receipt (immutable, shown to staff)
-    names it: without its query, where most webhooks carry their secret
-    (?token=, ?sig=).  One kept in the path (Slack's, Discord's) stays, as
-    the receiver's name: bundles' redaction knows those addresses."""
-    return urllib.parse.urlunsplit(urllib.parse.urlsplit(url)._replace(query="", fragment=""))
+def named_address(url: str) -> str:
+    """An HTTP receiver's address as a receipt (immutable, shown to staff)
+    names it: without the user and password it may carry, and without its
+    query, where most webhooks carry their secret (?token=, ?sig=).  One
+    kept in the path (Slack's, Discord's) stays, as the receiver's name:
+    bundles' redaction knows those addresses."""
+    plain, _ = _credentials(url)
+    return urllib.parse.urlunsplit(urllib.parse.urlsplit(plain)._replace(query="", fragment=""))
 
 
-def _post(url: str, body: bytes, key: str, credentials: str = "") -> int:
-    headers = {"Content-Type": "text/markdown; charset=utf-8", "Idempotency-Key": key}
+def post(url: str, body: bytes, key: str, *, content_type: str, timeout: float, what: str) -> int:
+    """POSTs `body` to an HTTP receiver under `Idempotency-Key: key` and
+    answers its status; the user and password `url` may carry go as Basic
+    authorization.  ToolFailed when it is known the receiver did not take
+    `what` (no connection, or a 4xx refusal); OutcomeUnknown when it may
+    have (the answer lost, a 5xx, a redirect)."""
+    url, credentials = _credentials(url)
+    headers = {"Content-Type": content_type, "Idempotency-Key": key}
     if credentials:
         headers["Authorization"] = credentials
     request = urllib.request.Request(  # noqa: S310 (settings.env_url allows http(s) only)
         url, data=body, method="POST", headers=headers
     )
     try:
-        with NOT_REDIRECTED.open(request, timeout=settings.RUNDESK_DELIVERY_TIMEOUT) as response:
+        with NOT_REDIRECTED.open(request, timeout=timeout) as response:
             return response.status
     except urllib.error.HTTPError as error:
-        # A 5xx, or a redirect (3xx): the receiver may have taken the report.
+        # A 5xx, or a redirect (3xx): the receiver may have taken it.
         if 400 <= error.code < 500 and error.code not in (408, 409, 429):
-            raise ToolFailed(f"receiver refused the report: HTTP {error.code}") from error
+            raise ToolFailed(f"receiver refused {what}: HTTP {error.code}") from error
         raise OutcomeUnknown(f"receiver answered HTTP {error.code}: delivery unknown") from error
     except urllib.error.URLError as error:
         # Refused, or its name not found: no connection, so nothing was sent.

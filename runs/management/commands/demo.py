@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +15,10 @@ from django.conf import settings
 from django.contrib.auth.models import Group, Permission, User
 from django.contrib.staticfiles.storage import ManifestFilesMixin, staticfiles_storage
 from django.core.management import call_command
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
+from runs.agents.receivers import Helpdesk, Mailbox
 from runs.models import Run
 from runs.submission import submit
 from runs.tasks import execute_run
@@ -111,6 +114,36 @@ DECISION_TABLE_RUNS: list[tuple[str, list[dict[str, Any]]]] = [
 ]
 
 
+# The support agent's runs, with real effects: a mail through the demo's SMTP
+# server and a ticket update in its helpdesk (support_receivers), each seen
+# there.  One loses its mail's answer (the fault plan): only "it happened"
+# or "it did not" settles it.  Another's update is kept by the helpdesk,
+# which loses its answer (HELPDESK_LOSES): sent again under its key, it is
+# kept once.
+HELPDESK_LOSES = "T-1044"
+SUPPORT_RUNS: list[tuple[dict[str, Any], list[dict[str, Any]]]] = [
+    ({"ticket": "T-1042"}, []),
+    ({"ticket": "T-1043"}, [{"point": "delivery_timeout"}]),
+    ({"ticket": HELPDESK_LOSES, "articles": ["subscriptions.md", "refunds.md"]}, []),
+    ({"ticket": "T-1045"}, [{"point": "tool_delay", "ms": 1500}]),
+]
+
+
+def support_receivers(var: Path, smtp_url: str, helpdesk_url: str) -> tuple[Mailbox, Helpdesk]:
+    """The demo's SMTP server and helpdesk, at the addresses the support
+    agent sends to, keeping what they receive under `var`."""
+    smtp, helpdesk = urllib.parse.urlsplit(smtp_url), urllib.parse.urlsplit(helpdesk_url)
+    return (
+        Mailbox(var / "mailbox", smtp.hostname or "", smtp.port or 25),
+        Helpdesk(
+            var / "helpdesk",
+            helpdesk.hostname or "",
+            helpdesk.port or 80,
+            lose_answers_for={HELPDESK_LOSES},
+        ),
+    )
+
+
 def web_server(port: int) -> list[str]:
     """The web tier as production runs it: gunicorn (dashboard/gunicorn.py)
     on this port of the loopback interface, static files from WhiteNoise."""
@@ -154,7 +187,12 @@ class Command(BaseCommand):
         call_command("migrate", verbosity=0)
         self._collect_static()
         password = self._operator_account()
-        self._seed()
+        with ExitStack() as receivers:
+            mailbox, helpdesk = self._receivers(receivers)
+            self._seed()
+            self._serve(port, password, mailbox, helpdesk)
+
+    def _serve(self, port: int, password: str, mailbox: Mailbox, helpdesk: Helpdesk) -> None:
         env = {"DATABASE_URL": settings.DATABASE_URL, **site_environment(port)}
         manage = [sys.executable, str(settings.BASE_DIR / "manage.py")]
         children = [
@@ -183,7 +221,10 @@ class Command(BaseCommand):
             self.style.SUCCESS(
                 f"\nRundesk demo: http://127.0.0.1:{port}/  (gunicorn, DEBUG {debug})\n"
                 f"  sign in as  operator / {password}\n"
-                "  Ctrl-C stops the web server, the executor, the worker and the database.\n"
+                f"  the support agent's mail: {mailbox.folder}/*.eml  ({mailbox.url})\n"
+                f"  its ticket updates:       {helpdesk.url}\n"
+                "  Ctrl-C stops the web server, the executor, the worker, the receivers and "
+                "the database.\n"
             )
         )
         try:
@@ -218,6 +259,21 @@ class Command(BaseCommand):
             user.groups.add(operators)
         return password
 
+    def _receivers(self, stack: ExitStack) -> tuple[Mailbox, Helpdesk]:
+        """The support agent's receivers, started in this process (they
+        stop with it): at the addresses its tools send to."""
+        smtp, helpdesk = settings.RUNDESK_SMTP_URL, settings.RUNDESK_HELPDESK_URL
+        try:
+            receivers = support_receivers(Path(settings.VAR_DIR), smtp, helpdesk)
+            for receiver in receivers:
+                stack.enter_context(receiver)
+        except OSError as error:
+            raise CommandError(
+                f"demo: cannot start the support agent's receivers at RUNDESK_SMTP_URL {smtp} "
+                f"and RUNDESK_HELPDESK_URL {helpdesk}: {error}"
+            ) from None
+        return receivers
+
     def _seed(self) -> None:
         if Run.objects.exists():
             return
@@ -228,9 +284,12 @@ class Command(BaseCommand):
                     execute_run.delay_on_commit(run.pk)
         for question, faults in DECISION_TABLE_RUNS:
             submit(question=question, documents=TWO_FUNDS, faults=faults)
+        for input, faults in SUPPORT_RUNS:
+            submit(agent="support", input=input, faults=faults)
         self.stdout.write(
-            f"demo: {len(SAMPLE_RUNS) + len(DECISION_TABLE_RUNS)} sample runs queued, "
-            f"{len(DECISION_TABLE_RUNS)} of them with a fault plan"
+            f"demo: {len(SAMPLE_RUNS) + len(DECISION_TABLE_RUNS)} research runs queued, "
+            f"{len(DECISION_TABLE_RUNS)} of them with a fault plan; {len(SUPPORT_RUNS)} support "
+            "runs, one losing its mail's answer and one its ticket update's"
         )
 
     def _start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
