@@ -12,12 +12,15 @@ import subprocess
 import sys
 from io import StringIO
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.test import Client
 
-from runs.drills import SCENARIOS, chosen_agents
+from runs import tasks
+from runs.drills import QUESTIONS, SCENARIOS, chosen_agents
 from runs.models import Drill, DrillResult, DrillVerdict, Receipt
 from tests.conftest import ROOT, database_url
 
@@ -140,3 +143,51 @@ def test_every_scenario_for_a_second_agent_passes_or_says_why_not(tmp_path: Path
     results = DrillResult.objects.filter(agent="filing")
     assert results.count() == len(SCENARIOS)
     assert all(r.verdict != DrillVerdict.FAILED for r in results)
+
+
+def test_the_drills_page_shows_each_agents_results_and_starts_a_drill_for_agents(
+    installed, operator: Client, viewer: Client
+) -> None:
+    drill = Drill.objects.create(
+        scenarios=["delivery_answer_lost"],
+        agents=["research", "filing"],
+        started_by="olga",
+        state="done",
+    )
+    for agent, verdict, detail in [
+        ("research", DrillVerdict.PASSED, "the answer of action 6 (deliver) lost"),
+        ("filing", DrillVerdict.NOT_RUN, "a clean run of filing has no <effect>"),
+    ]:
+        DrillResult.objects.create(
+            drill=drill,
+            scenario="delivery_answer_lost",
+            agent=agent,
+            verdict=verdict,
+            seconds=1.0,
+            checks=dict.fromkeys(QUESTIONS, True if verdict == DrillVerdict.PASSED else None),
+            detail=detail,
+        )
+    html = viewer.get("/drills/").content.decode()
+    row = html[html.index("<code>delivery_answer_lost</code>") :]
+    filing, research = row.split("</tr>")[:2]  # the agents by name
+    assert "<td>research</td>" in research and "Passed" in research
+    assert "<td>filing</td>" in filing and "Not Run" in filing
+    assert "has no &lt;effect&gt;" in filing and filing.count(">n/a<") == 4
+    # Each agent has a row for each scenario; pages declares no drill input.
+    lease = html[html.index("<code>lease_stolen</code>") :].split("</tbody>")[0]
+    assert lease.split("</tr>")[1].count("never run here") == 1
+    assert "<td>pages</td>" not in html
+    assert "Done: 2 of 2 scenarios (1 against each of research, filing)" in html
+    assert (
+        "Run all 19 scenarios against filing, research" in operator.get("/drills/").content.decode()
+    )
+
+    Drill.objects.all().delete()
+    refused = operator.post("/drills/start/", {"agent": ["pages"]}, follow=True)
+    assert (
+        "Not started: agent &#x27;pages&#x27; declares no drill input" in refused.content.decode()
+    )
+    assert not Drill.objects.exists()
+    with patch.object(tasks.drill, "delay", lambda *args: None):
+        operator.post("/drills/start/", {"scenario": ["lease_stolen"], "agent": ["filing"]})
+    assert Drill.objects.get().agents == ["filing"]
