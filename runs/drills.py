@@ -854,7 +854,7 @@ def delivery_answer_lost(lab: Lab) -> Finding:
             "the drill cannot ask its receiver whether it happened"
         )
     lab.stage(f"the answer of {effect.said('the first effect')} lost")
-    run = lab.submit([{"point": "delivery_timeout", "action": effect.number}])
+    run = lab.submit([{"point": "delivery_timeout"}])  # the first effect's
     first = lab.drive(run)
     item = OutcomeItem.objects.filter(run=run, state=OutcomeState.OPEN).first()
     waited = first == Ending.NEEDS_OPERATOR and item is not None
