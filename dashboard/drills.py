@@ -1,6 +1,6 @@
 """The drills page: each fault scenario's latest result and its history
-(runs/drills.py), and a drill an operator starts (a Celery task; its
-results appear as they come)."""
+for each agent (runs/drills.py), and a drill an operator starts (a Celery
+task; its results appear as they come)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dashboard.htmx import HtmxHttpRequest
 from dashboard.security import form_lock_waits, rejects_bad_input
 from runs import tasks
 from runs.decisions import OPERATE
-from runs.drills import QUESTIONS, SCENARIOS, DrillRunning, describe, start_drill
+from runs.drills import QUESTIONS, SCENARIOS, DrillRunning, describe, drillable, start_drill
 from runs.models import Drill, DrillResult, DrillState
 from runs.tasks import hand_over
 
@@ -28,11 +28,11 @@ HISTORY = 10  # results shown per scenario
 @require_safe
 @rejects_bad_input
 def drills(request: HtmxHttpRequest) -> HttpResponse:
-    history: dict[str, list[DrillResult]] = defaultdict(list)
-    # The newest HISTORY results of each scenario, in one query.
+    history: dict[tuple[str, str], list[DrillResult]] = defaultdict(list)
+    # The newest HISTORY results of each scenario for each agent, in one query.
     for result in DrillResult.objects.raw(
         """SELECT * FROM (
-               SELECT *, row_number() OVER (PARTITION BY scenario
+               SELECT *, row_number() OVER (PARTITION BY scenario, agent
                                             ORDER BY created_at DESC, id DESC) AS nth
                FROM runs_drillresult) ranked
            WHERE nth <= %s ORDER BY created_at DESC, id DESC""",
@@ -40,15 +40,28 @@ def drills(request: HtmxHttpRequest) -> HttpResponse:
     ):
         # In the order of the columns (jsonb keeps no key order).
         result.answers = [result.checks.get(question) for question in QUESTIONS]
-        history[result.scenario].append(result)
+        history[result.scenario, result.agent].append(result)
+    # The agents a drill runs against now, then any others drilled before.
+    agents = list(dict.fromkeys([*drillable(), *sorted(agent for _, agent in history)]))
     scenarios = [
-        {"name": name, "about": describe(name), "history": history.get(name, [])}
+        {
+            "name": name,
+            "about": describe(name),
+            "agents": [
+                {"name": agent, "history": history.get((name, agent), [])} for agent in agents
+            ],
+        }
         for name in SCENARIOS
     ]
     return render(
         request,
         "drills.html",
-        {"scenarios": scenarios, "drill": Drill.objects.first(), "total": len(SCENARIOS)},
+        {
+            "scenarios": scenarios,
+            "agents": drillable(),
+            "drill": Drill.objects.first(),
+            "total": len(SCENARIOS),
+        },
     )
 
 
@@ -73,9 +86,14 @@ def drill_start(request: HtmxHttpRequest) -> HttpResponse:
         return redirect("drills")
     try:
         with form_lock_waits():
-            drill = start_drill(chosen, request.user.get_username())
+            drill = start_drill(
+                chosen, request.user.get_username(), request.POST.getlist("agent") or None
+            )
     except DrillRunning as running:
         messages.info(request, f"Not started: {running}. Its results appear below.")
+        return redirect("drills")
+    except ValueError as refused:
+        messages.error(request, f"Not started: {refused}.")
         return redirect("drills")
     if refused := hand_over(tasks.drill, drill.pk):
         # No worker will run it: ended now, so it holds back no other.
@@ -86,5 +104,8 @@ def drill_start(request: HtmxHttpRequest) -> HttpResponse:
         )
         messages.error(request, f"Drill {drill.pk} not started: no worker could be asked.")
     else:
-        messages.success(request, f"Drill {drill.pk} started: {len(chosen)} scenarios.")
+        messages.success(
+            request,
+            f"Drill {drill.pk} started: {len(chosen)} scenarios against {', '.join(drill.agents)}.",
+        )
     return redirect("drills")

@@ -1,13 +1,13 @@
 """Fault drills: the essay's reverse checks, four questions asked on this
-installation.
+installation, of every agent installed here that declares a drill input.
 
-Each scenario creates one failure on purpose, on real runs in the
-configured database (marked `is_drill`), and asks what must remain true:
+Each scenario creates one failure on purpose, on real runs of one agent in
+the configured database (marked `is_drill`), and asks what must remain true:
 
 1. committed_content_readable: what was committed before the failure can
    still be read (the final answer, every receipt, each verifying);
 2. independent_work_continued: the work that does not depend on the
-   failure went on (the run delivered its report);
+   failure went on (the run did all that a clean run of its agent does);
 3. original_action_executed_once: no action ran again by accident, counted
    outside the database (the tool journal: one line per real execution);
 4. boundaries_kept: unknown writes stayed unknown until evidence settled
@@ -16,8 +16,17 @@ configured database (marked `is_drill`), and asks what must remain true:
 
 Every answer comes from the data: "no exception was raised" answers none
 of them.  A question that does not apply is None, with the reason in the
-detail.  A scenario that cannot be staged here is `not_run`, with the
-reason.
+detail.  A scenario that cannot be staged here, or does not apply to an
+agent (a lost effect's answer, for an agent with no effect), is `not_run`,
+with the reason.
+
+The drills know no agent.  Before its scenarios, a drill learns each
+agent's sequence from a clean run in the lab (`learn`): its actions in
+order, with their effect classes, which boundary writes carry the receipts
+of reads before them, after which a checkpoint is saved, when it publishes,
+what capture keeps of it.  Each scenario then places its fault by role
+("the first effect", "an action after which a checkpoint is saved"), and
+says which action that was.
 
 A drill touches nothing of production's: every lock it takes on a table
 production writes (a trigger's DDL, another session's LOCK TABLE) is asked
@@ -27,11 +36,12 @@ way, and its scenario is `not_run`, saying why.  What a drill killed
 mid-scenario leaves behind (its triggers and their functions) is removed
 when the next drill starts, and the report says so.
 
-The runs use the bundled sample corpus, the offline model and a delivery
-receiver of the drill's own (an outbox folder), whatever the installation
-uses; what the drill locks or slows is scoped to its own runs where
-PostgreSQL allows it (the table-lock scenarios lock evidence tables for a
-few seconds: other runs' capture leaves gaps meanwhile, as it would).
+The runs are on each agent's drill input, the bundled sample corpus, the
+offline model and a delivery receiver of the drill's own (an outbox
+folder), whatever the installation uses; what the drill locks or slows is
+scoped to its own runs where PostgreSQL allows it (the table-lock scenarios
+lock evidence tables for a few seconds: other runs' capture leaves gaps
+meanwhile, as it would).
 """
 
 from __future__ import annotations
@@ -61,8 +71,8 @@ from django.utils import timezone
 
 import evidence.capture
 from evidence.capture import Capture
-from evidence.models import CaptureStats
-from runs import decisions, submission
+from evidence.models import CaptureStats, ModelCall, Source
+from runs import decisions, registry, submission
 from runs.executor import Ending, claim_and_drive
 from runs.harness import (
     WAIT_SECONDS,
@@ -77,6 +87,8 @@ from runs.models import (
     Action,
     ActionState,
     AnswerRevision,
+    Checkpoint,
+    CheckpointOutcome,
     DecisionChoice,
     Drill,
     DrillResult,
@@ -95,7 +107,6 @@ from runs.sweep import sweep
 from runs.timeline import EventKind, timeline
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md", "meridian-world-equity.md"]
 QUESTIONS = (
     "committed_content_readable",
     "independent_work_continued",
@@ -111,7 +122,8 @@ LEFTOVERS = "rundesk\\_drill\\_%"
 
 
 class NotRun(Exception):
-    """The scenario cannot be staged on this installation (why)."""
+    """The scenario cannot be staged on this installation, or does not
+    apply to the agent (why)."""
 
 
 @dataclass
@@ -131,16 +143,248 @@ class Finding:
         return all(value is not False for value in self.answers.values())
 
 
-class Lab:
-    """One scenario's surroundings: its runs, its tool journal, its
-    receiver, and the processes it started."""
+# -- the agents, and what a clean run of each does ---------------------------------------
 
-    def __init__(self, folder: Path) -> None:
+
+def drillable() -> list[str]:
+    """The installed agents that declare a drill input: those a drill runs
+    against unless told."""
+    return [name for name, agent in registry.installed().items() if agent.drill_input is not None]
+
+
+def chosen_agents(names: list[str] | None) -> list[str]:
+    """The agents a drill is to run against: `names` (in order, once
+    each), or every drillable one.  ValueError says why one cannot be."""
+    if not names:
+        found = drillable()
+        if not found:
+            raise ValueError("no installed agent declares a drill input (Agent.drill_input)")
+        return found
+    for name in names:
+        try:
+            agent = registry.agent_class(name)
+        except registry.NotInstalled as error:
+            raise ValueError(
+                f"{error} (installed: {', '.join(sorted(registry.installed()))})"
+            ) from None
+        if agent.drill_input is None:
+            raise ValueError(
+                f"agent {name!r} declares no drill input (Agent.drill_input): "
+                "the drills have nothing to run it on"
+            )
+    return list(dict.fromkeys(names))
+
+
+@dataclass(frozen=True)
+class Stride:
+    """One action of a clean run, in the order the run dispatched them:
+    `number` is what a fault plan's "action K" counts (runs/faults.py)."""
+
+    number: int
+    key: str
+    effect: EffectClass
+    # Which boundary write dispatched it (reads side by side share one: a
+    # fault "before action K" meets the write whose last action is K).
+    write: int
+    last_of_write: bool
+    # Its boundary write carried the receipts of reads before it.
+    carries: bool
+    # Its own receipt went with a later action's boundary write.
+    carried: bool
+    # A checkpoint is saved after it (by an agent that saves them).
+    checkpoint: bool
+    # Its execution left a line in the tool journal.
+    journaled: bool
+    completed: bool
+
+    def said(self, role: str) -> str:
+        return f"action {self.number} ({self.key}, {role})"
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """What a clean run of an agent does, learned in the lab (`learn`):
+    where each scenario places its fault, by role; NotRun, saying why,
+    when the agent has no such action."""
+
+    agent: str
+    strides: tuple[Stride, ...]
+    # The actions taken when each revision was published, in order.
+    publications: tuple[int, ...]
+    # What capture kept of it: "source" (documents read), "model_call".
+    captured: frozenset[str]
+    saves_checkpoints: bool
+    runs: tuple[int, ...]
+
+    def first(self, role: str, holds: Callable[[Stride], bool]) -> Stride:
+        found = next((stride for stride in self.strides if holds(stride)), None)
+        if found is None:
+            raise NotRun(f"a clean run of {self.agent} has no {role}")
+        return found
+
+    def first_effect(self) -> Stride:
+        return self.first("effect", lambda s: s.effect == EffectClass.EFFECT)
+
+    def checkpointed(self) -> Stride:
+        if not self.saves_checkpoints:
+            raise NotRun(f"{self.agent} saves no checkpoints (Agent.saves_checkpoints)")
+        return self.first("action after which a checkpoint is saved", lambda s: s.checkpoint)
+
+    def later_read(self) -> Stride:
+        return self.first(
+            "read after its first action", lambda s: s.effect == EffectClass.READ and s.number > 1
+        )
+
+    def carrier(self) -> Stride:
+        return self.first("boundary write that carries the receipts of reads", lambda s: s.carries)
+
+    def carried(self) -> Stride:
+        return self.first("read whose receipt goes with a later boundary", lambda s: s.carried)
+
+    def first_publication(self) -> int:
+        """The actions taken when the run first publishes after its first
+        action (a fault plan's action K of a publication)."""
+        found = next((taken for taken in self.publications if taken >= 1), None)
+        if found is None:
+            raise NotRun(f"a clean run of {self.agent} publishes nothing after its first action")
+        return found
+
+    def mid_run(self) -> Stride:
+        """Where a run is stopped mid-way: the first boundary write after
+        its first publication, or else its last; never its first."""
+        points = [s for s in self.strides if s.last_of_write and s.write > 0]
+        if not points:
+            raise NotRun(f"a clean run of {self.agent} dispatches all its actions at once")
+        published = self.publications[0] if self.publications else None
+        after = [s for s in points if published is not None and self.first_of(s) > published]
+        return after[0] if after else points[-1]
+
+    def first_of(self, stride: Stride) -> int:
+        """The number of the first action of `stride`'s boundary write."""
+        return min(s.number for s in self.strides if s.write == stride.write)
+
+    def before(self, stride: Stride) -> list[str]:
+        """The actions dispatched before `stride`'s boundary write."""
+        return [s.key for s in self.strides if s.write < stride.write]
+
+    def mid_read(self) -> Stride:
+        """A read in flight mid-run, before any effect: a process killed
+        then leaves reads to send again, and no effect in doubt."""
+        effect = next((s.number for s in self.strides if s.effect == EffectClass.EFFECT), None)
+        reads = [s for s in self.strides if effect is None or s.number < effect]
+        if not reads:
+            raise NotRun(f"a clean run of {self.agent} reads nothing before its first effect")
+        return reads[len(reads) // 2]
+
+    @property
+    def journals(self) -> bool:
+        return any(stride.journaled for stride in self.strides)
+
+    def needs_capture(self, kinds: set[str], what: str) -> None:
+        if not self.captured & kinds:
+            raise NotRun(f"capture keeps no {what} of {self.agent}'s runs: there is none to block")
+
+
+def learn(agent: str) -> Sequence:
+    """`agent`'s sequence, from clean runs in a lab of their own: one as
+    scenarios run it; one more saving every checkpoint the agent asks for
+    (an agent that saves them), to learn after which actions it does.
+    NotRun when a clean run does not complete here: no scenario can be
+    judged against it."""
+    declared = registry.agent_class(agent)
+    with tempfile.TemporaryDirectory(prefix=f"rundesk-drill-{agent}-clean-") as folder:
+        lab = Lab(Path(folder), agent)
+        with lab.settings():
+            run = lab.clean()
+            checkpointed: set[str] = set()
+            if declared.saves_checkpoints():
+                with override_settings(RUNDESK_CHECKPOINT_EVERY=1):
+                    again = lab.clean()
+                checkpointed = set(
+                    Checkpoint.objects.filter(
+                        run=again, outcome=CheckpointOutcome.COMMITTED
+                    ).values_list("after_action__step_key", flat=True)
+                )
+            evidence.capture.capture.flush()
+        journal = lab.executions()
+    actions = list(Action.objects.filter(run=run).select_related("receipt").order_by("pk"))
+    # A boundary write is one statement: its actions and the receipts it
+    # carries share its transaction's now().
+    receipts = {a.pk: a.receipt.created_at for a in actions if hasattr(a, "receipt")}
+    writes: dict[dt.datetime, int] = {}
+    for action in actions:
+        writes.setdefault(action.created_at, len(writes))
+    strides = tuple(
+        Stride(
+            number=number,
+            key=action.step_key,
+            effect=EffectClass(action.effect_class),
+            write=writes[action.created_at],
+            last_of_write=number == len(actions) or actions[number].created_at != action.created_at,
+            carries=any(at == action.created_at for at in receipts.values()),
+            carried=receipts.get(action.pk) in writes,
+            checkpoint=action.step_key in checkpointed,
+            journaled=journal[action_identity(run.pk, action.step_key)] > 0,
+            completed=action.pk in receipts,
+        )
+        for number, action in enumerate(actions, start=1)
+    )
+    publications = tuple(
+        sum(action.created_at < committed for action in actions)
+        for committed in AnswerRevision.objects.filter(run=run)
+        .order_by("committed_at")
+        .values_list("committed_at", flat=True)
+    )
+    captured = {"source"} if Source.objects.filter(run=run).exists() else set()
+    captured |= {"model_call"} if ModelCall.objects.filter(run=run).exists() else set()
+    return Sequence(
+        agent=agent,
+        strides=strides,
+        publications=publications,
+        captured=frozenset(captured),
+        saves_checkpoints=declared.saves_checkpoints(),
+        runs=tuple(each.pk for each in lab.runs),
+    )
+
+
+class Lab:
+    """One scenario's surroundings: the agent it runs and that agent's
+    sequence, its runs, its tool journal, its receiver, and the processes
+    it started."""
+
+    def __init__(
+        self,
+        folder: Path,
+        agent: str = "research",
+        sequence: Sequence | Exception | None = None,
+    ) -> None:
         self.folder = folder
+        self.agent = agent
+        self._sequence = sequence
         self.journal = folder / "tool-journal.jsonl"
         self.outbox = folder / "outbox"
         self.runs: list[Run] = []
         self.processes: list[GroupProcess] = []
+        # Where the scenario placed its fault, in words (its detail's first lines).
+        self.staged: list[str] = []
+
+    @property
+    def sequence(self) -> Sequence:
+        """The agent's sequence (learned now, unless given); what stopped
+        the drill learning it is raised."""
+        if self._sequence is None:
+            self._sequence = learn(self.agent)
+        if isinstance(self._sequence, Exception):
+            raise self._sequence
+        return self._sequence
+
+    def journaled(self) -> bool:
+        """Whether the agent's tools journal their executions (as far as
+        its sequence, if learned, says)."""
+        return not isinstance(self._sequence, Sequence) or self._sequence.journals
+
+    def stage(self, what: str) -> None:
+        self.staged.append(what)
 
     @contextmanager
     def settings(self) -> Iterator[None]:
@@ -155,9 +399,10 @@ class Lab:
             yield
 
     def submit(self, faults: list[dict[str, Any]] | None = None) -> Run:
-        run = submission.submit(
-            question="Drill: compare these funds", documents=DOCS, faults=faults, drill=True
-        )
+        drill_input = registry.agent_class(self.agent).drill_input
+        if drill_input is None:
+            raise NotRun(f"agent {self.agent} declares no drill input")
+        run = submission.submit(self.agent, dict(drill_input), faults=faults, drill=True)
         self.runs.append(run)
         return run
 
@@ -167,14 +412,31 @@ class Lab:
         run.refresh_from_db()
         return ending
 
+    def clean(self) -> Run:
+        """A run with no fault, driven to its end: NotRun if it does not
+        complete."""
+        run = self.submit()
+        self.drive(run)
+        if run.status != RunStatus.COMPLETED:
+            raise NotRun(
+                f"a clean run of {self.agent} in the drill's lab (run {run.pk}) ended "
+                f"{run.status}: {run.status_reason or 'no reason given'}; nothing can be "
+                "judged against it here"
+            )
+        return run
+
     def executions(self) -> Counter[str]:
         return Journal(self.journal).counts()
 
     def env(self) -> dict[str, str]:
-        """For a process of this installation working for the drill."""
+        """For a process of this installation working for the drill: the
+        same agents installed as here (settings may have added some)."""
         return {
             **os.environ,
             "DATABASE_URL": database_url(),
+            "RUNDESK_AGENTS": ",".join(
+                f"{name}={path}" for name, path in settings.RUNDESK_AGENTS.items()
+            ),
             "RUNDESK_TOOL_JOURNAL": str(self.journal),
             "RUNDESK_OUTBOX_DIR": str(self.outbox),
             "RUNDESK_CORPUS_DIR": str(ROOT / "runs" / "agents" / "sample_corpus"),
@@ -337,27 +599,44 @@ def content_readable(finding: Finding, run: Run, *, expect_final: bool = True) -
         finding.answer(QUESTIONS[0], True, f"{said}{receipts} receipts verify")
 
 
-def work_continued(finding: Finding, run: Run) -> None:
-    """Q2: the run delivered its report, every document summarised."""
-    summaries = Action.objects.filter(
-        run=run, step_key__startswith="summarize:", state=ActionState.COMPLETED
-    ).count()
-    delivered = Action.objects.filter(
-        run=run, step_key="deliver", state=ActionState.COMPLETED
-    ).exists()
-    done = run.status == RunStatus.COMPLETED and delivered and summaries == len(DOCS)
-    finding.answer(
-        QUESTIONS[1],
-        done,
-        f"run {run.pk} {run.status}, {summaries} of {len(DOCS)} documents summarised, "
-        f"report {'delivered' if delivered else 'not delivered'}",
+def work_continued(finding: Finding, lab: Lab, run: Run) -> None:
+    """Q2: the run did all that a clean run of its agent does: it
+    completed, its final revision is published, every action the clean run
+    completed has its receipt (each effect among them: one, its own)."""
+    done = set(
+        Action.objects.filter(
+            run=run, state=ActionState.COMPLETED, receipt__isnull=False
+        ).values_list("step_key", flat=True)
     )
+    clean = [stride for stride in lab.sequence.strides if stride.completed]
+    missing = [stride.key for stride in clean if stride.key not in done]
+    effects = [stride.key for stride in clean if stride.effect == EffectClass.EFFECT]
+    final = AnswerRevision.objects.filter(run=run, is_final=True).exists()
+    said = (
+        f"run {run.pk} {run.status}, final revision {'published' if final else 'not published'}, "
+        f"{len(clean) - len(missing)} of the {len(clean)} actions a clean run completes completed"
+    )
+    if effects:
+        sent = [key for key in effects if key in done]
+        said += f", {len(sent)} of its {len(effects)} effects ({', '.join(effects)}) with a receipt"
+    if missing:
+        said += f"; not completed: {', '.join(missing)}"
+    finding.answer(QUESTIONS[1], run.status == RunStatus.COMPLETED and final and not missing, said)
 
 
 def executed_once(finding: Finding, lab: Lab, runs: list[Run]) -> None:
     """Q3: each action ran at most as often as its boundary was armed (a
     read without receipt is sent again under its identity); an effect and
-    every action with a receipt from the first attempt ran once."""
+    every action with a receipt from the first attempt ran once.  Of an
+    agent whose tools journal nothing, it cannot be told (None)."""
+    if not lab.journaled():
+        finding.answer(
+            QUESTIONS[2],
+            None,
+            f"{lab.agent}'s tools write no tool journal line (RUNDESK_TOOL_JOURNAL): "
+            "executions cannot be counted outside the database",
+        )
+        return
     counts = lab.executions()
     problems, total = [], 0
     for action in Action.objects.filter(run__in=runs):
@@ -397,7 +676,7 @@ def boundaries(finding: Finding, lab: Lab, runs: list[Run], *also: tuple[bool, s
 def full_run_answers(lab: Lab, run: Run, *also: tuple[bool, str]) -> Finding:
     finding = Finding()
     content_readable(finding, run)
-    work_continued(finding, run)
+    work_continued(finding, lab, run)
     executed_once(finding, lab, [run])
     boundaries(finding, lab, [run], *also)
     return finding
@@ -414,6 +693,7 @@ def gaps_of(run: Run) -> int:
 def capture_row_lock(lab: Lab) -> Finding:
     """Capture blocked by a row lock: another session holds the run's
     capture counters FOR UPDATE for the whole run."""
+    lab.sequence.needs_capture({"model_call"}, "copy of a model call")
     run = lab.submit()
     CaptureStats.objects.create(run=run)
     with another_session(f"SELECT 1 FROM evidence_capturestats WHERE run_id = {run.pk} FOR UPDATE"):
@@ -438,11 +718,13 @@ def _tables_locked(lab: Lab, tables: list[str], mode: str) -> Finding:
 
 def capture_table_lock(lab: Lab) -> Finding:
     """Capture blocked by a table lock on the model records."""
+    lab.sequence.needs_capture({"model_call"}, "model record")
     return _tables_locked(lab, ["evidence_modelcall"], "ACCESS EXCLUSIVE")
 
 
 def evidence_tables_locked(lab: Lab) -> Finding:
     """Every evidence table locked (ACCESS EXCLUSIVE) for the whole run."""
+    lab.sequence.needs_capture({"model_call", "source"}, "record")
     return _tables_locked(lab, evidence_tables(), "ACCESS EXCLUSIVE")
 
 
@@ -459,7 +741,8 @@ def _capture_writer(writer: Capture) -> Iterator[Capture]:
 
 def capture_queue_full(lab: Lab) -> Finding:
     """The capture queue is full: a writer with room for one record, stuck
-    behind a locked model-record table."""
+    behind a locked source table (which model records link to)."""
+    lab.sequence.needs_capture({"model_call", "source"}, "record")
     run = lab.submit()
     with (
         _capture_writer(Capture(capacity=1)) as writer,
@@ -476,6 +759,7 @@ def capture_queue_full(lab: Lab) -> Finding:
 def database_stalled_for_capture(lab: Lab) -> Finding:
     """The database stalls capture: each of the run's source rows takes 3 s
     to insert (a trigger, on this run's rows only)."""
+    lab.sequence.needs_capture({"source"}, "document read")
     run = lab.submit()
     with _trigger(run, "stall", "evidence_source", "PERFORM pg_sleep(3); RETURN NEW;"):
         try:
@@ -484,14 +768,19 @@ def database_stalled_for_capture(lab: Lab) -> Finding:
             took = time.monotonic() - started
         finally:
             evidence.capture.capture.flush(timeout=30)
+    stalled = 3 * Source.objects.filter(run=run).count()
     return full_run_answers(
-        lab, run, (took < 9, f"the run took {took:.1f} s while capture stalled 9 s")
+        lab,
+        run,
+        (took < stalled, f"the run took {took:.1f} s while capture stalled {stalled} s"),
     )
 
 
 def checkpoint_fails_before_write(lab: Lab) -> Finding:
-    """The checkpoint after action 1 fails before writing."""
-    run = lab.submit([{"point": "checkpoint_serialize_error", "action": 1}])
+    """The first checkpoint a run saves fails before writing."""
+    after = lab.sequence.checkpointed()
+    lab.stage(f"the checkpoint after {after.said('the first action a checkpoint is saved after')}")
+    run = lab.submit([{"point": "checkpoint_serialize_error", "action": after.number}])
     lab.drive(run)
     failed = run.checkpoints.filter(outcome="failed_before_write").count()
     return full_run_answers(
@@ -502,7 +791,8 @@ def checkpoint_fails_before_write(lab: Lab) -> Finding:
     )
 
 
-def _commit_lost(lab: Lab, write: str, action: int) -> Finding:
+def _commit_lost(lab: Lab, write: str, action: int, where: str) -> Finding:
+    lab.stage(f"the first {write} written at or after {where}")
     run = lab.submit([{"point": "drop_connection_at_commit", "write": write, "action": action}])
     lab.drive(run)
     kinds = set(run.events.values_list("kind", flat=True))
@@ -521,34 +811,61 @@ def _commit_lost(lab: Lab, write: str, action: int) -> Finding:
 
 def checkpoint_commit_lost(lab: Lab) -> Finding:
     """The answer to a checkpoint's COMMIT is lost (it committed)."""
-    return _commit_lost(lab, "checkpoint", 1)
+    after = lab.sequence.checkpointed()
+    return _commit_lost(
+        lab, "checkpoint", after.number, after.said("the first a checkpoint is saved after")
+    )
 
 
 def receipt_commit_lost(lab: Lab) -> Finding:
-    """The answer to a receipt's COMMIT is lost (it committed)."""
-    return _commit_lost(lab, "receipt", 2)
+    """The answer to a receipt's COMMIT is lost (it committed): the
+    receipt of the first read after the run's first action."""
+    read = lab.sequence.later_read()
+    return _commit_lost(lab, "receipt", read.number, read.said("the first read after action 1"))
 
 
 def boundary_commit_lost(lab: Lab) -> Finding:
-    """The answer to a boundary's COMMIT is lost (it committed): the
-    boundary of action 2, carrying the receipt of the read before it."""
-    return _commit_lost(lab, "boundary", 2)
+    """The answer to a boundary's COMMIT is lost (it committed): the first
+    boundary that carries the receipts of the reads before it."""
+    carrier = lab.sequence.carrier()
+    return _commit_lost(
+        lab,
+        "boundary",
+        carrier.number,
+        carrier.said("the first whose boundary write carries reads' receipts"),
+    )
 
 
 def publication_commit_lost(lab: Lab) -> Finding:
-    """The answer to the draft's publication COMMIT is lost (it committed)."""
-    return _commit_lost(lab, "publication", 2)
+    """The answer to the first publication's COMMIT is lost (it committed)."""
+    taken = lab.sequence.first_publication()
+    return _commit_lost(lab, "publication", taken, f"action {taken} (when the run first publishes)")
 
 
 def delivery_answer_lost(lab: Lab) -> Finding:
-    """The report is delivered but the answer is lost: the run waits in the
-    inbox; the drill's receiver (its outbox) is asked, and a system
-    decision settles the item with what it holds."""
-    run = lab.submit([{"point": "delivery_timeout"}])
+    """The first effect happens but its answer is lost: the run waits in the
+    inbox; the drill's record of what its receiver got (the tool journal,
+    and its outbox) is asked, and a system decision settles the item with
+    what it holds."""
+    effect = lab.sequence.first_effect()
+    if not effect.journaled:
+        raise NotRun(
+            f"{effect.key} of {lab.agent} writes no tool journal line: "
+            "the drill cannot ask its receiver whether it happened"
+        )
+    lab.stage(f"the answer of {effect.said('the first effect')} lost")
+    run = lab.submit([{"point": "delivery_timeout"}])  # the first effect's
     first = lab.drive(run)
     item = OutcomeItem.objects.filter(run=run, state=OutcomeState.OPEN).first()
     waited = first == Ending.NEEDS_OPERATOR and item is not None
+    identity = action_identity(run.pk, effect.key)
+    ran = lab.executions()[identity]
     received = sorted(lab.outbox.glob("*")) if lab.outbox.exists() else []
+    held = (
+        f"the drill's receiver holds it: {received[0].name}"
+        if received
+        else f"the tool journal holds {ran} execution(s) of {identity}"
+    )
     if item is not None:
         decisions.decide(
             item.pk,
@@ -556,10 +873,8 @@ def delivery_answer_lost(lab: Lab) -> Finding:
                 choice=DecisionChoice.CONFIRMED_HAPPENED,
                 who=decisions.Who(system="drill"),
                 token=f"drill-{run.pk}-{item.pk}",
-                reason=f"the drill's receiver holds the report: {received[0].name}"
-                if received
-                else "",
-                reference=received[0].name if received else "",
+                reason=held if ran or received else "",
+                reference=received[0].name if received else identity,
             ),
         )
     lab.drive(run)
@@ -567,35 +882,51 @@ def delivery_answer_lost(lab: Lab) -> Finding:
         lab,
         run,
         (waited, "the lost answer became an open item; the run waited, nothing resent"),
-        (len(received) == 1, f"the receiver holds {len(received)} report(s)"),
+        (ran == 1, f"the tool journal holds {ran} execution(s) of {effect.key}"),
+        *(
+            [(len(received) == 1, f"the drill's receiver holds {len(received)} delivery(ies)")]
+            if received
+            else []
+        ),
     )
 
 
 def lease_stolen(lab: Lab) -> Finding:
-    """Another owner takes the lease before action 3; once its lease
-    lapses, a new owner resumes the run from its receipts."""
-    run = lab.submit([{"point": "lease_stolen", "action": 3}])
+    """Another owner takes the lease mid-run; once its lease lapses, a new
+    owner resumes the run from its receipts."""
+    point = lab.sequence.mid_run()
+    lab.stage(f"the lease taken before {point.said('mid-run')}")
+    run = lab.submit([{"point": "lease_stolen", "action": point.number}])
     first = lab.drive(run)
     expire_lease(run)
     lab.drive(run)
     epochs = set(run.actions.values_list("epoch", flat=True))
+    # Reads whose receipts went with the refused write: the new owner sent
+    # them again under their identities (their epoch is its own now).
+    again = run.actions.filter(attempts__gt=1).count()
     return full_run_answers(
         lab,
         run,
         (first == Ending.LEASE_LOST, "the old owner stopped at its next fenced write"),
-        (len(epochs) >= 2, f"the work was split over epochs {sorted(epochs)}"),
+        (
+            len(epochs) >= 2 or again > 0,
+            f"the work was split over epochs {sorted(epochs)}"
+            + (f"; the new owner read {again} again, under the same identities" if again else ""),
+        ),
     )
 
 
 def cancel_mid_run(lab: Lab) -> Finding:
-    """A cancel arrives before action 3."""
-    run = lab.submit([{"point": "cancel", "action": 3}])
+    """A cancel arrives mid-run."""
+    point = lab.sequence.mid_run()
+    lab.stage(f"the cancel before {point.said('mid-run')}")
+    run = lab.submit([{"point": "cancel", "action": point.number}])
     ending = lab.drive(run)
     finding = Finding()
     content_readable(finding, run, expect_final=False)
     finding.answer(QUESTIONS[1], None, "a cancel ends the run: no work is to continue")
     executed_once(finding, lab, [run])
-    later = run.actions.exclude(step_key__in=["read:0", "summarize:0"]).count()
+    later = run.actions.exclude(step_key__in=lab.sequence.before(point)).count()
     boundaries(
         finding,
         lab,
@@ -629,19 +960,22 @@ def cancel_of_dead_owner(lab: Lab) -> Finding:
     return finding
 
 
-def _slow_run(lab: Lab) -> Run:
-    return lab.submit([{"point": "tool_delay", "ms": 300}])
-
-
-def _receipts(run: Run) -> int:
-    return Action.objects.filter(run=run, receipt__isnull=False).count()
+def _slow_run(lab: Lab) -> tuple[Run, Callable[[], bool]]:
+    """A run whose every action takes 300 ms, and when to kill what runs
+    it: once a read mid-run, before any effect, is dispatched (its
+    boundary is there), so that what the kill leaves is reads to send
+    again, not an effect in doubt."""
+    read = lab.sequence.mid_read()
+    lab.stage(f"killed while {read.said('a read mid-run')} is in flight")
+    run = lab.submit([{"point": "tool_delay", "ms": 300}])
+    return run, run.actions.filter(step_key=read.key).exists
 
 
 def executor_killed(lab: Lab) -> Finding:
     """An executor process is SIGKILLed mid-run; another owner resumes it."""
-    run = _slow_run(lab)
+    run, mid_run = _slow_run(lab)
     process = lab.start("manage.py", "executor", "--run", str(run.pk))
-    wait_for(lambda: _receipts(run) >= 3, "the executor's third receipt")
+    wait_for(mid_run, "the executor mid-run")
     process.kill()
     expire_lease(run)
     lab.drive(run)
@@ -658,12 +992,12 @@ def _worker(lab: Lab) -> GroupProcess:
 def celery_worker_killed(lab: Lab) -> Finding:
     """A Celery worker is SIGKILLed mid-run with no executor running; the
     beat's sweep (its task, run by a worker) hands the run to another."""
-    run = _slow_run(lab)
+    run, mid_run = _slow_run(lab)
     worker = _worker(lab)
     current_app.send_task(
         "runs.tasks.execute_run", args=[run.pk], queue=settings.RUNDESK_DRILL_QUEUE
     )
-    wait_for(lambda: _receipts(run) >= 3, "the worker's third receipt")
+    wait_for(mid_run, "the worker mid-run")
     worker.kill()
     _worker(lab)
     expire_lease(run)
@@ -693,7 +1027,9 @@ def _no_local_handling(lab: Lab, run: Run, ending: Ending, bad: str, said: str) 
     )
     finding.answer(QUESTIONS[1], None, "the run must wait for an operator: nothing is to continue")
     action = run.actions.get(step_key=bad)
-    after = run.actions.filter(pk__gt=action.pk)
+    # Dispatched by a later boundary write than its own (reads side by side
+    # share one).
+    after = run.actions.filter(created_at__gt=action.created_at)
     published = AnswerRevision.objects.filter(run=run, committed_at__gt=action.dispatched_at)
     executed_once(finding, lab, [run])
     boundaries(
@@ -707,27 +1043,41 @@ def _no_local_handling(lab: Lab, run: Run, ending: Ending, bad: str, said: str) 
     return finding
 
 
+def _literal(text: str) -> str:
+    """`text` as an SQL string literal."""
+    return "'" + text.replace("'", "''") + "'"
+
+
 def invented_receipt(lab: Lab) -> Finding:
-    """The receipt of read:0 does not verify (its digest is invented) and
-    the checkpoint after it fails: no local handling."""
-    run = lab.submit([{"point": "checkpoint_serialize_error", "action": 1}])
-    body = "IF NEW.step_key = 'read:0' THEN NEW.result_digest := repeat('0', 64); END IF;"
-    body += " RETURN NEW;"
+    """The receipt of an action after which a checkpoint is saved does not
+    verify (its digest is invented) and that checkpoint fails: no local
+    handling."""
+    after = lab.sequence.checkpointed()
+    lab.stage(
+        f"the receipt of {after.said('the first action a checkpoint is saved after')} invented"
+    )
+    run = lab.submit([{"point": "checkpoint_serialize_error", "action": after.number}])
+    body = f"IF NEW.step_key = {_literal(after.key)} THEN"
+    body += " NEW.result_digest := repeat('0', 64); END IF; RETURN NEW;"
     with _trigger_on_receipts(run, body):
         ending = lab.drive(run)
-    return _no_local_handling(lab, run, ending, "read:0", "does not verify")
+    return _no_local_handling(lab, run, ending, after.key, "does not verify")
 
 
 def missing_receipt(lab: Lab) -> Finding:
-    """read:1 completed but its receipt never reached the database: the
+    """A read completed but its receipt never reached the database: the
     next owner finds an action completed without its receipt."""
+    read = lab.sequence.carried()
+    lab.stage(
+        f"the receipt of {read.said('the first read whose receipt goes with a later write')} lost"
+    )
     run = lab.submit()
-    body = "IF NEW.step_key = 'read:1' THEN RETURN NULL; END IF; RETURN NEW;"
+    body = f"IF NEW.step_key = {_literal(read.key)} THEN RETURN NULL; END IF; RETURN NEW;"
     with _trigger_on_receipts(run, body):
         lab.drive(run)
     expire_lease(run)
     ending = lab.drive(run)
-    return _no_local_handling(lab, run, ending, "read:1", "receipt is missing")
+    return _no_local_handling(lab, run, ending, read.key, "receipt is missing")
 
 
 def restart_embedded_postgres(data: Path) -> None:
@@ -744,9 +1094,9 @@ def postgres_restarted(lab: Lab) -> Finding:
     data = Path(settings.VAR_DIR) / "postgres"
     if why := restart_refused(data):
         raise NotRun(why)
-    run = _slow_run(lab)
+    run, mid_run = _slow_run(lab)
     process = lab.start("manage.py", "executor", "--run", str(run.pk))
-    wait_for(lambda: _receipts(run) >= 3, "the executor's third receipt")
+    wait_for(mid_run, "the executor mid-run")
     before = _server_started()
     connection.close()
     restart_embedded_postgres(data)
@@ -758,9 +1108,7 @@ def postgres_restarted(lab: Lab) -> Finding:
     if run.status != RunStatus.COMPLETED:
         expire_lease(run)
         lab.drive(run)
-    return full_run_answers(
-        lab, run, (restarted, "PostgreSQL restarted while the run was at its third receipt")
-    )
+    return full_run_answers(lab, run, (restarted, "PostgreSQL restarted while the run was mid-run"))
 
 
 def restart_refused(data: Path) -> str | None:
@@ -819,17 +1167,22 @@ def describe(name: str) -> str:
     return " ".join((SCENARIOS[name].__doc__ or "").split()).split(": ")[0]
 
 
-def run_scenario(drill: Drill, name: str) -> DrillResult:
-    """Stages one scenario, answers its questions, and keeps the answers.
-    A scenario that raises fails, with the error as its detail."""
+def run_scenario(
+    drill: Drill, name: str, agent: str | None = None, sequence: Sequence | Exception | None = None
+) -> DrillResult:
+    """Stages one scenario against `agent` (the drill's first, unless
+    told), whose `sequence` is learned first unless given, answers its
+    questions, and keeps the answers.  A scenario that raises fails, with
+    the error as its detail."""
+    agent = agent or (drill.agents or drillable())[0]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"rundesk-drill-{name}-") as folder:
-        lab = Lab(Path(folder))
+        lab = Lab(Path(folder), agent, sequence)
         try:
             with lab.settings():
                 finding = SCENARIOS[name](lab)
             verdict = DrillVerdict.PASSED if finding.passed else DrillVerdict.FAILED
-            answers, detail = finding.answers, "\n".join(finding.detail)
+            answers, detail = finding.answers, "\n".join([*lab.staged, *finding.detail])
         except NotRun as reason:
             verdict, answers, detail = DrillVerdict.NOT_RUN, dict.fromkeys(QUESTIONS), str(reason)
         except Exception as error:
@@ -841,12 +1194,24 @@ def run_scenario(drill: Drill, name: str) -> DrillResult:
     return DrillResult.objects.create(
         drill=drill,
         scenario=name,
+        agent=agent,
         verdict=verdict,
         seconds=round(time.monotonic() - started, 2),
         checks=answers,  # the column keeps its name (schema)
         detail=detail,
         run_ids=[run.pk for run in lab.runs],
     )
+
+
+def learned(agent: str) -> Sequence | Exception:
+    """`agent`'s sequence, or what stopped the drill learning it: each of
+    the agent's scenarios then ends with it (NotRun: not run, saying why;
+    another error: failed)."""
+    try:
+        return learn(agent)
+    except Exception as error:
+        connection.close_if_unusable_or_obsolete()
+        return error
 
 
 # A running drill that has shown no result for this long is taken as lost
@@ -866,10 +1231,13 @@ class DrillRunning(Exception):
         self.drill = drill
 
 
-def start_drill(scenarios: list[str], started_by: str) -> Drill:
-    """A new running drill, unless another one runs (DrillRunning; the
-    database keeps it to one, however many ask at once).  A running drill
-    silent for LOST_AFTER is ended as lost first."""
+def start_drill(scenarios: list[str], started_by: str, agents: list[str] | None = None) -> Drill:
+    """A new running drill of `scenarios` against `agents` (every one that
+    declares a drill input, unless told; ValueError says why one cannot
+    be), unless another drill runs (DrillRunning; the database keeps it to
+    one, however many ask at once).  A running drill silent for LOST_AFTER
+    is ended as lost first."""
+    agents = chosen_agents(agents)
     silent = (
         Drill.objects.filter(state=DrillState.RUNNING)
         .annotate(last=Greatest("started_at", Max("results__created_at")))
@@ -884,11 +1252,11 @@ def start_drill(scenarios: list[str], started_by: str) -> Drill:
     )
     try:
         with transaction.atomic():
-            return Drill.objects.create(scenarios=scenarios, started_by=started_by)
+            return Drill.objects.create(scenarios=scenarios, agents=agents, started_by=started_by)
     except IntegrityError:
         running = Drill.objects.filter(state=DrillState.RUNNING).first()
         if running is None:  # it ended meanwhile
-            return start_drill(scenarios, started_by)
+            return start_drill(scenarios, started_by, agents)
         raise DrillRunning(running) from None
 
 
@@ -902,7 +1270,8 @@ class Drilled:
 
 
 def run_drill(drill: Drill) -> Drilled:
-    """Runs the drill's scenarios in order, each result kept as it comes,
+    """Runs the drill's scenarios in order against each of its agents in
+    turn (its sequence learned first, once), each result kept as it comes,
     while the drill is still running: one ended meanwhile (taken as lost,
     or already run by a task delivered twice) runs no further scenario, so
     it cannot run beside the drill started after it.  First, while it is
@@ -913,10 +1282,14 @@ def run_drill(drill: Drill) -> Drilled:
     try:
         if running.exists():
             leftovers = remove_leftovers()
-        for name in drill.scenarios:
+        for agent in drill.agents or drillable():
             if not running.exists():
                 return Drilled(results, leftovers)
-            results.append(run_scenario(drill, name))
+            sequence = learned(agent)
+            for name in drill.scenarios:
+                if not running.exists():
+                    return Drilled(results, leftovers)
+                results.append(run_scenario(drill, name, agent, sequence))
     except BaseException as error:
         running.update(state=DrillState.DONE, finished_at=timezone.now(), error=repr(error))
         raise
@@ -925,14 +1298,16 @@ def run_drill(drill: Drill) -> Drilled:
 
 
 def report(drilled: Drilled) -> dict[str, Any]:
-    """The drill's JSON: each scenario with its verdict (and why, when it was
-    not run), how many passed, failed, did not run, and what was left by an
-    earlier drill and removed."""
+    """The drill's JSON: each scenario with the agent it ran against, its
+    verdict (and why, when it was not run), how many passed, failed, did
+    not run, and what was left by an earlier drill and removed."""
     verdicts = Counter(result.verdict for result in drilled.results)
     return {
+        "agents": list(dict.fromkeys(result.agent for result in drilled.results)),
         "scenarios": [
             {
                 "name": result.scenario,
+                "agent": result.agent,
                 "verdict": result.verdict,
                 **({"why": result.detail} if result.verdict == DrillVerdict.NOT_RUN else {}),
                 "seconds": result.seconds,

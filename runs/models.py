@@ -936,9 +936,13 @@ class DrillState(models.TextChoices):
 
 class Drill(models.Model):
     """One run of the fault drills (runs/drills.py), from `manage.py drill`
-    or the drills page: which scenarios, who started it, how far it got."""
+    or the drills page: which scenarios, against which agents, who started
+    it, how far it got."""
 
     scenarios = ArrayField(models.CharField(max_length=60))
+    # Each scenario runs against each of these agents (those that declare a
+    # drill input); the drills before agents were the research agent's.
+    agents = ArrayField(models.CharField(max_length=63), default=list)
     started_by = models.CharField(max_length=150)
     state = models.CharField(max_length=20, choices=DrillState, default=DrillState.RUNNING)
     error = models.TextField(blank=True)
@@ -958,6 +962,11 @@ class Drill(models.Model):
     def __str__(self) -> str:
         return f"drill {self.pk} ({self.state})"
 
+    @property
+    def planned(self) -> int:
+        """How many results it is to give: each scenario for each agent."""
+        return len(self.scenarios) * max(len(self.agents), 1)
+
 
 class DrillVerdict(models.TextChoices):
     PASSED = "passed"
@@ -972,6 +981,8 @@ class DrillResult(models.Model):
 
     drill = models.ForeignKey(Drill, on_delete=models.CASCADE, related_name="results")
     scenario = models.CharField(max_length=60)
+    # The agent whose runs it staged (the results before agents: research's).
+    agent = models.CharField(max_length=63, default="research")
     verdict = models.CharField(max_length=20, choices=DrillVerdict)
     seconds = models.FloatField()
     checks = models.JSONField(default=dict)
@@ -982,8 +993,11 @@ class DrillResult(models.Model):
     class Meta:
         ordering = ["-created_at", "-id"]
         indexes = [
-            models.Index(fields=["scenario", "-created_at"], name="drill_result_history_idx")
+            # The drills page: the newest results of each scenario for each agent.
+            models.Index(
+                fields=["scenario", "agent", "-created_at"], name="drill_result_history_idx"
+            )
         ]
 
     def __str__(self) -> str:
-        return f"{self.scenario}: {self.verdict}"
+        return f"{self.scenario} ({self.agent}): {self.verdict}"
