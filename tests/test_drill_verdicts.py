@@ -24,6 +24,8 @@ def test_drill_json_gives_each_scenario_its_verdict_and_why_it_was_not_run(monke
     out = StringIO()
     call_command(
         "drill",
+        "--agent",
+        "research",
         "--scenario",
         "cancel_of_dead_owner",
         "--scenario",

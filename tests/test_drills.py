@@ -45,6 +45,13 @@ from tests.processes import broker as broker
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
+@pytest.fixture(autouse=True)
+def research_only(settings) -> None:
+    """The scenarios against the research agent alone: tests/
+    test_drills_agents.py drills the others."""
+    settings.RUNDESK_AGENTS = {"research": settings.RUNDESK_AGENTS["research"]}
+
+
 @pytest.mark.slow
 def test_every_drill_scenario_passes_on_this_database(tmp_path: Path) -> None:
     env = {
@@ -56,7 +63,7 @@ def test_every_drill_scenario_passes_on_this_database(tmp_path: Path) -> None:
         "RUNDESK_LEASE_SECONDS": "2",
     }
     done = subprocess.run(
-        [sys.executable, "manage.py", "drill", "--json"],
+        [sys.executable, "manage.py", "drill", "--agent", "research", "--json"],
         cwd=ROOT,
         env=env,
         capture_output=True,

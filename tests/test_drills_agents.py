@@ -32,9 +32,10 @@ FILING = "tests.drill_agents:FilingAgent"
 @pytest.fixture
 def installed(settings, tmp_path: Path, monkeypatch) -> Path:
     """The filing agent and the pages agent (no drill input) installed
-    beside research; the folder the filing agent files its replies in."""
+    beside research, and nothing else; the folder the filing agent files its
+    replies in."""
     settings.RUNDESK_AGENTS = {
-        **settings.RUNDESK_AGENTS,
+        "research": settings.RUNDESK_AGENTS["research"],
         "filing": FILING,
         "pages": "tests.sample_agents:PagesAgent",
     }

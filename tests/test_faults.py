@@ -100,7 +100,7 @@ def test_failed_read_is_known_not_to_have_happened_and_the_other_reads_go_on(jou
             {"point": "drop_connection_at_commit", "action": 1, "write": "receipt", "outcome": "x"},
             "'outcome' must be one of ['committed', 'aborted', 'late']",
         ),
-        ({"point": "delivery_timeout", "action": 1}, "unknown keys ['action']"),
+        ({"point": "delivery_timeout", "step": 1}, "unknown keys ['step']"),
         ({"point": "explode"}, "'point' must be one of"),
     ],
 )
