@@ -59,6 +59,16 @@ SAMPLE: dict[str, Any] = {
             "roundtrip_ms_p50": 0.12,
         },
     },
+    "support_path": {
+        "steps": 320,
+        "runs": 40,
+        "tickets": 4,
+        "commits_per_step": 1.922,
+        "wal_syncs_per_step": 1.272,
+        "noise_wal_syncs_per_step": 0.0,
+        "mails": 40,
+        "ticket_updates": 40,
+    },
     "capture": {
         "copies": 500,
         "enqueue_ms_p50": 0.008,
@@ -192,6 +202,7 @@ def test_the_document_is_one_table_with_the_machine_date_and_command():
     assert list(rows) == [
         "agent path, 500 steps (249 documents)",
         "no-op step (500 steps)",
+        "support agent path, 40 runs of 4 sample tickets, 320 steps",
         "capture hand-over (500 copies, the evidence tables locked)",
         "20 reads of 200 ms",
         "evidence locked (2 rounds, 5 documents a run)",
@@ -206,6 +217,11 @@ def test_the_document_is_one_table_with_the_machine_date_and_command():
     assert (
         "step p50 1.21 ms against a commit p50 of 0.45 ms: 2.69 \N{MULTIPLICATION SIGN}"
         in rows["agent path, 500 steps (249 documents)"]
+    )
+    support = rows["support agent path, 40 runs of 4 sample tickets, 320 steps"]
+    assert support.startswith("1.272 WAL syncs per step (server noise 0); 1.922 commits per step")
+    assert support.endswith(
+        "40 mails over SMTP and 40 ticket updates over HTTP, one of each per run"
     )
     assert (
         "5 of 6 runs completed with their final answer"
@@ -244,7 +260,7 @@ def test_a_benchmark_that_failed_says_why_in_its_row_and_the_others_are_shown():
     assert rows["agent path and no-op step"] == (
         "failed: bench --steps: could not claim bench run 7"
     )
-    assert len(rows) == 11  # the two rows of steps became one
+    assert len(rows) == 12  # the two rows of steps became one
     assert "dashboard at 100,000 runs" in rows
     assert rows["20 reads of 200 ms"].startswith("side by side 208.5 ms (bound")
 

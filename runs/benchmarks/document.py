@@ -21,6 +21,7 @@ Row = tuple[str, str]
 # What each benchmark of `bench --all` is called in the table, by its key.
 TITLES = {
     "steps": "agent path and no-op step",
+    "support_path": "support agent path",
     "capture": "capture hand-over",
     "parallel": "reads side by side",
     "evidence_locked": "evidence locked",
@@ -143,6 +144,20 @@ def _steps(figures: dict[str, Any]) -> list[Row]:
             f"p50 {_n(noop['step_ms_p50'])} ms, {_n(noop['step_over_commit'])} {TIMES} a commit; "
             f"its fenced write alone {_n(noop['writes_over_commit'])} {TIMES}",
         ),
+    ]
+
+
+def _support_path(figures: dict[str, Any]) -> list[Row]:
+    return [
+        (
+            f"support agent path, {_n(figures['runs'])} runs of {_n(figures['tickets'])} sample "
+            f"tickets, {_n(figures['steps'])} steps",
+            f"{_n(figures['wal_syncs_per_step'])} WAL syncs per step (server noise "
+            f"{_n(figures['noise_wal_syncs_per_step'])}); {_n(figures['commits_per_step'])} "
+            "commits per step in the database, the capture and timeline writers' included; "
+            f"{_n(figures['mails'])} mails over SMTP and {_n(figures['ticket_updates'])} ticket "
+            "updates over HTTP, one of each per run",
+        )
     ]
 
 
@@ -285,6 +300,7 @@ def _parallel(figures: dict[str, Any]) -> list[Row]:
 # Each benchmark's rows, by its key in `bench --all --json`.
 ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "steps": _steps,
+    "support_path": _support_path,
     "capture": _capture,
     "parallel": _parallel,
     "evidence_locked": _evidence_locked,

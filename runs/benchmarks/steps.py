@@ -1,7 +1,9 @@
 """`bench` (the default): what a step of the real agent path costs -- the
 durable commits and WAL syncs it makes, counted by the server, and its time
 against a single-row INSERT + COMMIT on the same database -- and the same
-for a no-op step alone.
+for a no-op step alone.  `count_path` and `drive_run` drive any agent's
+runs so (`bench --support-path`, support_path.py, counts the support
+agent's with them).
 
 Counting is server-side: `pg_stat_database.xact_commit` of this database
 (every transaction, read-only ones too) and `pg_stat_wal.wal_sync` (every
@@ -21,20 +23,22 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 from django.conf import settings
 from django.core.management.base import CommandError
+from django.db import DatabaseError
 
 from evidence.capture import capture
-from runs.agents.research import ResearchAgent
+from runs import lifecycle, registry
 from runs.agents.tools import NOOP
 from runs.benchmarks import ServerCounts, p50
 from runs.dispatch import Dispatcher
 from runs.executor import heartbeat
-from runs.leases import Lease, PendingReceipt, new_owner_name
+from runs.leases import Lease, PendingReceipt, WriteRefused, new_owner_name
 from runs.models import Checkpoint, Run, RunStatus
 from runs.sql import server_cursor
 from runs.submission import submit
@@ -69,29 +73,17 @@ def agent_path(steps: int) -> dict[str, Any]:
     executor drives it: its commits and WAL syncs counted alone, then
     another such run timed step by step, each step followed by a bare
     commit on the same connection."""
-    count_run, timed_run = (_long_run(steps) for _ in range(2))
-    idle = counts_now()
-    started = time.monotonic()
-    time.sleep(1.0)
-    noise = counts_now() - idle
-    noise_per_s = noise.wal_syncs / (time.monotonic() - started - STATS_SETTLE)
-
-    before = counts_now()
-    started = time.monotonic()
-    taken = _research(count_run, Dispatcher)
-    seconds = time.monotonic() - started
-    used = counts_now() - before
-    samples: dict[str, list[float]] = {"step": [], "writes": [], "commit": []}
-    with commit_table():
-        _research(timed_run, _timed_dispatcher(samples))
+    count_run, timed_run = runs = [_long_run(steps) for _ in range(2)]
+    with cancelled_if_left(runs):
+        counted = count_path([count_run])
+        samples: dict[str, list[float]] = {"step": [], "writes": [], "commit": []}
+        with commit_table():
+            drive_run(timed_run, _timed_dispatcher(samples))
     commit = statistics.median(samples["commit"])
     return {
-        "steps": taken,
+        "steps": counted.steps,
         "documents": len(count_run.documents),
-        "commits_per_step": round(used.commits / taken, 3),
-        "wal_syncs_per_step": round(used.wal_syncs / taken, 3),
-        # What the rest of the server flushed meanwhile, at its idle rate.
-        "noise_wal_syncs_per_step": round(noise_per_s * seconds / taken, 3),
+        **counted.per_step(),
         "checkpoints": Checkpoint.objects.filter(run=count_run, state__isnull=False).count(),
         "step_ms_p50": p50(samples["step"]),
         "commit_ms_p50": p50(samples["commit"]),
@@ -114,20 +106,89 @@ def _long_run(steps: int) -> Run:
     )
 
 
-def _research(run: Run, dispatcher_class: type[Dispatcher]) -> int:
-    """Drives `run` as the executor does (drive()), with `dispatcher_class`;
-    the steps it took.  Waits until its timeline and evidence are written."""
+@dataclass(frozen=True)
+class PathCounts:
+    """What the server counted while runs went through the real agent path."""
+
+    steps: int
+    used: ServerCounts
+    seconds: float
+    # The WAL syncs of an idle window just before, per second.
+    noise_wal_syncs_per_s: float
+
+    def per_step(self) -> dict[str, float]:
+        return {
+            "commits_per_step": round(self.used.commits / self.steps, 3),
+            "wal_syncs_per_step": round(self.used.wal_syncs / self.steps, 3),
+            # What the rest of the server flushed meanwhile, at its idle rate.
+            "noise_wal_syncs_per_step": round(
+                self.noise_wal_syncs_per_s * self.seconds / self.steps, 3
+            ),
+        }
+
+
+def count_path(runs: Sequence[Run]) -> PathCounts:
+    """Drives `runs` (submitted: their submission is not counted) one
+    after another through the real agent path, counted by the server as
+    one stretch, after an idle second counted the same way."""
+    idle = counts_now()
+    started = time.monotonic()
+    time.sleep(1.0)
+    noise = counts_now() - idle
+    noise_per_s = noise.wal_syncs / (time.monotonic() - started - STATS_SETTLE)
+
+    before = counts_now()
+    started = time.monotonic()
+    taken = sum(drive_run(run, Dispatcher) for run in runs)
+    seconds = time.monotonic() - started
+    used = counts_now() - before
+    return PathCounts(taken, used, seconds, noise_per_s)
+
+
+def drive_run(run: Run, dispatcher_class: type[Dispatcher]) -> int:
+    """Drives `run` with its agent as the executor does (drive()), with
+    `dispatcher_class`; the steps it took.  Waits until its timeline and
+    evidence are written.  A run that does not complete is ended as
+    failed (no executor is to resume a bench's run) and raises
+    CommandError saying why."""
     lease = Lease.claim(run.pk, new_owner_name())
     if lease is None:
         raise CommandError(f"could not claim bench run {run.pk}")
     with heartbeat(lease) as lost:
         dispatcher = dispatcher_class(lease, stop=threading.Event(), lease_lost=lost)
-        dispatcher.run_agent(ResearchAgent)
+        try:
+            dispatcher.run_agent(registry.agent_class(run.agent))
+        except Exception as error:  # any way the agent stopped; said in the CommandError
+            with contextlib.suppress(WriteRefused):
+                dispatcher.finish(RunStatus.FAILED, f"bench: {error!r}")
+            raise CommandError(
+                f"bench run {run.pk} ({run.agent}) did not complete: {error!r}"
+            ) from error
         if dispatcher.finish(RunStatus.COMPLETED, "bench") != RunStatus.COMPLETED:
             raise CommandError(f"bench run {run.pk} did not complete")
     timeline.flush()
     capture.flush()
     return dispatcher.progress.steps
+
+
+@contextlib.contextmanager
+def cancelled_if_left(runs: Sequence[Run]) -> Iterator[None]:
+    """Cancels those of `runs` still queued when the bench stops early: an
+    executor of the database is not to take a bench's run (a support run
+    would mail the sample customers through its SMTP server)."""
+    try:
+        yield
+    except BaseException:
+        for run in runs:
+            # The database may be what failed: its error is the one to see.
+            with contextlib.suppress(DatabaseError):
+                lifecycle.cancel(
+                    run.pk,
+                    "a benchmark",
+                    "the benchmark stopped before this run",
+                    [RunStatus.QUEUED],
+                )
+        raise
 
 
 def _timed_dispatcher(samples: dict[str, list[float]]) -> type[Dispatcher]:

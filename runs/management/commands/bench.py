@@ -26,6 +26,7 @@ from runs.benchmarks import (
     peers,
     scale,
     steps,
+    support_path,
     throughput,
 )
 
@@ -42,6 +43,13 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--steps", type=int, default=500)
+        parser.add_argument(
+            "--support-path",
+            action="store_true",
+            help=f"{support_path.RUNS} support runs of the sample tickets through the real agent "
+            "path, mailing and updating a local SMTP server and helpdesk the bench starts: their "
+            "commits and WAL syncs per step, counted as the default counts the research agent's",
+        )
         parser.add_argument("--capture", action="store_true")
         parser.add_argument(
             "--evidence-locked",
@@ -196,6 +204,7 @@ def _write_document(path: Path, report: dict[str, Any], options: dict[str, Any])
 # Each benchmark by its option (dest), in the order --all runs them.
 BENCHMARKS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "steps": lambda options: steps.report(options["steps"]),
+    "support_path": lambda options: support_path.report(),
     "capture": lambda options: capture.report(options["steps"]),
     "parallel": lambda options: parallel.report(),
     "evidence_locked": lambda options: evidence_locked.report(options["rounds"]),
