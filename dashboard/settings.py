@@ -214,6 +214,7 @@ INSTALLED_APPS = [
     "template_partials",
     "runs",
     "evidence",
+    "dashboard",
 ]
 
 MIDDLEWARE = [
