@@ -284,16 +284,18 @@ def adversarial() -> dict[str, str]:
 def test_every_pattern_takes_linear_time_on_a_megabyte(name):
     """A complexity check: each input took seconds to minutes before (the
     private-key pattern 2.5 s on 140 KB); the best of three runs is about
-    0.1 s or less, so 0.2 s holds on a busy machine, and a pass per start
-    would not."""
+    0.1 s or less of this process's CPU, so 0.5 s holds on a busy machine
+    (its CPU time swells too, though less than the clock's), and a pass per
+    start would not.  CPU time, not the clock's: other processes' turns do
+    not count."""
     text = adversarial()[name]
     redactor = Redactor({"known-secret-value": "setting:X", "k3y": "setting:Y"})
     timings = []
     for _ in range(3):
-        started = time.perf_counter()
+        started = time.process_time()
         redactor.text(text, "x")
-        timings.append(time.perf_counter() - started)
-    assert min(timings) <= 0.2, f"{name}: {min(timings):.2f} s"
+        timings.append(time.process_time() - started)
+    assert min(timings) <= 0.5, f"{name}: {min(timings):.2f} s"
 
 
 # -- faithful -------------------------------------------------------------------------
