@@ -356,20 +356,30 @@ class Dispatcher:
         otherwise now (its code changed while it waited), stays as its
         readers read it, and is what the run goes on with."""
         used = [self.action_id(step_key) for step_key in model_calls]
-        self.write_receipt()
+        awaiting, self.unwritten = self.unwritten, []
+        ids = [each.action_id for each in awaiting]
 
         def write() -> bool:
             with self.faults.at_commit("publication", self.progress.steps):
                 return self.lease.publish_revision(
-                    number, content, is_final=is_final, model_call_actions=used
+                    number,
+                    content,
+                    is_final=is_final,
+                    model_call_actions=used,
+                    receipts=[each.receipt for each in awaiting],
                 )
+
+        def committed() -> bool:
+            # The revision and the receipts it carries commit together; a
+            # revision published before (a resumed run) says nothing of them.
+            return AnswerRevision.objects.filter(
+                run_id=self.run.pk, number=number, content_digest=digest(content)
+            ).exists() and Receipt.objects.filter(action_id__in=ids).count() == len(ids)
 
         try:
             published = write_settled(
                 write,
-                lambda: AnswerRevision.objects.filter(
-                    run_id=self.run.pk, number=number, content_digest=digest(content)
-                ).exists(),
+                committed,
                 what=f"publication of revision {number}",
                 run_id=self.run.pk,
                 kind=OutcomeKind.PUBLICATION,
@@ -378,7 +388,11 @@ class Dispatcher:
                 afterwards="the run waits for an operator",
                 revision_number=number,
             )
+        except (CancelRequested, LeaseExpired):
+            self._receipts_written(awaiting)  # the receipts went; the revision did not
+            raise
         except RevisionExists:
+            self._receipts_written(awaiting)
             stands = AnswerRevision.objects.get(run_id=self.run.pk, number=number)
             if stands.is_final != is_final:
                 raise
@@ -391,6 +405,12 @@ class Dispatcher:
                 not_published_digest=digest(content),
             )
             return stands.content
+        except DatabaseError:
+            # Answered with an error: the statement rolled back, and the
+            # receipts can still go on their own (receipt_kept).
+            self.unwritten = awaiting
+            raise
+        self._receipts_written(awaiting)
         if published is not False:
             timeline.record(
                 self.run.pk,

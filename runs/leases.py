@@ -93,19 +93,24 @@ RECEIPT_CTES = f"""owned AS (
 # Whether every receipt of RECEIPT_CTES was written (all of them, or the
 # write that carries them writes nothing).
 RECEIPTS_WRITTEN = "(SELECT count(*) FROM receipt) = cardinality(%(receipt_actions)s::bigint[])"
-# Publishing an answer revision: one statement, fenced like the others.  It
-# reads, writes and locks nothing of the evidence tables (the model calls it
-# used are named on its own row): no lock anyone holds there can hold an
-# answer back.
-PUBLISH = f"""
-    INSERT INTO runs_answerrevision (run_id, number, content, content_digest,
-        model_call_actions, is_final, epoch, xid, committed_at)
-    SELECT %(run)s, %(number)s, %(content)s, %(content_digest)s, %(model_call_actions)s,
-        %(is_final)s, %(epoch)s, rundesk_xid(true), now()
-    FROM ({OWNED_NOT_CANCELLED}) AS owned
-    ON CONFLICT (run_id, number) DO NOTHING
-    RETURNING id
-"""
+# Publishing an answer revision: one statement, fenced like the others,
+# with the receipts of reads completed before it (RECEIPT_CTES: all commit,
+# or nothing; the revision only if every receipt is written).  It reads,
+# writes and locks nothing of the evidence tables (the model calls it used
+# are named on its own row): no lock anyone holds there can hold an answer
+# back.
+PUBLISH = f"""WITH {RECEIPT_CTES},
+    published AS (
+        INSERT INTO runs_answerrevision (run_id, number, content, content_digest,
+            model_call_actions, is_final, epoch, xid, committed_at)
+        SELECT %(run)s, %(number)s, %(content)s, %(content_digest)s, %(model_call_actions)s,
+            %(is_final)s, %(epoch)s, rundesk_xid(true), now()
+        FROM owned
+        WHERE may_start AND live AND {RECEIPTS_WRITTEN}
+        ON CONFLICT (run_id, number) DO NOTHING
+        RETURNING id)
+    SELECT (SELECT may_start FROM owned), (SELECT live FROM owned), {RECEIPTS_WRITTEN},
+        EXISTS (SELECT 1 FROM published)"""
 
 
 class WriteRefused(Exception):
@@ -377,14 +382,24 @@ class Lease:
         )
 
     def publish_revision(
-        self, number: int, content: str, *, is_final: bool, model_call_actions: Sequence[int] = ()
+        self,
+        number: int,
+        content: str,
+        *,
+        is_final: bool,
+        model_call_actions: Sequence[int] = (),
+        receipts: Sequence[PendingReceipt] = (),
     ) -> bool:
         """Commits an answer revision readers can read back, naming the
-        model-call actions it used.  Returns False if
-        this revision was already published (a resumed run), with the same
-        content; a different content under the same number is an error.
-        A lost connection raises CommitUnanswered."""
-        with unanswered_as(f"publication of revision {number}"):
+        model-call actions it used, with the receipts of actions completed
+        before it (`receipts`) in the same statement: all commit, or
+        nothing.  Returns False if this revision was already published (a
+        resumed run), with the same content; a different content under the
+        same number is an error.  Refused, it says why, as record_boundaries
+        does (a cancel or an expired lease: the receipts are written, the
+        revision is not).  A lost connection raises CommitUnanswered."""
+        what = f"publication of revision {number}"
+        with unanswered_as(what):
             row = self._fetch_one(
                 PUBLISH,
                 number=number,
@@ -392,16 +407,24 @@ class Lease:
                 content_digest=digest(content),
                 model_call_actions=list(model_call_actions),
                 is_final=is_final,
+                **receipt_params(receipts),
             )
-        if row:
+        assert row is not None
+        may_start, live, receipts_written, published = row
+        if may_start is None or not receipts_written:
+            raise LeaseLost(f"{what} refused: run {self.run_id} epoch {self.epoch} not held")
+        if not may_start:
+            raise CancelRequested(f"{what} refused: a cancel was asked")
+        if not live:
+            raise LeaseExpired(f"{what} refused: the lease expired")
+        if published:
             return True
         existing = self._fetch_one(
             "SELECT content_digest FROM runs_answerrevision WHERE run_id = %(run)s"
             " AND number = %(number)s",
             number=number,
         )
-        if existing is None or not self._changes_rows(OWNED_NOT_CANCELLED):
-            raise self._refused(f"publication of revision {number}")
+        assert existing is not None  # the insert met it: revisions are never deleted
         if existing[0] != digest(content):
             raise RevisionExists(
                 f"revision {number} of run {self.run_id} exists with other content"
