@@ -83,6 +83,7 @@ def _after(rows: QuerySet[OutcomeItem], cursor: str) -> QuerySet[OutcomeItem]:
 
 
 def item_filters(request: HttpRequest) -> dict[str, Any]:
+    """The inbox's filters (kind, run): the inbox's and the API's."""
     kind = params.choice(request, "kind", OutcomeKind.values)
     run = request.GET.get("run", "").strip()
     if run and not (run.isascii() and run.isdigit()):

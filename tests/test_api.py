@@ -150,6 +150,7 @@ def operations(run: Run, item: OutcomeItem) -> list[tuple[str, str, Any]]:
         ("get", "/api/runs/", None),
         ("get", f"/api/runs/{run.pk}/", None),
         ("post", "/api/runs/", submission()),
+        ("post", f"/api/runs/{run.pk}/decide/", decision(DecisionChoice.ABANDON)),
         ("get", "/api/items/", None),
         ("get", f"/api/items/{item.pk}/", None),
         ("post", f"/api/items/{item.pk}/decide/", decision()),
@@ -254,7 +255,7 @@ def test_an_operator_reads_and_acts(lost_delivery, operator_api) -> None:
     for method, path, body in operations(*lost_delivery):
         answer = send(operator_api, method, path, body)
         assert answer.status_code in (200, 201), (path, answer.json())
-    assert Run.objects.count() == 2 and OperatorDecision.objects.count() == 1
+    assert Run.objects.count() == 2 and OperatorDecision.objects.count() == 2
 
 
 def test_a_wrong_method_is_405_in_json(lost_delivery, viewer_api) -> None:
@@ -265,6 +266,7 @@ def test_a_wrong_method_is_405_in_json(lost_delivery, viewer_api) -> None:
         ("post", f"/api/runs/{run.pk}/"),
         ("patch", "/api/items/"),
         ("get", f"/api/items/{item.pk}/decide/"),
+        ("put", f"/api/runs/{run.pk}/decide/"),
         ("post", "/api/openapi.json"),
     ]:
         answer = viewer_api.call(method, path)
@@ -525,6 +527,24 @@ def test_a_bad_decision_names_its_field_and_decides_nothing(
     answer = operator_api.post(f"/api/items/{item.pk}/decide/", decision(**change))
     assert answer.status_code == 400 and answer.json()["error"]["field"] == field
     assert not OperatorDecision.objects.exists()
+
+
+def test_a_run_waiting_for_an_operator_is_abandoned_not_resumed_while_an_item_holds_it(
+    lost_delivery, operator_api
+) -> None:
+    run, _ = lost_delivery
+    read = operator_api.get(f"/api/runs/{run.pk}/").json()
+    assert [offer["choice"] for offer in read["offers"]] == [DecisionChoice.ABANDON]
+    path = f"/api/runs/{run.pk}/decide/"
+    held = operator_api.post(path, decision(DecisionChoice.RESUME))
+    assert held.status_code == 409 and "not offered" in held.json()["error"]["message"]
+    asked = decision(DecisionChoice.ABANDON, reason="the customer withdrew")
+    taken = operator_api.post(path, asked).json()
+    assert taken["decision"]["state_after"] == RunStatus.CANCELLED and not taken["run_resumed"]
+    assert operator_api.post(path, asked).json()["repeated"] is True
+    run.refresh_from_db()
+    assert run.status == RunStatus.CANCELLED and OperatorDecision.objects.count() == 1
+    assert operator_api.post("/api/runs/999999/decide/", asked).status_code == 404
 
 
 def test_a_choice_the_evidence_does_not_offer_is_refused(lost_delivery, operator_api) -> None:

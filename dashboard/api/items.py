@@ -1,11 +1,12 @@
 """The API's outcome items and decisions: the inbox's filters, an item
 with the choices its evidence allows now (runs.decisions `gather`,
-`offers`) and its decisions, and a decision, taken by the inbox's path
-(`decide`: who may, idempotency by request token, one decision settles an
-item, lock waits bounded)."""
+`offers`) and its decisions, and a decision on an item or a run, taken by
+the inbox's path (`decide`, `decide_run`: who may, idempotency by request
+token, one decision settles an item, lock waits bounded)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.http import HttpRequest
@@ -20,10 +21,19 @@ from dashboard.inbox import filtered_items, item_filters
 from dashboard.params import choice
 from dashboard.security import form_lock_waits
 from dashboard.views import newest_first
-from runs.decisions import Decided, DecisionRefused, Request, Who, decide, gather, offers
+from runs.decisions import (
+    Decided,
+    DecisionRefused,
+    Request,
+    Who,
+    decide,
+    decide_run,
+    gather,
+    offers,
+)
 from runs.inbox import history, items_listed, listing_row
 from runs.management.commands.outcomes import decision_json, offer_json
-from runs.models import OutcomeItem, OutcomeState, older_than
+from runs.models import OutcomeItem, OutcomeState, Run, older_than
 from runs.sql import lock_refused
 
 router = Router(tags=["items"])
@@ -92,6 +102,24 @@ def decide_item(request: HttpRequest, item_id: int, payload: DecideIn) -> dict[s
     operating(request)
     with form_lock_waits():
         item = get_object_or_404(OutcomeItem, pk=item_id)
+    return _taken(request, payload, lambda asked: decide(item.pk, asked))
+
+
+@router.post("/runs/{run_id}/decide/", response={200: DecidedOut, **ACT}, summary="Decide a run")
+def decide_a_run(request: HttpRequest, run_id: int, payload: DecideIn) -> dict[str, Any]:
+    """Resumes or abandons a run that waits for an operator, as the run
+    page's form does (`decide_run`): `resume` only when no open item holds
+    it, `abandon` always; a run's choices are in its page's words in
+    `outcomes --help`."""
+    operating(request)
+    with form_lock_waits():
+        run = get_object_or_404(Run, pk=run_id)
+    return _taken(request, payload, lambda asked: decide_run(run.pk, asked))
+
+
+def _taken(
+    request: HttpRequest, payload: DecideIn, take: Callable[[Request], Decided]
+) -> dict[str, Any]:
     asked = Request(
         choice=payload.choice,
         who=Who(user=request.user),
@@ -100,6 +128,6 @@ def decide_item(request: HttpRequest, item_id: int, payload: DecideIn) -> dict[s
         reference=payload.reference,
     )
     try:
-        return decided(decide(item.pk, asked))
+        return decided(take(asked))
     except DecisionRefused as refusal:
         raise refused(refusal) from None

@@ -18,8 +18,10 @@ from dashboard.api.schemas import RunFilters, RunOut, RunPage, SubmitIn, Submitt
 from dashboard.models import ApiSubmission, Submitted, TokenReused
 from dashboard.security import form_lock_waits
 from dashboard.views import listed_runs, newest_first
+from runs.decisions import run_offers
 from runs.handover import hand_over_run
 from runs.inbox import items_listed
+from runs.management.commands.outcomes import offer_json
 from runs.models import OutcomeItem, Run
 from runs.submission import SubmissionRefused, submit
 from runs.words import status_now
@@ -74,6 +76,7 @@ def run_out(run_id: int) -> dict[str, Any]:
         "action_budget": run.action_budget,
         "deadline": run.deadline,
         "cancel_requested_by": run.cancel_requested_by,
+        "offers": [offer_json(offer) for offer in run_offers(run)],
         "answer": None
         if answer is None
         else {
@@ -121,7 +124,8 @@ def _receipt(action: Any) -> dict[str, Any] | None:
 @router.get("/runs/{run_id}/", response={200: RunOut, **READ}, summary="Read a run")
 def read_run(request: HttpRequest, run_id: int) -> dict[str, Any]:
     """A run with its actions (each with its receipt), a summary of its
-    receipts, its latest answer and its outcome items."""
+    receipts, its latest answer, its outcome items, and the decisions on
+    the run itself (resume, abandon) offered now."""
     return run_out(run_id)
 
 

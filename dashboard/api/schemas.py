@@ -136,6 +136,12 @@ class ItemRow(Schema):
     resolved_at: dt.datetime | None
 
 
+class OfferOut(Schema):
+    choice: str
+    label: str
+    does: str = Field(description="What choosing it does")
+
+
 class RunOut(RunRow):
     status_reason: str
     phase_reason: str
@@ -143,6 +149,7 @@ class RunOut(RunRow):
     action_budget: int
     deadline: dt.datetime | None
     cancel_requested_by: str
+    offers: list[OfferOut] = Field(description="Resume or abandon, when it waits for an operator")
     answer: AnswerOut | None = Field(description="The latest answer revision")
     actions: list[ActionOut]
     receipts: ReceiptsSummary
@@ -178,12 +185,6 @@ class ItemPage(Schema):
     next_cursor: str | None
 
 
-class OfferOut(Schema):
-    choice: str
-    label: str
-    does: str = Field(description="What choosing it does")
-
-
 class DecisionOut(Schema):
     """The keys of the `outcomes` command's JSON."""
 
@@ -208,7 +209,7 @@ class ItemOut(ItemRow):
 
 
 class DecideIn(Schema):
-    choice: str = Field(description="One of the choices offered")
+    choice: str = Field(description="One of the choices offered (the item's or the run's offers)")
     # Stripped as the decision keeps it: blank is no reason.
     reason: Annotated[
         str,
