@@ -614,3 +614,14 @@ def test_a_read_a_strangers_lock_holds_is_a_503_not_a_hang(viewer_api) -> None:
         assert time.monotonic() - started < 15
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "locked"
     assert viewer_api.get(f"/api/runs/{run.pk}/").status_code == 200
+
+
+def test_a_post_whose_token_a_strangers_lock_holds_is_a_503_not_a_hang(operator_api) -> None:
+    with psycopg.connect(**connection.get_connection_params()) as stranger:
+        stranger.execute("LOCK TABLE dashboard_apitoken IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        answer = operator_api.post("/api/runs/", submission())
+        assert time.monotonic() - started < 15
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "locked"
+    assert not Run.objects.exists()
+    assert operator_api.post("/api/runs/", submission()).status_code == 201

@@ -15,6 +15,7 @@ from ninja.security import HttpBearer, SessionAuth
 
 from dashboard.api.errors import ApiError
 from dashboard.models import ApiToken
+from dashboard.security import form_lock_waits
 from runs.decisions import OPERATE
 
 
@@ -31,7 +32,10 @@ class BearerToken(HttpBearer):
         return self.authenticate(request, secret.strip())
 
     def authenticate(self, request: HttpRequest, token: str) -> Any:
-        found = ApiToken.objects.authenticated(token)
+        # Bounded as the pages' sign-in is (a post's is not, by the pages'
+        # middleware): a stranger's lock on the tokens is a 503, not a hang.
+        with form_lock_waits():
+            found = ApiToken.objects.authenticated(token)
         if found is None:
             raise ApiError(401, "this API token is not known, or was revoked")
         # What every check after this one asks (permissions, the pages'
