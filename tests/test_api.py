@@ -13,6 +13,7 @@ import re
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -182,6 +183,15 @@ def test_the_openapi_document_is_valid_and_describes_every_operation(
     assert {(m, re.sub(r"\{[^}]+\}", "{id}", p)) for m, p in described} == tested
     schemes = document["components"]["securitySchemes"]
     assert {"type": "http", "scheme": "bearer"} in schemes.values()
+
+
+def test_docs_api_md_shows_every_operation(document) -> None:
+    shown = (Path(__file__).resolve().parent.parent / "docs" / "API.md").read_text()
+    for path, methods in document["paths"].items():
+        for method in methods:
+            row = f"| {method.upper()} | `{re.sub(r'{[^}]+}', '{id}', path)}` |"
+            assert row in shown, row
+            assert f"$RUNDESK{path.split('{')[0]}" in shown, path
 
 
 def test_the_document_is_served_to_a_token_and_refused_to_the_anonymous(viewer_api) -> None:
