@@ -7,14 +7,15 @@ in an operator's words, `field` names the parameter or body field at fault
 where there is one.  The status says the class: 400 a request the API
 cannot use, 401 no or a bad token, 403 no permission (or a session's post
 without its CSRF token), 404, 405, 409 a request the state refuses (a
-decision that lost the race), 503 a stranger's lock held what it needed."""
+decision that lost the race), 503 a stranger's lock held what it needed
+(`locked`) or the database did not answer (`unavailable`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from django.core.exceptions import BadRequest, PermissionDenied
-from django.db import DatabaseError, connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from ninja import NinjaAPI, Schema
 from ninja.errors import AuthenticationError, HttpError, ValidationError
@@ -87,12 +88,10 @@ def refusal(error: ApiError) -> JsonResponse:
     return response
 
 
-def locked(what: str = "what this request needs") -> ApiError:
-    return ApiError(
-        503,
-        f"{what} is locked by another session (see the lock pages), given up on after "
-        f"{PAGE_LOCK_WAIT}: nothing was changed; try again once it is free",
-    )
+LOCKED = (
+    "what this request needs is locked by another session (see the lock pages), given up "
+    f"on after {PAGE_LOCK_WAIT}: nothing was changed; try again once it is free"
+)
 
 
 def _invalid(error: ValidationError) -> ApiError:
@@ -108,14 +107,22 @@ def _invalid(error: ValidationError) -> ApiError:
     return ApiError(400, message, field=".".join(where) or None, code="invalid")
 
 
-def _database(request: HttpRequest, error: DatabaseError) -> HttpResponse:
-    """A lock refused (the pages' PAGE_LOCK_WAIT bound every request runs
-    under) is a 503 that says so; the transaction it aborted is rolled back."""
+def _unanswered(request: HttpRequest, error: OperationalError) -> HttpResponse:
+    """A lock refused (the pages' PAGE_LOCK_WAIT bounds every request) is a
+    503 that says so, as is a database that does not answer; the
+    transaction it aborted is rolled back."""
     if connection.in_atomic_block:
         transaction.set_rollback(True)
     if lock_refused(error):
-        return refusal(locked())
-    raise error
+        return refusal(ApiError(503, LOCKED))
+    return refusal(
+        ApiError(
+            503,
+            "the database did not answer (restarting, or out of connections): "
+            "whether a change asked for was made, reading it again tells",
+            code="unavailable",
+        )
+    )
 
 
 def install(api: NinjaAPI) -> None:
@@ -130,8 +137,8 @@ def install(api: NinjaAPI) -> None:
         (Http404, lambda request, error: refusal(ApiError(404, str(error) or "not found"))),
         (BadRequest, lambda request, error: refusal(ApiError(400, str(error)))),
         (PermissionDenied, lambda request, error: refusal(ApiError(403, str(error)))),
-        (FormLocked, lambda request, error: refusal(locked())),
-        (DatabaseError, _database),
+        (FormLocked, lambda request, error: refusal(ApiError(503, LOCKED))),
+        (OperationalError, _unanswered),
     ]
     for kind, handler in handlers:
         api.add_exception_handler(kind, handler)

@@ -39,11 +39,6 @@ from runs.sql import lock_refused
 router = Router(tags=["items"])
 
 
-def item_row(item: OutcomeItem) -> dict[str, Any]:
-    """An item as the `outcomes` command's JSON lists it: the same keys."""
-    return listing_row(item, timezone.now())
-
-
 @router.get("/items/", response={200: ItemPage, **READ}, summary="List outcome items")
 def list_items(request: HttpRequest, filters: Query[ItemFilters]) -> dict[str, Any]:
     """Outcome items, open and resolved, newest first, a page at a time,
@@ -57,7 +52,8 @@ def list_items(request: HttpRequest, filters: Query[ItemFilters]) -> dict[str, A
         except ValueError as error:
             raise ApiError(400, str(error), field="before") from None
     page, cursor = newest_first(items_listed(items), filters.limit)
-    return {"items": [item_row(item) for item in page], "next_cursor": cursor or None}
+    now = timezone.now()
+    return {"items": [listing_row(item, now) for item in page], "next_cursor": cursor or None}
 
 
 @router.get("/items/{item_id}/", response={200: ItemOut, **READ}, summary="Read an item")
@@ -67,7 +63,7 @@ def read_item(request: HttpRequest, item_id: int) -> dict[str, Any]:
     item = get_object_or_404(items_listed(OutcomeItem.objects.all()), pk=item_id)
     shown = gather(item)  # fresh: the xid's status and the probe are asked again
     return {
-        **item_row(item),
+        **listing_row(item, timezone.now()),
         "evidence": shown,
         "offers": [offer_json(offer) for offer in offers(item, shown)],
         "decisions": [decision_json(decision) for decision in history(item.decisions.all())],

@@ -3,6 +3,7 @@ one run with its actions, receipts and items, a submission."""
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any
 
 from django.db.models import Count, Max
@@ -13,14 +14,13 @@ from ninja import Query, Router, Status
 
 from dashboard.api.auth import operating
 from dashboard.api.errors import ACT, READ, ApiError
-from dashboard.api.items import item_row
 from dashboard.api.schemas import RunFilters, RunOut, RunPage, SubmitIn, SubmittedOut
 from dashboard.models import ApiSubmission, Submitted, TokenReused
 from dashboard.security import form_lock_waits
 from dashboard.views import listed_runs, newest_first
 from runs.decisions import run_offers
 from runs.handover import hand_over_run
-from runs.inbox import items_listed
+from runs.inbox import items_listed, listing_row
 from runs.management.commands.outcomes import offer_json
 from runs.models import OutcomeItem, Run
 from runs.submission import SubmissionRefused, submit
@@ -29,7 +29,7 @@ from runs.words import status_now
 router = Router(tags=["runs"])
 
 
-def run_row(run: Run, now: Any) -> dict[str, Any]:
+def run_row(run: Run, now: dt.datetime) -> dict[str, Any]:
     return {
         "id": run.pk,
         "agent": run.agent,
@@ -64,12 +64,13 @@ def list_runs(request: HttpRequest, filters: Query[RunFilters]) -> dict[str, Any
 
 def run_out(run_id: int) -> dict[str, Any]:
     run = get_object_or_404(Run.objects.listing(), pk=run_id)
+    now = timezone.now()
     actions = list(run.actions.select_related("receipt").order_by("id"))
     receipts = run.receipts.aggregate(count=Count("*"), last_at=Max("created_at"))
     answer = run.revisions.order_by("-number").first()
     items = items_listed(OutcomeItem.objects.filter(run=run)).order_by("created_at", "id")
     return {
-        **run_row(run, timezone.now()),
+        **run_row(run, now),
         "status_reason": run.status_reason,
         "phase_reason": run.phase_reason,
         "input": run.input,
@@ -106,7 +107,7 @@ def run_out(run_id: int) -> dict[str, Any]:
             **receipts,
             "actions_without_receipt": sum(_receipt(action) is None for action in actions),
         },
-        "items": [item_row(item) for item in items],
+        "items": [listing_row(item, now) for item in items],
     }
 
 
