@@ -188,3 +188,27 @@ def test_the_command_refuses_an_unknown_user_or_a_name_in_use() -> None:
         command("create", "olga", "--name", " ")
     assert ApiToken.objects.count() == 1
     assert User.objects.get(username="olga").api_tokens.count() == 1
+
+
+# -- the admin -----------------------------------------------------------------------
+
+
+def test_staff_see_every_token_and_revoke_a_leaked_one_but_never_make_or_edit_one(
+    staff: Client,
+) -> None:
+    issued = ApiToken.objects.issue(make_user("vera"), "leaked")
+    listed = staff.get("/admin/dashboard/apitoken/")
+    assert listed.status_code == 200 and "leaked" in listed.content.decode()
+    assert issued.token.digest not in listed.content.decode()
+    shown = staff.get(f"/admin/dashboard/apitoken/{issued.token.pk}/change/")
+    assert shown.status_code == 200 and issued.token.digest not in shown.content.decode()
+    assert staff.get("/admin/dashboard/apitoken/add/").status_code == 403
+    assert staff.post(f"/admin/dashboard/apitoken/{issued.token.pk}/change/", {}).status_code == 403
+    answer = staff.post(
+        "/admin/dashboard/apitoken/",
+        {"action": "revoke", "_selected_action": [issued.token.pk]},
+        follow=True,
+    )
+    assert "1 token(s) revoked." in answer.content.decode()
+    assert api(issued.secret).get("/api/runs/").status_code == 401
+    assert ApiToken.objects.filter(pk=issued.token.pk).exists()  # kept, revoked
