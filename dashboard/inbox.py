@@ -82,7 +82,8 @@ def _after(rows: QuerySet[OutcomeItem], cursor: str) -> QuerySet[OutcomeItem]:
     )
 
 
-def _filters(request: HttpRequest) -> dict[str, Any]:
+def item_filters(request: HttpRequest) -> dict[str, Any]:
+    """The inbox's filters (kind, run): the inbox's and the API's."""
     kind = params.choice(request, "kind", OutcomeKind.values)
     run = request.GET.get("run", "").strip()
     if run and not (run.isascii() and run.isdigit()):
@@ -90,7 +91,7 @@ def _filters(request: HttpRequest) -> dict[str, Any]:
     return {"kind": kind, "run": int(run) if run else None}
 
 
-def _filtered(items: QuerySet[OutcomeItem], filters: dict[str, Any]) -> QuerySet[OutcomeItem]:
+def filtered_items(items: QuerySet[OutcomeItem], filters: dict[str, Any]) -> QuerySet[OutcomeItem]:
     if filters["kind"]:
         items = items.filter(kind=filters["kind"])
     if filters["run"] is not None:
@@ -115,8 +116,8 @@ def inbox(request: HtmxHttpRequest) -> HttpResponse:
     outcome_open_idx), a page at a time; the rows refresh while anything
     is open.  Below them, on the whole page, the open items of runs that
     have ended: they block nothing, and stay decidable for the record."""
-    filters = _filters(request)
-    items = _filtered(OutcomeItem.objects.in_inbox().needing_someone(), filters)
+    filters = item_filters(request)
+    items = filtered_items(OutcomeItem.objects.in_inbox().needing_someone(), filters)
     total = items.count()
     if cursor := request.GET.get("after", ""):
         items = _after(items, cursor)
@@ -136,7 +137,7 @@ def inbox(request: HtmxHttpRequest) -> HttpResponse:
         return response if context["live"] else HttpResponseStopPolling(response.content)
     # The whole page only: the rows refresh every 3 s and do not show them.
     context["waiting"] = [] if filters["kind"] else waiting_unheld(filters["run"])
-    ended = _filtered(OutcomeItem.objects.in_inbox().no_longer_blocking(), filters)
+    ended = filtered_items(OutcomeItem.objects.in_inbox().no_longer_blocking(), filters)
     context["ended_total"] = ended.count()
     # The newest first: the runs that ended last are the ones still in mind.
     context["ended"] = _rows(items_listed(ended).order_by("-created_at", "-id")[:PAGE_SIZE])

@@ -2,3 +2,190 @@
 reads these tables."""
 
 from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, models, transaction
+from django.db.models import Q
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from runs.models import Run, digest
+
+# What starts every API token: a secret pasted somewhere it should not be
+# is recognised as Rundesk's (and secret scanners can be told the prefix).
+TOKEN_PREFIX = "rdk_"  # noqa: S105 (a prefix, no secret)
+# The characters of a token kept in clear, to tell tokens apart on their page.
+SHOWN_CHARACTERS = 8
+# A token's last use is written at most this often (seconds): a script
+# polling the API writes no row per request.
+LAST_USED_EVERY = 60
+
+
+def token_digest(secret: str) -> str:
+    """What is stored of a token: the SHA-256 of its secret.  The secret
+    has 256 bits of randomness, so no salt or slow hash is needed: nobody
+    guesses one from its digest."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Issued:
+    """A token just made, and its secret: shown once, never stored."""
+
+    token: ApiToken
+    secret: str
+
+
+class ApiTokenQuerySet(models.QuerySet["ApiToken"]):
+    def active(self) -> ApiTokenQuerySet:
+        return self.filter(revoked_at__isnull=True)
+
+    def issue(self, user: Any, name: str) -> Issued:
+        secret = TOKEN_PREFIX + secrets.token_urlsafe(32)
+        token = self.create(
+            user=user,
+            name=name.strip(),
+            digest=token_digest(secret),
+            shown=secret[: len(TOKEN_PREFIX) + SHOWN_CHARACTERS],
+        )
+        return Issued(token, secret)
+
+    def authenticated(self, secret: str) -> ApiToken | None:
+        """The active token whose secret this is, of an active user, its
+        last use noted; None for any other secret."""
+        token = (
+            self.active()
+            .filter(digest=token_digest(secret), user__is_active=True)
+            .select_related("user")
+            .first()
+        )
+        if token is not None:
+            now = timezone.now()
+            # A conditional update: concurrent requests write it once.
+            self.filter(pk=token.pk).filter(
+                Q(last_used_at__isnull=True)
+                | Q(last_used_at__lt=now - dt.timedelta(seconds=LAST_USED_EVERY))
+            ).update(last_used_at=now)
+        return token
+
+
+class ApiToken(models.Model):
+    """A user's token for the JSON API (Authorization: Bearer <secret>):
+    it acts as its user, with the same permissions as the pages.  Only the
+    digest of its secret is stored; revoked, it authenticates nothing."""
+
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
+    )
+    name = models.CharField(max_length=100, help_text="What the token is for")
+    digest = models.CharField(max_length=64, unique=True, help_text="SHA-256 of the secret")
+    # The secret's first characters, to tell tokens apart: too few to use.
+    shown = models.CharField(max_length=20)
+    created_at = models.DateTimeField(db_default=Now())
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    objects = ApiTokenQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.CheckConstraint(condition=~Q(name=""), name="api_token_named"),
+            # One active token of a name per user: revoking "ci" names the one meant.
+            models.UniqueConstraint(
+                fields=["user", "name"],
+                condition=Q(revoked_at__isnull=True),
+                name="api_token_name_unique_per_user",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.shown}…)"
+
+    def revoke(self) -> bool:
+        """Revokes the token; False if it was revoked already."""
+        now = timezone.now()
+        revoked = ApiToken.objects.filter(pk=self.pk, revoked_at__isnull=True).update(
+            revoked_at=now
+        )
+        if revoked:
+            self.revoked_at = now
+        return bool(revoked)
+
+
+class TokenReused(Exception):
+    """A request token used before for another request."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """The run a submission queued, or (`repeated`) the one an earlier
+    request with the same token queued: this one changed nothing."""
+
+    run: Run
+    repeated: bool = False
+
+
+class ApiSubmissionQuerySet(models.QuerySet["ApiSubmission"]):
+    def submitted(
+        self, user: Any, token: str, asked: dict[str, Any], submit: Callable[[], Run]
+    ) -> Submitted:
+        """`submit()` once per (user, token): a repeat of the same request
+        (`asked`) finds the run the first one queued, also when the two
+        run at once (the unique constraint decides; the loser finds the
+        winner's).  TokenReused for another request under the same token."""
+        request_digest = digest(asked)
+        if (earlier := self._earlier(user, token, request_digest)) is not None:
+            return Submitted(earlier, repeated=True)
+        try:
+            with transaction.atomic():
+                run = submit()
+                self.create(user=user, request_token=token, request_digest=request_digest, run=run)
+        except IntegrityError:
+            if (earlier := self._earlier(user, token, request_digest)) is not None:
+                return Submitted(earlier, repeated=True)
+            raise
+        return Submitted(run)
+
+    def _earlier(self, user: Any, token: str, request_digest: str) -> Run | None:
+        earlier = self.filter(user=user, request_token=token).select_related("run").first()
+        if earlier is None:
+            return None
+        if earlier.request_digest != request_digest:
+            raise TokenReused(
+                f"this request token was used for another submission (run {earlier.run_id})"
+            )
+        return earlier.run
+
+
+class ApiSubmission(models.Model):
+    """A run submitted through the API under a client's request token: a
+    repeat of the request (a retry after a lost answer) finds this run
+    instead of queueing a second one.  Its request's digest tells a repeat
+    from another request that reuses the token."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    request_token = models.CharField(max_length=100)
+    request_digest = models.CharField(max_length=64)
+    # Deleted with its run (retention purges ended runs).
+    run = models.OneToOneField(Run, on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(db_default=Now())
+
+    objects = ApiSubmissionQuerySet.as_manager()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["user", "request_token"], name="api_submission_token_unique"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.request_token} -> run {self.run_id}"

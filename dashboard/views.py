@@ -104,9 +104,11 @@ def _agent_filter(request: HttpRequest) -> str:
     return params.choice(request, "agent", sorted(settings.RUNDESK_AGENTS))
 
 
-@require_safe
-@rejects_bad_input
-def runs_list(request: HtmxHttpRequest) -> HttpResponse:
+def listed_runs(request: HttpRequest) -> tuple[dict[str, Any], QuerySet[Run]]:
+    """The runs list's filters as its query string gives them, and the
+    runs they select, from its cursor (`before`) on: the runs list's and
+    the API's (dashboard/api).  BadRequest for a filter or cursor it
+    cannot use.  Unordered: the caller picks its columns and its page."""
     filters = {
         "agent": _agent_filter(request),
         "status": params.choice(request, "status", [value for value, _ in STATUS_FILTER]),
@@ -115,7 +117,38 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "drills": params.flag(request, "drills"),
         "q": params.search(request),
     }
-    runs = Run.objects.listing().only(
+    # Drills' runs (runs/drills.py) are shown only when asked for, alone.
+    runs = Run.objects.listing().filter(is_drill=filters["drills"])
+    if filters["agent"]:
+        runs = runs.filter(agent=filters["agent"])
+    if filters["status"] == GAPS_FILTER:
+        runs = runs.completed_with_gaps()
+    elif filters["status"]:
+        runs = runs.filter(status=filters["status"])
+    if filters["unknown"]:
+        runs = runs.with_open_unknowns()
+    if filters["gaps"]:
+        runs = runs.with_capture_gaps()
+    if filters["q"]:
+        runs = runs.filter(question__icontains=filters["q"])
+    if cursor := request.GET.get("before"):
+        runs = _older_than(runs, cursor)
+    return filters, runs
+
+
+def newest_first(rows: QuerySet, size: int) -> tuple[list[Any], str]:
+    """A page of `rows`, newest first (created_at, id), and the cursor
+    of the next page ("" when it is the last)."""
+    page = list(rows.order_by("-created_at", "-id")[: size + 1])
+    more, page = len(page) > size, page[:size]
+    return page, page_cursor(page[-1]) if more and page else ""
+
+
+@require_safe
+@rejects_bad_input
+def runs_list(request: HtmxHttpRequest) -> HttpResponse:
+    filters, runs = listed_runs(request)
+    runs = runs.only(
         "id",
         "agent",
         "question",
@@ -131,24 +164,7 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "cancel_requested_by",
         "created_at",
     )
-    # Drills' runs (runs/drills.py) are shown only when asked for, alone.
-    runs = runs.filter(is_drill=filters["drills"])
-    if filters["agent"]:
-        runs = runs.filter(agent=filters["agent"])
-    if filters["status"] == GAPS_FILTER:
-        runs = runs.completed_with_gaps()
-    elif filters["status"]:
-        runs = runs.filter(status=filters["status"])
-    if filters["unknown"]:
-        runs = runs.with_open_unknowns()
-    if filters["gaps"]:
-        runs = runs.with_capture_gaps()
-    if filters["q"]:
-        runs = runs.filter(question__icontains=filters["q"])
-    if cursor := request.GET.get("before"):
-        runs = _older_than(runs, cursor)
-    page = list(runs.order_by("-created_at", "-id")[: PAGE_SIZE + 1])
-    more, page = len(page) > PAGE_SIZE, page[:PAGE_SIZE]
+    page, next_cursor = newest_first(runs, PAGE_SIZE)
     now = timezone.now()
     for run in page:
         said = status_now(run, now)
@@ -160,7 +176,7 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "statuses": STATUS_FILTER,
         # Installed here, and the one filtered on if it is no longer.
         "agents": sorted({*settings.RUNDESK_AGENTS, filters["agent"]} - {""}),
-        "next_cursor": page_cursor(page[-1]) if more and page else "",
+        "next_cursor": next_cursor,
         "live": any(run.is_active for run in page),
         "now": now,
         "search_max": params.SEARCH_MAX,

@@ -16,6 +16,15 @@ from runs.models import UNSTORABLE, Run, canonical_json
 from runs.timeline import EventKind, timeline
 
 
+class SubmissionRefused(ValueError):
+    """Bad input, with the field of the submission it is about (`agent`,
+    `input`, `faults`, `action_budget`), for a client to point at."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def submit(
     agent: str = "research",
     input: dict[str, Any] | None = None,
@@ -29,31 +38,38 @@ def submit(
 ) -> Run:
     """Queues a run of `agent` on `input` (`question` and `documents`: the
     research agent's input, said short; `drill`: one a fault drill made,
-    runs/drills.py).  Bad input raises ValueError with what is wrong."""
+    runs/drills.py).  Bad input raises SubmissionRefused (a ValueError)
+    with what is wrong, and where."""
     if question is not None or documents is not None:
         input = {"question": question or "", "documents": documents or [], **(input or {})}
     try:
         declared = registry.agent_class(agent)
     except registry.NotInstalled as error:
-        raise ValueError(str(error)) from None
+        raise SubmissionRefused("agent", str(error)) from None
     if input is None:
-        raise ValueError(f"a run of {agent} needs an input")
+        raise SubmissionRefused("input", f"a run of {agent} needs an input")
     if refusal := input_refusal(declared.input_schema, input):
-        raise ValueError(f"{agent}: {refusal}")
+        raise SubmissionRefused("input", f"{agent}: {refusal}")
     try:
         canonical_json(input)
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{agent}: the input is not JSON: {error}") from None
+        raise SubmissionRefused("input", f"{agent}: the input is not JSON: {error}") from None
     if UNSTORABLE.search(canonical_json(input)):
-        raise ValueError(
-            f"{agent}: the input holds a character no text can: NUL or a lone surrogate"
+        raise SubmissionRefused(
+            "input", f"{agent}: the input holds a character no text can: NUL or a lone surrogate"
         )
-    declared.check_input(input)
-    FaultPlan.parse(faults)
+    try:
+        declared.check_input(input)
+    except ValueError as error:
+        raise SubmissionRefused("input", str(error)) from None
+    try:
+        FaultPlan.parse(faults)
+    except ValueError as error:
+        raise SubmissionRefused("faults", str(error)) from None
     if action_budget is not None and action_budget < 1:
-        raise ValueError("the action budget must be at least 1")
+        raise SubmissionRefused("action_budget", "the action budget must be at least 1")
     if action_budget is not None and action_budget > MAX_STEPS:
-        raise ValueError(f"the action budget must be at most {MAX_STEPS}")
+        raise SubmissionRefused("action_budget", f"the action budget must be at most {MAX_STEPS}")
     fields: dict[str, Any] = {"faults": faults or [], "deadline": deadline, "is_drill": drill}
     if action_budget is not None:
         fields["action_budget"] = action_budget
