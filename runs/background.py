@@ -225,6 +225,7 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
             ):
                 self._write_lost_now()
                 written_at = time.monotonic()
+            self._between_batches()
             for marker in markers:
                 marker.set()
             if None in items:
@@ -294,6 +295,11 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
     @abstractmethod
     def _write(self, batch: list[Item]) -> None:
         """Writes a batch; raises (for `_failed`) what it cannot handle."""
+
+    def _between_batches(self) -> None:
+        """The writer's own work between batches (capture's tries again),
+        at least every GAP_INTERVAL seconds, after the lost items' count
+        is written.  Must not raise."""
 
     def _failed(self, batch: list[Item], error: Exception) -> None:
         """`_write` raised: the batch is counted as lost."""
