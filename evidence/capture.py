@@ -435,9 +435,12 @@ class Capture(BackgroundWriter[Record, GapKey]):
             self._give_up(retry, "not tried again: the retry queue is full", "retry_full")
 
     def wait_for_retries(self, timeout: float) -> bool:
-        """Waits until no record is kept to be tried again (each saved or
-        given up, and its gap said so); False after `timeout` seconds."""
+        """Waits until what was submitted so far is saved or a gap, and no
+        record is kept to be tried again (each saved or given up, and its
+        gap said so); False after `timeout` seconds."""
         deadline = time.monotonic() + timeout
+        if not self.flush(timeout):
+            return False
         while len(self.retries) and time.monotonic() < deadline:
             time.sleep(0.01)
         return not len(self.retries) and self.flush(max(deadline - time.monotonic(), 0.1))
@@ -603,10 +606,15 @@ class Capture(BackgroundWriter[Record, GapKey]):
     def _save_again(self, retry: Retry) -> str | None:
         """Saves the record and marks its gap saved, in one transaction;
         None when it did, else why not.  A gap not written yet is not
-        tried (the try would find no gap to mark): that try failed."""
+        tried (the try would find no gap to mark): the gaps are written
+        first, and if they cannot be, that try failed."""
         with self._lock:
-            if retry.gap in self._lost:
-                return "its gap was not written yet"
+            unwritten = retry.gap in self._lost
+        if unwritten:
+            self._write_lost_now()
+            with self._lock:
+                if retry.gap in self._lost:
+                    return "its gap could not be written yet"
         try:
             with transaction.atomic():
                 retry.record.save()
