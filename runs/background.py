@@ -90,6 +90,12 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
         self._thread = threading.local()  # in a writer thread: its stop event
         self._logger = logging.getLogger(type(self).__module__)
 
+    @property
+    def queued(self) -> int:
+        """Items handed over and not taken by the writer yet (at most
+        `capacity`, with a flush or stop marker among them)."""
+        return self._queue.qsize()
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Waits until everything handed over so far is written or counted
         as lost, and that count written (or kept for later).  With no
