@@ -39,7 +39,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -307,12 +307,13 @@ def gap_reason(error: BaseException) -> GapReason:
     return GapReason.DB_ERROR
 
 
-def record_gaps(gaps: Counter[GapKey]) -> None:
-    """Writes gaps (run, model call, reason, detail, retry key) -> count, and
-    the runs' lost counters, in one statement, bounded by the capture lock
-    timeout like every capture write.  A model call that does not exist is
-    named in the detail only (each record's detail names what was lost)."""
-    rows = [(*key, count) for key, count in gaps.items()]
+def record_gaps(gaps: Mapping[GapKey | tuple[int, int | None, str, str], int]) -> None:
+    """Writes gaps (run, model call, reason, detail, and the retry key of a
+    record kept to be tried again, if any) -> count, and the runs' lost
+    counters, in one statement, bounded by the capture lock timeout like
+    every capture write.  A model call that does not exist is named in the
+    detail only (each record's detail names what was lost)."""
+    rows = [(*key[:4], key[4] if len(key) > 4 else None, count) for key, count in gaps.items()]
     with bounded() as cursor:
         cursor.execute(
             """WITH gap AS (
