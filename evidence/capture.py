@@ -70,9 +70,10 @@ POLICIES = ("nowait", "wait")
 # locked) are counted per (run, model call, reason, detail) up to this many
 # keys, then per (run, reason); what does not fit either is only counted.
 PENDING_GAP_KEYS = 10_000
-# Records the writer takes at a time (and tries again at a time): what was queued while it wrote the
-# last ones.  A run's records of a batch share a commit (one a step, not
-# two: the commits a shared server runs out of first).
+# Records the writer takes at a time (and tries again at a time): what was
+# queued while it wrote the last ones.  A run's records of a batch share a
+# commit (one a step, not two: the commits a shared server runs out of
+# first).
 BATCH = 100
 # A transaction of them takes no new record once this share of the lock
 # timeout is gone: another writer waiting for its rows (a run handed over,
@@ -410,11 +411,11 @@ class Capture(BackgroundWriter[Record, GapKey]):
         if record.size > settings.RUNDESK_CAPTURE_MAX_BYTES * 16:
             self._ensure_thread()
             self._lose([record], GapReason.TOO_LARGE, f"{record.size} bytes")
-            self._count(GapReason.TOO_LARGE)
+            self._count(GapReason.TOO_LARGE.value)
             return False
         if self._put(record):
             return True
-        self._count(GapReason.QUEUE_FULL)
+        self._count(GapReason.QUEUE_FULL.value)
         return False
 
     def retry_later(self, record: Record, detail: str) -> None:
@@ -583,9 +584,11 @@ class Capture(BackgroundWriter[Record, GapKey]):
     # -- tries again, in the writer thread -------------------------------------------
 
     def _between_batches(self) -> None:
-        for retry in self.retries.due(time.monotonic(), BATCH):
-            if self._out_of_time():
-                self.retries.again(retry, time.monotonic())
+        due = self.retries.due(time.monotonic(), BATCH)
+        for taken, retry in enumerate(due):
+            if self._out_of_time():  # stopping: what is left stays for the shutdown
+                for left in due[taken:]:
+                    self.retries.again(left, time.monotonic())
                 return
             self._try_again(retry)
 
