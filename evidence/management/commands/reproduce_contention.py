@@ -106,6 +106,7 @@ class Command(BaseCommand):
         self.workers = {role: ThreadPoolExecutor(1) for role in ("capture", "refresh", "publish")}
         for worker in self.workers.values():
             worker.submit(self._configure_connection).result()
+        self.refresh_pid = self.workers["refresh"].submit(lambda: this_backend().pid).result()
         outcomes: Counter[str] = Counter()
         publication_ms: list[float] = []
         baseline_ms: list[float] = []
@@ -316,14 +317,16 @@ class Command(BaseCommand):
             timing["ms"] = (time.perf_counter() - start) * 1000
 
     def _wait_until_waiting(self, timing: dict[str, float]) -> None:
-        """Until the publication waits for the run row (or is done)."""
+        """Until the publication waits for the run row the refresh holds (or
+        is done): not for a model record a try again of capture's holds for
+        a moment, which would let this trial's capture in first."""
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and "ms" not in timing:
             if "pid" in timing:
                 with connection.cursor() as cursor:
                     cursor.execute(
-                        "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
-                        [timing["pid"]],
+                        "SELECT %s = ANY(pg_blocking_pids(%s))",
+                        [self.refresh_pid, timing["pid"]],
                     )
                     row = cursor.fetchone()
                 if row and row[0]:
