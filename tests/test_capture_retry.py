@@ -156,7 +156,9 @@ def test_tries_again_never_wait_on_the_lock_nor_hold_up_its_holder(evidence, wri
             )
             holder.execute("ROLLBACK TO SAVEPOINT mark")
             slowest = max(slowest, time.perf_counter() - started)
-        assert slowest < 0.5
+        # A try holds the source for one short transaction (its locks
+        # NOWAIT or bounded by the capture lock timeout): generous here.
+        assert slowest < 1.0
         assert gap_rows(run)[0].saved_at is None
     wait_for(lambda: gap_rows(run)[0].saved_at is not None, "the copy saved later")
     # It was tried while the lock was held, and saved by the try after.
