@@ -531,5 +531,13 @@ RUNDESK_SETTLE_SECONDS = env_float("RUNDESK_SETTLE_SECONDS", 5.0, minimum=0.0)
 RUNDESK_CAPTURE_QUEUE = int(env_float("RUNDESK_CAPTURE_QUEUE", 1000, minimum=1))
 RUNDESK_CAPTURE_MAX_BYTES = int(env_float("RUNDESK_CAPTURE_MAX_BYTES", 65536, minimum=256))
 RUNDESK_CAPTURE_LOCK_TIMEOUT_MS = int(env_float("RUNDESK_CAPTURE_LOCK_TIMEOUT_MS", 50, minimum=1))
+# Capture's retry queue (evidence/retries.py): records that could not take
+# their lock, kept to be tried again with backoff, bounded in records and
+# bytes (0 records: never tried again), and how many tries each gets.
+RUNDESK_CAPTURE_RETRY_QUEUE = int(env_float("RUNDESK_CAPTURE_RETRY_QUEUE", 1000, minimum=0))
+RUNDESK_CAPTURE_RETRY_BYTES = int(
+    env_float("RUNDESK_CAPTURE_RETRY_BYTES", 16 * 1024 * 1024, minimum=0)
+)
+RUNDESK_CAPTURE_RETRY_TRIES = int(env_float("RUNDESK_CAPTURE_RETRY_TRIES", 8, minimum=1))
 # Lock-wait sampling in the executor (evidence/locks.py), while runs are active.
 RUNDESK_LOCK_SAMPLE_SECONDS = env_float("RUNDESK_LOCK_SAMPLE_SECONDS", 0.5, minimum=0.05)

@@ -38,7 +38,7 @@ class EvidenceCopyAdmin(ReadOnlyAdmin):
 
 @admin.register(CaptureGap)
 class CaptureGapAdmin(ReadOnlyAdmin):
-    list_display = ["run", "model_call", "reason", "count", "detail", "created_at"]
+    list_display = ["run", "model_call", "reason", "count", "detail", "created_at", "saved_at"]
     list_filter = ["reason"]
     list_select_related = ["run"]
 

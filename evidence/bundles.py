@@ -216,9 +216,10 @@ KINDS: list[Rows] = [
 MEMBERS = {"run.json", "report.html", "README.txt", *(kind.name for kind in KINDS)}
 
 # What a row says about who it was, and what this installation keeps to
-# know a log it imported before (an incident's report_digest): no fact of
-# the run.
-LEFT_OUT = {"user_id", "report_digest"}
+# know a log it imported before (an incident's report_digest) or to find
+# the gap of a record it tries again (a gap's retry_key): no fact of the
+# run.  (A gap's saved_at and attempts are facts: they go.)
+LEFT_OUT = {"user_id", "report_digest", "retry_key"}
 
 
 # -- export -------------------------------------------------------------------------

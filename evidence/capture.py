@@ -17,9 +17,16 @@ sources, then its model record, the second with NOWAIT under the `nowait`
 policy (the one production uses; NOWAIT alone would still wait behind a
 table lock).  A lock that is not available at once rolls the record back
 and ends its transaction there, which releases what it held, and leaves a
-CaptureGap; it is never retried, so the wait cannot come back.  A full
-queue, an oversized copy, a database error and shutdown each leave a gap
-with their reason.  A gap is never reported as a save.
+CaptureGap at once.  The record is kept in a bounded retry queue
+(evidence/retries.py) and tried again later, with backoff, by this writer
+between its batches, in a short transaction of its own: nothing waits
+holding a lock, and the main path never waits on a try.  A try that saves
+it marks its gap saved (`saved_at`, `attempts`) and takes it out of the
+run's lost count; one that runs out of tries, or does not fit the retry
+queue, or is still waiting when the process stops, stays a gap whose
+detail says why (and `counts` says how many).  A full queue, an oversized
+copy, a database error and shutdown each leave a gap with their reason.  A
+gap is never reported as a save.
 
 The `wait` policy (wait for the model-record lock, as capture did at the
 incident) is kept only so `reproduce_contention` can show what it did.
@@ -30,8 +37,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +48,7 @@ from django.db import DatabaseError, OperationalError, connection, transaction
 
 from evidence.models import GapReason
 from evidence.records import bounded, record_model_call, record_source
+from evidence.retries import Retries, Retry
 from evidence.sources import SourceRefresh
 from runs.background import GAP_INTERVAL as GAP_INTERVAL  # how soon a gap is written
 from runs.background import SHUTDOWN, BackgroundWriter
@@ -61,9 +70,10 @@ POLICIES = ("nowait", "wait")
 # locked) are counted per (run, model call, reason, detail) up to this many
 # keys, then per (run, reason); what does not fit either is only counted.
 PENDING_GAP_KEYS = 10_000
-# Records the writer takes at a time: what was queued while it wrote the
-# last ones.  A run's records of a batch share a commit (one a step, not
-# two: the commits a shared server runs out of first).
+# Records the writer takes at a time (and tries again at a time): what was
+# queued while it wrote the last ones.  A run's records of a batch share a
+# commit (one a step, not two: the commits a shared server runs out of
+# first).
 BATCH = 100
 # A transaction of them takes no new record once this share of the lock
 # timeout is gone: another writer waiting for its rows (a run handed over,
@@ -196,7 +206,9 @@ class SourceCheck:
 
 
 Record = Copy | SourceRecord | ModelCallRecord | SourceCheck
-GapKey = tuple[int, int | None, str, str]  # run, model call, reason, detail
+# run, model call, reason, detail, and the key of a gap whose record is
+# kept to be tried again (evidence/retries.py), None for any other.
+GapKey = tuple[int, int | None, str, str, uuid.UUID | None]
 
 
 def _cap(text: str, limit: int) -> tuple[str, int, bool]:
@@ -296,22 +308,22 @@ def gap_reason(error: BaseException) -> GapReason:
     return GapReason.DB_ERROR
 
 
-def record_gaps(gaps: Counter[tuple[int, int | None, str, str]]) -> None:
-    """Writes gaps (run, model call, reason, detail) -> count, and the runs'
-    lost counters, in one statement, bounded by the capture lock timeout
-    like every capture write.  A model call that does not exist is named in
-    the detail only (each record's detail names what was lost)."""
-    rows = [
-        (run, call, reason, detail, count) for (run, call, reason, detail), count in gaps.items()
-    ]
+def record_gaps(gaps: Mapping[GapKey | tuple[int, int | None, str, str], int]) -> None:
+    """Writes gaps (run, model call, reason, detail, and the retry key of a
+    record kept to be tried again, if any) -> count, and the runs' lost
+    counters, in one statement, bounded by the capture lock timeout like
+    every capture write.  A model call that does not exist is named in the
+    detail only (each record's detail names what was lost)."""
+    rows = [(*key[:4], key[4] if len(key) > 4 else None, count) for key, count in gaps.items()]
     with bounded() as cursor:
         cursor.execute(
             """WITH gap AS (
-                   INSERT INTO evidence_capturegap (run_id, model_call_id, reason, detail, count,
-                       created_at)
-                   SELECT g.run, m.id, g.reason, g.detail, g.count, now()
-                   FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[], %s::int[])
-                       AS g(run, call, reason, detail, count)
+                   INSERT INTO evidence_capturegap (run_id, model_call_id, reason, detail,
+                       retry_key, count, created_at)
+                   SELECT g.run, m.id, g.reason, g.detail, g.retry_key, g.count, now()
+                   FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[], %s::uuid[],
+                           %s::int[])
+                       AS g(run, call, reason, detail, retry_key, count)
                    LEFT JOIN evidence_modelcall m ON m.id = g.call
                    RETURNING run_id, reason, count, created_at),
                hourly AS (
@@ -329,6 +341,41 @@ def record_gaps(gaps: Counter[tuple[int, int | None, str, str]]) -> None:
         )
 
 
+def mark_saved(key: uuid.UUID, attempts: int) -> None:
+    """The record of gap `key` was saved by a try again: the gap says so,
+    and no longer counts as lost, for its run nor its hour.  In the try's
+    transaction, so the two stand or fall together."""
+    with bounded() as cursor:
+        cursor.execute(
+            """WITH gap AS (
+                   UPDATE evidence_capturegap SET saved_at = now(), attempts = %s
+                   WHERE retry_key = %s AND saved_at IS NULL
+                   RETURNING run_id, reason, count, created_at),
+               hourly AS (
+                   UPDATE evidence_capturegaphour h SET count = greatest(h.count - gap.count, 0)
+                   FROM gap
+                   WHERE h.hour = date_trunc('hour', gap.created_at) AND h.reason = gap.reason)
+               UPDATE evidence_capturestats s SET lost = greatest(s.lost - gap.count, 0)
+               FROM gap WHERE s.run_id = gap.run_id""",
+            [attempts, key],
+            prepare=True,
+        )
+
+
+def note_given_up(ended: list[tuple[uuid.UUID, int, str]]) -> None:
+    """Gaps (key, tries, why) whose records will not be tried again: each
+    says why, after its detail."""
+    with bounded() as cursor:
+        cursor.execute(
+            """UPDATE evidence_capturegap g
+               SET attempts = e.attempts, detail = g.detail || ' (' || e.note || ')'
+               FROM unnest(%s::uuid[], %s::int[], %s::text[]) AS e(key, attempts, note)
+               WHERE g.retry_key = e.key AND g.saved_at IS NULL""",
+            [list(column) for column in zip(*ended, strict=True)],
+            prepare=True,
+        )
+
+
 # -- the queue and its writer ------------------------------------------------------
 
 
@@ -338,7 +385,8 @@ class Capture(BackgroundWriter[Record, GapKey]):
     transaction, each record in savepoints of its own (its statements'
     atomic blocks nest), so a record that fails takes no other with it.
     Lost records are counted per (run, model call, reason, detail), bounded
-    (PENDING_GAP_KEYS), and become CaptureGaps."""
+    (PENDING_GAP_KEYS), and become CaptureGaps; one that could not take its
+    lock is kept to be tried again (the module docstring says how)."""
 
     role = "capture"
 
@@ -348,6 +396,14 @@ class Capture(BackgroundWriter[Record, GapKey]):
         # many of those the log has told of).
         self.dropped = 0
         self._dropped_told = 0
+        self.retries = Retries()
+        # Gaps of records that will not be tried again, whose rows are
+        # written: (key, tries, why), said on their rows with the next gaps.
+        self._given_up: list[tuple[uuid.UUID, int, str]] = []
+        # What became of the records capture could not save at once, by
+        # what: queue_full, too_large, retry_kept, saved_later,
+        # retry_exhausted, retry_full, retry_shutdown.
+        self.counts: Counter[str] = Counter()
 
     def submit(self, record: Record) -> bool:
         """Hands a record to the writer.  Never blocks, never raises; False
@@ -355,8 +411,45 @@ class Capture(BackgroundWriter[Record, GapKey]):
         if record.size > settings.RUNDESK_CAPTURE_MAX_BYTES * 16:
             self._ensure_thread()
             self._lose([record], GapReason.TOO_LARGE, f"{record.size} bytes")
+            self._count(GapReason.TOO_LARGE.value)
             return False
-        return self._put(record)
+        if self._put(record):
+            return True
+        self._count(GapReason.QUEUE_FULL.value)
+        return False
+
+    def retry_later(self, record: Record, detail: str) -> None:
+        """A record that could not take its lock: its gap now, and, when it
+        fits the retry queue, a try again later by the writer (the caller
+        never waits for it).  Never blocks, never raises."""
+        self._ensure_thread()
+        reason = GapReason.LOCK_NOT_AVAILABLE
+        if record.alone:  # a check of the sources: the next resume makes another
+            self._lose([record], reason, detail)
+            return
+        key = uuid.uuid4()
+        gap = (*self._lost_key(record, reason, detail)[:4], key)
+        self._count_lost(Counter({gap: 1}))
+        retry = Retry(record, gap, key)
+        if self.retries.keep(retry, time.monotonic()):
+            self._count("retry_kept")
+        else:
+            self._give_up(retry, "not tried again: the retry queue is full", "retry_full")
+
+    def wait_for_retries(self, timeout: float) -> bool:
+        """Waits until what was submitted so far is saved or a gap, and no
+        record is kept to be tried again (each saved or given up, and its
+        gap said so); False after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        if not self.flush(timeout):
+            return False
+        while len(self.retries) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not len(self.retries) and self.flush(max(deadline - time.monotonic(), 0.1))
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.counts[what] += 1
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Waits until everything submitted so far is saved or a gap."""
@@ -366,18 +459,20 @@ class Capture(BackgroundWriter[Record, GapKey]):
         """Counts a record that will not be made; the writer records the gap
         within GAP_INTERVAL, busy or idle.  Never blocks, never raises."""
         self._ensure_thread()
-        self._count_lost(Counter({(run_id, model_call_id, reason, detail[:500]): 1}))
+        self._count_lost(Counter({(run_id, model_call_id, reason, detail[:500], None): 1}))
 
     def _lost_key(self, item: Record, reason: str, detail: str) -> GapKey:
-        return (item.run_id, item.model_call_id, reason, f"{item.describe()}: {detail}"[:500])
+        return (item.run_id, item.model_call_id, reason, f"{item.describe()}: {detail}"[:500], None)
 
     def _count_lost(self, lost: Counter[GapKey]) -> None:
-        """Adds gaps to those waiting to be written, bounded (PENDING_GAP_KEYS)."""
+        """Adds gaps to those waiting to be written, bounded (PENDING_GAP_KEYS;
+        the gaps of records kept to be tried again are bounded by the retry
+        queue, and keep their own rows: a try finds its gap by its key)."""
         with self._lock:
             for key, count in lost.items():
-                if key not in self._lost and len(self._lost) >= PENDING_GAP_KEYS:
-                    run_id, _, reason, _ = key
-                    key = (run_id, None, reason, DETAIL_DROPPED)
+                if key not in self._lost and len(self._lost) >= PENDING_GAP_KEYS and not key[4]:
+                    run_id, _, reason, _, _ = key
+                    key = (run_id, None, reason, DETAIL_DROPPED, None)
                     if key not in self._lost and len(self._lost) >= 2 * PENDING_GAP_KEYS:
                         self.dropped += count
                         continue
@@ -447,10 +542,15 @@ class Capture(BackgroundWriter[Record, GapKey]):
             self._failed(saved, error)
 
     def _lost_to(self, records: list[Record], error: Exception) -> None:
-        """Records that raised `error`: gaps, never a crash."""
+        """Records that raised `error`: gaps, never a crash; kept to be
+        tried again when it was a lock they could not take."""
         if not isinstance(error, DatabaseError):
             logger.exception("capture: %s failed", records[-1].describe())
-        self._lose(records, gap_reason(error), str(error).strip())
+        if gap_reason(error) == GapReason.LOCK_NOT_AVAILABLE:
+            for record in records:
+                self.retry_later(record, str(error).strip())
+        else:
+            self._lose(records, gap_reason(error), str(error).strip())
 
     def _failed(self, batch: list[Record], error: Exception) -> None:
         """Records whose transaction was lost (what it saved), or a record
@@ -466,6 +566,90 @@ class Capture(BackgroundWriter[Record, GapKey]):
         if dropped:
             logger.warning("capture: %s gaps dropped: too many waiting to be written", dropped)
         record_gaps(lost)
+
+    def _write_lost_now(self) -> None:
+        """The gaps, then why the records of those written before will not
+        be tried again (said once: a gap that cannot say it stays a gap)."""
+        super()._write_lost_now()
+        with self._lock:
+            given_up, self._given_up = self._given_up, []
+        if not given_up:
+            return
+        try:
+            note_given_up(given_up)
+        except Exception as error:  # the writer must outlive anything
+            logger.warning("capture: %s gaps not told why they stay: %s", len(given_up), error)
+            connection.close_if_unusable_or_obsolete()
+
+    # -- tries again, in the writer thread -------------------------------------------
+
+    def _between_batches(self) -> None:
+        due = self.retries.due(time.monotonic(), BATCH)
+        for taken, retry in enumerate(due):
+            if self._out_of_time():  # stopping: what is left stays for the shutdown
+                for left in due[taken:]:
+                    self.retries.again(left, time.monotonic())
+                return
+            self._try_again(retry)
+
+    def _try_again(self, retry: Retry) -> None:
+        """One try: saved, or back in the queue for a later one, or, out
+        of tries, given up."""
+        retry.attempts += 1
+        failure = self._save_again(retry)
+        if failure is None:
+            self.retries.done(retry)
+            self._count("saved_later")
+        elif retry.attempts < settings.RUNDESK_CAPTURE_RETRY_TRIES:
+            self.retries.again(retry, time.monotonic())
+        else:
+            self.retries.done(retry)
+            tries = f"{retry.attempts} {'try' if retry.attempts == 1 else 'tries'}"
+            self._give_up(retry, f"not saved after {tries}: {failure}"[:300], "retry_exhausted")
+
+    def _save_again(self, retry: Retry) -> str | None:
+        """Saves the record and marks its gap saved, in one transaction;
+        None when it did, else why not.  A gap not written yet is not
+        tried (the try would find no gap to mark): the gaps are written
+        first, and if they cannot be, that try failed."""
+        with self._lock:
+            unwritten = retry.gap in self._lost
+        if unwritten:
+            self._write_lost_now()
+            with self._lock:
+                if retry.gap in self._lost:
+                    return "its gap could not be written yet"
+        try:
+            with transaction.atomic():
+                retry.record.save()
+                mark_saved(retry.key, retry.attempts)
+        except Exception as error:
+            if not isinstance(error, DatabaseError):
+                logger.exception("capture: trying %s again failed", retry.record.describe())
+            elif isinstance(error, OperationalError):
+                connection.close_if_unusable_or_obsolete()
+            return str(error).strip() or type(error).__name__
+        return None
+
+    def _give_up(self, retry: Retry, why: str, what: str) -> None:
+        """The record of `retry` will not be tried again: its gap says why
+        (in its detail when it is not written yet, else on its row with the
+        next gaps written)."""
+        with self._lock:
+            self.counts[what] += 1
+            count = self._lost.pop(retry.gap, 0)
+            if count:
+                run_id, call, reason, detail, _ = retry.gap
+                self._lost[(run_id, call, reason, f"{detail} ({why})"[:700], None)] += count
+            else:
+                self._given_up.append((retry.key, retry.attempts, why))
+
+    def _lose_what_is_queued(self) -> None:
+        """Stopping: what is queued is lost, and what waits to be tried
+        again stays a gap."""
+        super()._lose_what_is_queued()
+        for retry in self.retries.drain():
+            self._give_up(retry, "not tried again: the process stopped", "retry_shutdown")
 
 
 capture = Capture()

@@ -402,7 +402,11 @@ def timeline(
                 y=["capture gaps"] * len(gaps),
                 marker={"color": "#8a5cd1", "size": 10, "symbol": "x"},
                 customdata=[
-                    [plain(GapReason, g.reason), hover(g.detail, 200), _clock(g.created_at)]
+                    [
+                        ", ".join(filter(None, [plain(GapReason, g.reason), g.saved_later])),
+                        hover(g.detail, 200),
+                        _clock(g.created_at),
+                    ]
                     for g in gaps
                 ],
                 hovertemplate="%{customdata[0]} at %{customdata[2]}<br>%{customdata[1]}"

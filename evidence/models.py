@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Exists, OuterRef, Q
 from django.db.models.functions import Now
+from django.utils import timezone
 
 from runs.models import Action, Run
 
@@ -100,14 +101,35 @@ class CaptureGap(models.Model):
     detail = models.TextField(blank=True)
     count = models.PositiveIntegerField(default=1, help_text="Copies this row stands for")
     created_at = models.DateTimeField(db_default=Now())
+    # A record that could not take its lock is tried again later by the
+    # capture writer (evidence/retries.py): its gap is found by this key,
+    # this installation's own (a bundle leaves it out).
+    retry_key = models.UUIDField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(db_default=0, help_text="Tries again after the gap")
+    # Set when a try again saved what this gap stood for: no longer missing.
+    saved_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]
-        # Serves the gaps page's latest gaps (a batch of gaps shares its time).
-        indexes = [models.Index(fields=["-created_at", "-id"], name="gap_time_idx")]
+        indexes = [
+            # Serves the gaps page's latest gaps (a batch of gaps shares its time).
+            models.Index(fields=["-created_at", "-id"], name="gap_time_idx"),
+            # Serves capture's retry finding its gap (evidence/capture.py mark_saved).
+            models.Index(
+                fields=["retry_key"], name="gap_retry_idx", condition=Q(retry_key__isnull=False)
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"run {self.run_id} gap ({self.reason})"
+
+    @property
+    def saved_later(self) -> str:
+        """What the pages say of a gap a try again saved; "" otherwise."""
+        if self.saved_at is None:
+            return ""
+        tries = f"{self.attempts} {'try' if self.attempts == 1 else 'tries'}"
+        return f"saved later (at {timezone.localtime(self.saved_at):%H:%M:%S}, after {tries})"
 
 
 class CaptureGapHour(models.Model):

@@ -528,7 +528,9 @@ class _Loader:
         ]
 
     def _fix_capture_gaps(self, row: dict[str, Any], values: dict[str, Any]) -> None:
-        self.lost += int(row.get("count") or 0)
+        # A gap a try again saved later is no longer missing data.
+        if not row.get("saved_at"):
+            self.lost += int(row.get("count") or 0)
 
     def _fix_evidence_copies(self, row: dict[str, Any], values: dict[str, Any]) -> None:
         self.copies += 1

@@ -90,6 +90,12 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
         self._thread = threading.local()  # in a writer thread: its stop event
         self._logger = logging.getLogger(type(self).__module__)
 
+    @property
+    def queued(self) -> int:
+        """Items handed over and not taken by the writer yet (at most
+        `capacity`, with a flush or stop marker among them)."""
+        return self._queue.qsize()
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Waits until everything handed over so far is written or counted
         as lost, and that count written (or kept for later).  With no
@@ -225,6 +231,7 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
             ):
                 self._write_lost_now()
                 written_at = time.monotonic()
+            self._between_batches()
             for marker in markers:
                 marker.set()
             if None in items:
@@ -294,6 +301,11 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
     @abstractmethod
     def _write(self, batch: list[Item]) -> None:
         """Writes a batch; raises (for `_failed`) what it cannot handle."""
+
+    def _between_batches(self) -> None:
+        """The writer's own work between batches (capture's tries again),
+        at least every GAP_INTERVAL seconds, after the lost items' count
+        is written.  Must not raise."""
 
     def _failed(self, batch: list[Item], error: Exception) -> None:
         """`_write` raised: the batch is counted as lost."""

@@ -64,14 +64,14 @@ import psycopg
 from celery import current_app
 from django.conf import settings
 from django.db import DatabaseError, IntegrityError, connection, transaction
-from django.db.models import F, Max
+from django.db.models import F, Max, Sum
 from django.db.models.functions import Greatest, Now
 from django.test.utils import override_settings
 from django.utils import timezone
 
 import evidence.capture
 from evidence.capture import Capture
-from evidence.models import CaptureStats, ModelCall, Source
+from evidence.models import CaptureGap, CaptureStats, ModelCall, Source
 from runs import decisions, registry, submission
 from runs.executor import Ending, claim_and_drive
 from runs.harness import (
@@ -683,8 +683,9 @@ def full_run_answers(lab: Lab, run: Run, *also: tuple[bool, str]) -> Finding:
 
 
 def gaps_of(run: Run) -> int:
-    stats = CaptureStats.objects.filter(run=run).first()
-    return stats.lost if stats else 0
+    """Records capture could not save when it first tried: its gaps, those
+    a try again saved later too (evidence/retries.py)."""
+    return CaptureGap.objects.filter(run=run).aggregate(n=Sum("count"))["n"] or 0
 
 
 # -- the scenarios ----------------------------------------------------------------------

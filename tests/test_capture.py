@@ -92,12 +92,15 @@ def test_locked_model_record_gives_a_gap_and_a_later_capture_succeeds(evidence, 
         assert submit(writer, copy) and writer.flush()
         assert gaps(run) == [(GapReason.LOCK_NOT_AVAILABLE, 1)]
         assert not EvidenceCopy.objects.filter(run=run).exists()
-    # The failed capture released what it held and is not retried; the next
-    # independent capture saves.
+    # The failed capture released what it held; the next independent
+    # capture saves, and the kept copy's try again finds it saved: its gap
+    # is no longer missing data (tests/test_capture_retry.py says more).
     assert submit(writer, copy) and writer.flush()
     assert EvidenceCopy.objects.filter(run=run).count() == 1
+    assert writer.wait_for_retries(10)
+    assert CaptureGap.objects.get(run=run).saved_at is not None
     stats = CaptureStats.objects.get(run=run)
-    assert (stats.captured, stats.lost) == (1, 1)
+    assert (stats.captured, stats.lost) == (1, 0)
 
 
 def test_what_queues_while_capture_writes_shares_a_commit_and_a_failure_takes_no_other(
@@ -367,11 +370,13 @@ def test_a_run_that_then_waits_for_an_operator_keeps_the_copy_it_made(journal, s
     assert not CaptureGap.objects.filter(run=run).exists()
 
 
-def test_evidence_tables_locked_for_the_whole_run_never_hold_the_run(journal):
+def test_evidence_tables_locked_for_the_whole_run_never_hold_the_run(journal, settings):
     # Another session holds the source table for the whole run: capture's
     # writes that need it give up after the lock timeout, the run does not
     # wait.  The two sources and the three copies (they lock their sources)
-    # are gaps; the model records, which only link to sources, stand.
+    # are gaps; the model records, which only link to sources, stand.  (Not
+    # tried again here: tests/test_capture_retry.py is about that.)
+    settings.RUNDESK_CAPTURE_RETRY_QUEUE = 0
     run = submission.submit(question="q", documents=DOCS[:2])
     with holding("LOCK TABLE evidence_source IN ACCESS EXCLUSIVE MODE"):
         assert claim_and_drive(run.pk) == RunStatus.COMPLETED

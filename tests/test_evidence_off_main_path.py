@@ -61,7 +61,10 @@ def execute_within(run: Run, seconds: float) -> str:
 
 
 @pytest.mark.parametrize("mode", ["SHARE", "ACCESS EXCLUSIVE"])
-def test_every_evidence_table_locked_for_the_whole_run_never_holds_it(journal, mode):
+def test_every_evidence_table_locked_for_the_whole_run_never_holds_it(journal, mode, settings):
+    # The gaps as they stand, with no try again (tests/test_capture_retry.py
+    # tries them again).
+    settings.RUNDESK_CAPTURE_RETRY_QUEUE = 0
     tables = evidence_tables()
     assert "evidence_modelcall" in tables and len(tables) >= 8
     run = submit(question="Compare these funds", documents=DOCS)

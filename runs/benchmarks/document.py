@@ -180,8 +180,8 @@ def _evidence_locked(figures: dict[str, Any]) -> list[Row]:
             f"the same run in {_n(figures['baseline_s'])} s unlocked, {_n(figures['share_s'])} s "
             f"under SHARE, {_n(figures['access_exclusive_s'])} s under ACCESS EXCLUSIVE; "
             f"{completed} of {len(published)} runs completed with their final answer; "
-            f"{_n(figures['gaps'])} gaps, {_n(figures['captured_while_locked'])} records "
-            "captured while locked",
+            f"{_n(figures['gaps'])} gaps ({_n(figures.get('saved_later', 0))} saved later), "
+            f"{_n(figures['captured_while_locked'])} records captured while locked",
         )
     ]
 

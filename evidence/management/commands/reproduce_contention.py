@@ -23,8 +23,13 @@ the run row, the publication takes the model record and waits for the run
 row; then capture and the refresh ask for their second lock at once.  Under
 `--policy wait` (capture as it was at the incident) that closes a cycle and PostgreSQL's
 deadlock detector breaks it after deadlock_timeout; under `nowait` capture
-gives up at once, leaving a gap, and nothing waits for it.  Baseline trials,
-interleaved with them, run the same publications with capture switched off.
+gives up at once, leaving a gap, and nothing waits for it: the copy goes to
+capture's retry queue (evidence/retries.py), and the capture writer tries it
+again later, off every trial's path.  Each trial's capture copies a model
+call of its own.  Once the trials end (the contention released), the
+command waits for those tries and reports the copies saved at once, saved
+later (their gaps say so) and left as gaps.  Baseline trials, interleaved
+with them, run the same publications with capture switched off.
 """
 
 from __future__ import annotations
@@ -37,13 +42,24 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError, connection, transaction
+from django.db.models import Sum
 
 from evidence import locks
-from evidence.capture import POLICIES, Copy, CopyTransaction, gap_reason, record_gaps
-from evidence.models import IncidentSource
+from evidence.capture import (
+    POLICIES,
+    Copy,
+    CopyTransaction,
+    GapKey,
+    capture,
+    gap_reason,
+    record_gaps,
+)
+from evidence.models import CaptureGap, EvidenceCopy, GapReason, IncidentSource
 from evidence.records import record_model_call, record_source
+from evidence.retries import retry_window
 from evidence.sources import SourceRefresh
 from runs.agent import ToolCall
 from runs.agents.tools import read_document
@@ -83,13 +99,14 @@ class Command(BaseCommand):
         self.policy = options["policy"]
         self.deadlock_timeout = options["deadlock_timeout_ms"]
         self._set_up()
-        self.gaps: Counter[tuple[int, int | None, str, str]] = Counter()
+        self.gaps: Counter[GapKey] = Counter()
         # One long-lived thread, with its own connection, per transaction of
         # the cycle, as in a running system (a first statement on a new
         # connection costs several milliseconds of catalog loading).
         self.workers = {role: ThreadPoolExecutor(1) for role in ("capture", "refresh", "publish")}
         for worker in self.workers.values():
             worker.submit(self._configure_connection).result()
+        self.refresh_pid = self.workers["refresh"].submit(lambda: this_backend().pid).result()
         outcomes: Counter[str] = Counter()
         publication_ms: list[float] = []
         baseline_ms: list[float] = []
@@ -104,7 +121,16 @@ class Command(BaseCommand):
         for worker in self.workers.values():
             worker.submit(lambda: connection.close()).result()  # in its own thread
             worker.shutdown()
+        # The contention is over: what capture kept is tried again now.
+        settled = capture.wait_for_retries(retry_window(settings.RUNDESK_CAPTURE_RETRY_TRIES) + 5.0)
         self.lease.finish(RunStatus.COMPLETED, "contention reproduction")
+        saved_later = (
+            CaptureGap.objects.filter(run=self.run, saved_at__isnull=False).aggregate(
+                n=Sum("count")
+            )["n"]
+            or 0
+        )
+        saved = outcomes["capture:saved"] + saved_later
         report = {
             "policy": self.policy,
             "trials": options["trials"],
@@ -112,7 +138,11 @@ class Command(BaseCommand):
             "publications_failed": options["trials"] - outcomes["publication:committed"],
             "deadlocks": outcomes["deadlock"],
             "capture_saved": outcomes["capture:saved"],
-            "capture_gaps": options["trials"] - outcomes["capture:saved"],
+            "capture_saved_later": saved_later,
+            "capture_gaps": options["trials"] - saved,
+            "capture_saved_percent": round(100 * saved / options["trials"], 1),
+            "copies_stored": EvidenceCopy.objects.filter(run=self.run).count(),
+            "retries_settled": settled,
             "publication_ms": {
                 "p50": round(percentile(publication_ms, 0.5), 3),
                 "p99": round(percentile(publication_ms, 0.99), 3),
@@ -160,6 +190,21 @@ class Command(BaseCommand):
             self.run.pk, call_id, "offline", digest(call_input), digest(output), [DOCUMENT]
         )
         self.copy = Copy(self.run.pk, model_call, json.dumps(call_input), output["text"])
+        self.source_text = read["text"]
+
+    def _new_copy(self, number: int) -> None:
+        """A model call of the trial's own, whose copy its capture makes
+        (saved at once, later or never: counted apart from the others')."""
+        call_input = {"messages": [{"role": "user", "content": self.source_text}], "n": number}
+        call_id = self.lease.record_boundary(
+            step_key=f"summarize:{number}", kind="model_call", effect_class="read", input=call_input
+        )
+        output = {"provider": "offline", "text": f"Summary {number}."}
+        self.lease.record_receipt(call_id, output)
+        model_call = record_model_call(
+            self.run.pk, call_id, "offline", digest(call_input), digest(output), [DOCUMENT]
+        )
+        self.copy = Copy(self.run.pk, model_call, json.dumps(call_input), output["text"])
 
     # -- one trial ---------------------------------------------------------
 
@@ -174,11 +219,12 @@ class Command(BaseCommand):
             running.append(self.workers[role].submit(self._guarded, target, ready, outcomes))
             ready.wait(10)
 
+        number = next(self.numbers)
         if capture:
+            self._new_copy(number)
             start("capture", lambda ready: self._capture(ready, go, outcomes))
         start("refresh", lambda ready: self._refresh(ready, go))
         timing: dict[str, float] = {}
-        number = next(self.numbers)
         start("publish", lambda ready: self._publish(ready, number, timing, outcomes))
         self._wait_until_waiting(timing)
         go.set()
@@ -228,10 +274,15 @@ class Command(BaseCommand):
             outcomes["capture:saved"] += 1
         except DatabaseError as error:
             reason = gap_reason(error)
+            if reason == GapReason.LOCK_NOT_AVAILABLE:
+                # As the capture writer does with a copy that could not take
+                # its lock: a gap now, the copy kept to be tried again later.
+                capture.retry_later(self.copy, str(error).strip())
+                raise
             # Recorded after the trial, as the capture writer records its gaps
             # after the failed transaction: never inside the contention.
             self.gaps[
-                (self.copy.run_id, self.copy.model_call_id, reason, str(error).strip()[:500])
+                (self.copy.run_id, self.copy.model_call_id, reason, str(error).strip()[:500], None)
             ] += 1
             raise
 
@@ -266,14 +317,16 @@ class Command(BaseCommand):
             timing["ms"] = (time.perf_counter() - start) * 1000
 
     def _wait_until_waiting(self, timing: dict[str, float]) -> None:
-        """Until the publication waits for the run row (or is done)."""
+        """Until the publication waits for the run row the refresh holds (or
+        is done): not for a model record a try again of capture's holds for
+        a moment, which would let this trial's capture in first."""
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and "ms" not in timing:
             if "pid" in timing:
                 with connection.cursor() as cursor:
                     cursor.execute(
-                        "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s",
-                        [timing["pid"]],
+                        "SELECT %s = ANY(pg_blocking_pids(%s))",
+                        [self.refresh_pid, timing["pid"]],
                     )
                     row = cursor.fetchone()
                 if row and row[0]:
