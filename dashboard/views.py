@@ -40,6 +40,7 @@ from evidence.models import (
     LockIncident,
 )
 from evidence.run_facts import agent_words, run_facts
+from runs import selection
 from runs.attention import needing_you, unblocking
 from runs.decisions import OPERATE
 from runs.models import Phase, Run, RunStatus, older_than, page_cursor
@@ -51,9 +52,10 @@ from runs.words import WITH_GAPS, human_duration, plain, status_now, status_word
 PAGE_SIZE = 50
 # The runs list's status filter: each status and, after completed, the
 # completed runs whose answer leaves work out (Run.objects.completed_with_gaps()).
-GAPS_FILTER = "completed_with_gaps"
-STATUS_FILTER = [(value, plain(RunStatus, value)) for value in RunStatus.values]
-STATUS_FILTER.insert(RunStatus.values.index(RunStatus.COMPLETED) + 1, (GAPS_FILTER, WITH_GAPS))
+STATUS_FILTER = [
+    (value, WITH_GAPS if value == selection.GAPS_FILTER else plain(RunStatus, value))
+    for value in selection.STATUS_VALUES
+]
 EVENTS_PAGE = 50
 BUNDLES_SHOWN = 10
 LOG_UPLOAD_LIMIT = 5 * 1024 * 1024
@@ -95,26 +97,11 @@ def needs_you(request: HtmxHttpRequest) -> HttpResponse:
 # -- runs -------------------------------------------------------------------------
 
 
-def _agent_filter(request: HttpRequest) -> str:
-    """The runs list's agent: one installed here, or one no longer
-    installed whose runs are still here (named as its runs record it)."""
-    named = request.GET.get("agent", "").strip()
-    if named and named not in settings.RUNDESK_AGENTS and Run.objects.filter(agent=named).exists():
-        return named
-    return params.choice(request, "agent", sorted(settings.RUNDESK_AGENTS))
-
-
 @require_safe
 @rejects_bad_input
 def runs_list(request: HtmxHttpRequest) -> HttpResponse:
-    filters = {
-        "agent": _agent_filter(request),
-        "status": params.choice(request, "status", [value for value, _ in STATUS_FILTER]),
-        "unknown": params.flag(request, "unknown"),
-        "gaps": params.flag(request, "gaps"),
-        "drills": params.flag(request, "drills"),
-        "q": params.search(request),
-    }
+    # What it selects is runs/selection.py's: a bulk job acts on the same runs.
+    filters = selection.read(request.GET)
     runs = Run.objects.listing().only(
         "id",
         "agent",
@@ -131,20 +118,7 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "cancel_requested_by",
         "created_at",
     )
-    # Drills' runs (runs/drills.py) are shown only when asked for, alone.
-    runs = runs.filter(is_drill=filters["drills"])
-    if filters["agent"]:
-        runs = runs.filter(agent=filters["agent"])
-    if filters["status"] == GAPS_FILTER:
-        runs = runs.completed_with_gaps()
-    elif filters["status"]:
-        runs = runs.filter(status=filters["status"])
-    if filters["unknown"]:
-        runs = runs.with_open_unknowns()
-    if filters["gaps"]:
-        runs = runs.with_capture_gaps()
-    if filters["q"]:
-        runs = runs.filter(question__icontains=filters["q"])
+    runs = filters.select(runs)
     if cursor := request.GET.get("before"):
         runs = _older_than(runs, cursor)
     page = list(runs.order_by("-created_at", "-id")[: PAGE_SIZE + 1])
@@ -159,7 +133,7 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "filters": filters,
         "statuses": STATUS_FILTER,
         # Installed here, and the one filtered on if it is no longer.
-        "agents": sorted({*settings.RUNDESK_AGENTS, filters["agent"]} - {""}),
+        "agents": sorted({*settings.RUNDESK_AGENTS, filters.agent} - {""}),
         "next_cursor": page_cursor(page[-1]) if more and page else "",
         "live": any(run.is_active for run in page),
         "now": now,
@@ -168,6 +142,12 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     if asks_for(request, "run-rows"):
         response = render(request, "runs_list.html#rows", context)
         return response if context["live"] else HttpResponseStopPolling(response.content)
+    if request.user.has_perm(OPERATE):
+        # "Act on these N runs" (runs/bulk.py): counted up to one past the
+        # cap, so a filter of millions costs no more than the page.
+        most = settings.RUNDESK_BULK_MAX_RUNS
+        context["bulk_selects"] = filters.select(Run.objects.all()).values("pk")[: most + 1].count()
+        context["bulk_max"] = most
     return render(request, "runs_list.html", context)
 
 
