@@ -39,7 +39,7 @@ from runs.bulk import (
 from runs.decisions import OPERATE, REASON_MAX
 from runs.models import DecisionChoice, OutcomeKind
 from runs.tasks import hand_over
-from runs.words import plain
+from runs.words import plain, status_words
 
 JOBS_SHOWN = 50
 
@@ -123,6 +123,8 @@ def _dry_run_page(
         planned: DryRun | None = dry_run(chosen, ask) if ask is not None else None
     except Refused as refused:
         raise BadRequest(str(refused)) from None
+    for plan in planned.plans if planned else []:
+        plan.run.status_label = status_words(plan.run)
     context = {
         "form": form,
         "chosen": chosen,
@@ -179,6 +181,7 @@ def _progress(job: BulkJob) -> dict[str, Any]:
     items = list(job.items.select_related("run").order_by("id"))
     for item in items:
         item.result_label = ItemResult(item.result).label
+        item.run.status_label = status_words(item.run)
     counts = job.counts()
     return {
         "job": job,

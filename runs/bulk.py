@@ -736,7 +736,7 @@ def _cancel(job: BulkJob, run: Run) -> Outcome:
 def _decide_items(job: BulkJob, run: Run, who: Who) -> Outcome:
     items = list(_open_items(run, job.kind))
     if not items:
-        return Outcome(False, f"no open {plain(OutcomeKind, job.kind)} item any more")
+        return Outcome(False, f"no open {plain(OutcomeKind, job.kind)} item")
     done, lines, decisions = 0, [], []
     for item in items:
         request = _request(job, who, f"item-{item.pk}", job.choice)

@@ -388,7 +388,7 @@ def test_a_bulk_check_again_settles_the_unknown_outcomes_the_evidence_can(operat
     assert "settled; the run is back in the queue" in items[adopted.pk].detail
     assert "the evidence still cannot tell" in items[in_flight.pk].detail
     assert items[nothing.pk].result == ItemResult.REFUSED
-    assert items[nothing.pk].detail == "no open answer publication item any more"
+    assert items[nothing.pk].detail == "no open answer publication item"
 
 
 def test_a_confirmed_job_runs_in_a_real_worker_each_change_audited_as_a_single_action(
