@@ -24,6 +24,7 @@ from django.utils import timezone
 
 from runs import bulk, tasks
 from runs.bulk import Ask, BulkJob, BulkState, ItemResult, Selection, create_job, dry_run
+from runs.handover import hand_over
 from runs.harness import database_url, wait_for
 from runs.models import (
     AnswerRevision,
@@ -443,6 +444,83 @@ def test_a_confirmed_job_runs_in_a_real_worker_each_change_audited_as_a_single_a
 
 def _state(job: BulkJob) -> str:
     return BulkJob.objects.values_list("state", flat=True).get(pk=job.pk)
+
+
+def test_a_job_whose_worker_is_killed_midway_is_carried_on_and_changes_each_run_once(
+    process_env, tmp_path, broker, fresh_producers, operator_user
+):
+    runs = [run_in(RunStatus.QUEUED, f"queued {i}") for i in range(3)]
+    job = job_of("cancel", runs, operator_user, "duplicates")
+    first, held, last = job.items.order_by("id")
+    # Someone holds the second run's row: the worker waits there, mid-job.
+    holder = psycopg.connect(database_url())
+    holder.execute("SELECT 1 FROM runs_run WHERE id = %s FOR UPDATE", [held.run_id])
+    a = Worker(process_env, tmp_path / "worker-a.log", beat=False)
+    try:
+        assert hand_over(tasks.bulk_job, job.pk) == ""
+        wait_until(
+            lambda: _result(first) == ItemResult.DONE and _waits_for_a_lock(),
+            60,
+            "worker A did not reach the held run",
+            a,
+        )
+        a.kill()  # mid-item: its transaction never commits
+    finally:
+        holder.rollback()
+        holder.close()
+    wait_for(_no_stranger_in_a_transaction, "worker A's session lingers", 10)
+    assert (_result(held), _result(last)) == (ItemResult.PENDING, ItemResult.PENDING)
+    assert Run.objects.get(pk=held.run_id).status == RunStatus.QUEUED
+
+    # Nobody moves it now; beat hands it out again, and worker B carries on.
+    BulkJob.objects.filter(pk=job.pk).update(progressed_at=timezone.now() - bulk.STALLED_AFTER * 2)
+    b = Worker(process_env, tmp_path / "worker-b.log", beat=False)
+    try:
+        assert tasks.redeliver_bulk_jobs() == 1
+        wait_until(lambda: _state(job) == BulkState.DONE, 60, "job not carried on", b)
+    finally:
+        b.stop()
+    assert set(job.items.values_list("result", flat=True)) == {ItemResult.DONE}
+    for run in runs:
+        assert Run.objects.get(pk=run.pk).status == RunStatus.CANCELLED
+        assert RunEvent.objects.filter(run=run, kind=EventKind.CANCEL_REQUESTED).count() == 1
+
+
+def _result(item: bulk.BulkJobItem) -> str:
+    return bulk.BulkJobItem.objects.values_list("result", flat=True).get(pk=item.pk)
+
+
+def _no_stranger_in_a_transaction() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid() AND state IN ('active', 'idle in transaction'))"
+        )
+        return cursor.fetchone()[0]
+
+
+def test_two_workers_on_one_job_take_each_run_once(operator_user):
+    runs = [run_in(RunStatus.QUEUED, f"queued {i}") for i in range(12)]
+    job = job_of("cancel", runs, operator_user)
+    said: list[str] = []
+
+    def work() -> None:
+        try:
+            said.append(bulk.process(job.pk))
+        finally:
+            connection.close()
+
+    workers = [threading.Thread(target=work) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    # One ended it; the other found it ended, or ended with it.
+    assert BulkState.DONE in said and len(said) == 2
+    assert _state(job) == BulkState.DONE
+    assert set(job.items.values_list("result", flat=True)) == {ItemResult.DONE}
+    cancels = RunEvent.objects.filter(kind=EventKind.CANCEL_REQUESTED)
+    assert sorted(cancels.values_list("run_id", flat=True)) == sorted(run.pk for run in runs)
 
 
 # -- who may do what ----------------------------------------------------------------
