@@ -30,6 +30,7 @@ urlpatterns = [
     path("bulk/", bulk.bulk_jobs, name="bulk-jobs"),
     path("bulk/dry-run/", bulk.bulk_dry_run, name="bulk-dry-run"),
     path("bulk/confirm/", bulk.bulk_confirm, name="bulk-confirm"),
+    path("bulk/selects/", bulk.bulk_selects, name="bulk-selects"),
     path("bulk/<int:job_id>/", bulk.bulk_job, name="bulk-job"),
     path("bulk/<int:job_id>/progress/", bulk.bulk_progress, name="bulk-progress"),
     path("bulk/<int:job_id>/stop/", bulk.bulk_stop, name="bulk-stop"),

@@ -142,12 +142,6 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     if asks_for(request, "run-rows"):
         response = render(request, "runs_list.html#rows", context)
         return response if context["live"] else HttpResponseStopPolling(response.content)
-    if request.user.has_perm(OPERATE):
-        # "Act on these N runs" (runs/bulk.py): counted up to one past the
-        # cap, so a filter of millions costs no more than the page.
-        most = settings.RUNDESK_BULK_MAX_RUNS
-        context["bulk_selects"] = filters.select(Run.objects.all()).values("pk")[: most + 1].count()
-        context["bulk_max"] = most
     return render(request, "runs_list.html", context)
 
 
