@@ -194,8 +194,8 @@ class Selection:
 
     def words(self) -> str:
         if self.run_filter is None:
-            return f"runs {', '.join(map(str, self.ids))}"
-        return f"the runs of the filter {self.query or '(none: every run)'}"
+            return f"the {len(self.ids)} ids given"
+        return f"the filter {self.query or '(none: every run)'}"
 
 
 # -- the dry run --------------------------------------------------------------------
@@ -275,7 +275,7 @@ def dry_run(chosen: Selection, ask: Ask) -> DryRun:
     planned = DryRun(ask, chosen, total, limit)
     if total > limit:
         planned.refused = (
-            f"{chosen.words()} selects more than {limit} runs; a job acts on at most "
+            f"more than {limit} runs are selected ({chosen.words()}); a job acts on at most "
             f"{limit} (RUNDESK_BULK_MAX_RUNS): narrow the selection"
         )
         return planned
@@ -285,7 +285,7 @@ def dry_run(chosen: Selection, ask: Ask) -> DryRun:
         planned.refused = f"there is no run {', '.join(map(str, missing))}"
         return planned
     if total == 0:
-        planned.refused = f"{chosen.words()} selects no run"
+        planned.refused = f"no run is selected ({chosen.words()})"
         return planned
     planned.plans = [plan(run, ask) for run in runs]
     return planned

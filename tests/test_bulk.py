@@ -201,6 +201,19 @@ def test_a_filter_that_is_none_of_the_runs_lists_is_refused_not_read_as_every_ru
     assert "status=&#x27;waiting&#x27; is not one of" in page.text
 
 
+def test_ids_of_no_run_and_a_filter_of_no_run_are_refused_whole(operator):
+    run = run_in(RunStatus.QUEUED)
+    planned = dry_run(Selection.by_ids(f"{run.pk}, 999999"), Ask("cancel"))
+    assert (planned.refused, planned.plans) == ("there is no run 999999", [])
+    planned = dry_run(Selection.by_filter("status=failed"), Ask("cancel"))
+    assert planned.refused == "no run is selected (the filter status=failed)"
+    with pytest.raises(bulk.Refused, match="ids must be run numbers"):
+        Selection.by_ids("1;DROP TABLE")
+    page = operator.get("/bulk/dry-run/", {"ids": f"{run.pk},999999", "action": "cancel"})
+    assert "Refused: there is no run 999999." in page.text
+    assert 'id="bulk-confirm"' not in page.text
+
+
 def test_a_selection_over_the_cap_is_refused_at_the_dry_run_with_why(
     settings, operator, operator_user
 ):
@@ -209,7 +222,7 @@ def test_a_selection_over_the_cap_is_refused_at_the_dry_run_with_why(
     planned = dry_run(Selection.by_filter("status=queued"), Ask("cancel"))
     assert planned.plans == []
     assert planned.refused == (
-        "the runs of the filter status=queued selects more than 2 runs; a job acts on at most 2 "
+        "more than 2 runs are selected (the filter status=queued); a job acts on at most 2 "
         "(RUNDESK_BULK_MAX_RUNS): narrow the selection"
     )
     page = operator.get("/bulk/dry-run/", {"filter": "status=queued", "action": "cancel"})
@@ -650,7 +663,7 @@ def test_the_command_refuses_with_why(settings, operator_user):
     run_in(RunStatus.QUEUED)
     run_in(RunStatus.QUEUED)
     out = io.StringIO()
-    with pytest.raises(CommandError, match="selects more than 1 runs"):
+    with pytest.raises(CommandError, match="more than 1 runs are selected"):
         call_command(
             "runs",
             "bulk",
