@@ -410,6 +410,7 @@ def test_a_bulk_check_again_settles_the_unknown_outcomes_the_evidence_can(operat
     assert items[nothing.pk].detail == "no open answer publication item"
 
 
+@pytest.mark.slow
 def test_a_confirmed_job_runs_in_a_real_worker_each_change_audited_as_a_single_action(
     process_env, tmp_path, broker, fresh_producers, operator, operator_user
 ):
@@ -464,6 +465,7 @@ def _state(job: BulkJob) -> str:
     return BulkJob.objects.values_list("state", flat=True).get(pk=job.pk)
 
 
+@pytest.mark.slow
 def test_a_job_whose_worker_is_killed_midway_is_carried_on_and_changes_each_run_once(
     process_env, tmp_path, broker, fresh_producers, operator_user
 ):
