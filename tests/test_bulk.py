@@ -627,6 +627,23 @@ def test_the_progress_region_stops_polling_once_the_job_ends(operator, operator_
     assert "ended: cancelled by operator: r (bulk job" in ended.text
 
 
+def test_a_stop_asked_through_htmx_answers_the_region_saying_what_it_stopped(
+    operator, operator_user
+):
+    runs = [run_in(RunStatus.QUEUED, f"queued {i}") for i in range(2)]
+    job = job_of("cancel", runs, operator_user)  # no worker has taken it yet
+    region = {"HX-Request": "true", "HX-Target": "bulk-progress"}
+    response = operator.post(f"/bulk/{job.pk}/stop/", headers=region)
+    assert response.status_code == 200
+    assert f"Bulk job {job.pk} stopped: 2 runs not done." in response.text
+    assert "every 2s" not in response.text  # it ended: nothing left to follow
+    assert _state(job) == BulkState.STOPPED
+    again = operator.post(f"/bulk/{job.pk}/stop/", headers=region)
+    assert f"Bulk job {job.pk} was stopped by operator." in again.text
+    assert bulk.process(job.pk) == f"already_{BulkState.STOPPED}"
+    assert {Run.objects.get(pk=run.pk).status for run in runs} == {RunStatus.QUEUED}
+
+
 # -- the command line ---------------------------------------------------------------
 
 
@@ -658,6 +675,19 @@ def test_the_command_dry_runs_then_carries_out_a_job_and_says_so_in_json(operato
     assert Run.objects.get(pk=queued.pk).status == RunStatus.CANCELLED
     again = bulk_command(*args, "--as", "operator", "--token", "cli-1")
     assert again["job"]["id"] == job["id"] and again["job"]["repeated"] is True
+
+
+def test_the_command_queues_the_job_for_a_worker_with_queue(broker, fresh_producers, operator_user):
+    run = run_in(RunStatus.QUEUED)
+    said = bulk_command(
+        "--ids", str(run.pk), "--action", "cancel", "--reason", "r", "--as", "operator", "--queue"
+    )
+    job = said["job"]
+    assert (job["state"], job["counts"]["pending"]) == ("queued", 1)
+    (message,) = [json.loads(path.read_text()) for path in broker.iterdir()]
+    assert message["headers"]["task"] == "runs.tasks.bulk_job"
+    assert message["headers"]["argsrepr"] == f"({job['id']},)"
+    assert Run.objects.get(pk=run.pk).status == RunStatus.QUEUED  # the worker cancels it
 
 
 def test_the_command_refuses_with_why(settings, operator_user):
