@@ -318,13 +318,18 @@ def test_a_job_is_stopped_midway_and_what_it_had_not_done_says_who_stopped_it(
     assert "stopped by operator" in page.text and "1 done, 0 refused, 3 not done" in page.text
 
 
-def _waits_for_a_lock() -> bool:
+def _sessions_where(condition: str) -> bool:
+    """Whether a session of this database (not this test's) is as `condition` says."""
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
-            " WHERE NOT l.granted AND a.datname = current_database())"
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity a LEFT JOIN pg_locks l USING (pid)"
+            f" WHERE a.datname = current_database() AND a.pid <> pg_backend_pid() AND {condition})"
         )
         return cursor.fetchone()[0]
+
+
+def _waits_for_a_lock() -> bool:
+    return _sessions_where("NOT l.granted")
 
 
 def test_a_run_that_changed_after_its_dry_run_is_refused_at_execution_with_why(operator_user):
@@ -511,12 +516,7 @@ def _result(item: bulk.BulkJobItem) -> str:
 
 
 def _no_stranger_in_a_transaction() -> bool:
-    with connection.cursor() as cursor:
-        cursor.execute(
-            "SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
-            " AND pid <> pg_backend_pid() AND state IN ('active', 'idle in transaction'))"
-        )
-        return cursor.fetchone()[0]
+    return not _sessions_where("a.state IN ('active', 'idle in transaction')")
 
 
 def test_two_workers_on_one_job_take_each_run_once(operator_user):
