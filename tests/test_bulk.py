@@ -663,6 +663,24 @@ def test_the_command_dry_runs_then_carries_out_a_job_and_says_so_in_json(operato
     assert said["dry_run"]["would_change"] == 1 and said["dry_run"]["would_refuse"] == 1
     runs = {run["id"]: run for run in said["dry_run"]["runs"]}
     assert runs[done.pk]["refusals"] == [f"run {done.pk} has already ended: completed"]
+    out = io.StringIO()
+    call_command(
+        "runs",
+        "bulk",
+        "--ids",
+        f"{queued.pk},{done.pk}",
+        "--action",
+        "cancel",
+        "--dry-run",
+        stdout=out,
+    )
+    assert out.getvalue().splitlines() == [
+        "dry run: cancel each run, the 2 ids given: 2 runs, 1 would change, 1 would be refused",
+        f"  run {queued.pk} (queued)",
+        "    would: ends at once, cancelled",
+        f"  run {done.pk} (completed)",
+        f"    refused: run {done.pk} has already ended: completed",
+    ]
 
     args = ["--ids", f"{queued.pk},{done.pk}", "--action", "cancel", "--reason", "duplicate"]
     said = bulk_command(*args, "--as", "operator", "--token", "cli-1")
