@@ -77,8 +77,8 @@ class AskForm(forms.Form):
 
 
 class ConfirmForm(AskForm):
-    """The confirmation: the runs the dry run showed, why, and a request
-    token (the same one twice makes one job)."""
+    """The confirmation: the runs the dry run said would change, why, and
+    a request token (the same one twice makes one job)."""
 
     shown = forms.CharField(max_length=100_000)
     reason = forms.CharField(
@@ -142,8 +142,8 @@ def _dry_run_page(
 @permission_required(OPERATE, raise_exception=True)
 @rejects_bad_input
 def bulk_confirm(request: HttpRequest) -> HttpResponse:
-    """Makes the job for the runs the dry run showed, and hands it to a
-    worker; the same request token again shows the same job."""
+    """Makes the job for the runs the dry run said would change, and hands
+    it to a worker; the same request token again shows the same job."""
     form = _asked(request.POST, ConfirmForm)
     if not form.is_valid():  # only the reason is missing: said on the page, as it was
         return _dry_run_page(request, form, form, status=400)

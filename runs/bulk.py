@@ -19,8 +19,9 @@ its items as they are now.  A selection larger than the cap
 (RUNDESK_BULK_MAX_RUNS) is refused whole, saying so.
 
 **The job.** `create_job` writes the job and one item per run the dry run
-showed, in one transaction, idempotent by the request token (the same
-token again finds the same job).  `process` (the Celery task
+said would change (the ones it refused are left alone), in one
+transaction, idempotent by the request token (the same token again finds
+the same job).  `process` (the Celery task
 `runs.tasks.bulk_job`) claims the items one at a time with SKIP LOCKED,
 each in a transaction of its own with the run's change and its result, so
 a worker that dies mid-item leaves that item pending and nothing half
@@ -235,6 +236,12 @@ class DryRun:
     @property
     def run_ids(self) -> list[int]:
         return [plan.run.pk for plan in self.plans]
+
+    @property
+    def changing_ids(self) -> list[int]:
+        """The runs a job made from this dry run acts on: those it said
+        would change.  The ones it refused are left alone, as it said."""
+        return [plan.run.pk for plan in self.plans if plan.changes_something]
 
     def json(self) -> dict[str, Any]:
         return {
@@ -558,8 +565,8 @@ def create_job(
     reason: str,
     token: str,
 ) -> Created:
-    """The job for the runs a dry run showed (`run_ids`), or the one made
-    earlier with the same request token.  Refused says why."""
+    """The job for the runs a dry run said would change (`run_ids`), or
+    the one made earlier with the same request token.  Refused says why."""
     if (earlier := by_token(token, user, ask)) is not None:
         return Created(earlier, repeated=True)
     ask.check()

@@ -117,7 +117,7 @@ def confirm_form(planned: bulk.DryRun, **fields: str) -> dict[str, str]:
         "action": ask.action,
         "choice": ask.choice,
         "kind": ask.kind,
-        "shown": ",".join(map(str, planned.run_ids)),
+        "shown": ",".join(map(str, planned.changing_ids)),
         "token": uuid.uuid4().hex,
         "reason": "the support queue was replayed by mistake",
     }
@@ -342,7 +342,7 @@ def test_a_run_that_changed_after_its_dry_run_is_refused_at_execution_with_why(o
     job = create_job(
         Ask("resume"),
         planned.selection,
-        planned.run_ids,
+        planned.changing_ids,
         user=operator_user,
         reason="the provider is back",
         token=uuid.uuid4().hex,
@@ -386,7 +386,7 @@ def test_a_bulk_check_again_settles_the_unknown_outcomes_the_evidence_can(operat
         job = create_job(
             planned.ask,
             planned.selection,
-            planned.run_ids,
+            planned.changing_ids,
             user=operator_user,
             reason="the database was restarted: settle what the evidence shows",
             token=uuid.uuid4().hex,
@@ -411,8 +411,8 @@ def test_a_bulk_check_again_settles_the_unknown_outcomes_the_evidence_can(operat
     assert items[adopted.pk].decisions == [OperatorDecision.objects.get(item=found).pk]
     assert "settled; the run is back in the queue" in items[adopted.pk].detail
     assert "the evidence still cannot tell" in items[in_flight.pk].detail
-    assert items[nothing.pk].result == ItemResult.REFUSED
-    assert items[nothing.pk].detail == "no open answer publication item"
+    # What the dry run refused is left alone, as it said.
+    assert job.total == 3 and nothing.pk not in items
 
 
 @pytest.mark.slow
@@ -686,10 +686,11 @@ def test_the_command_dry_runs_then_carries_out_a_job_and_says_so_in_json(operato
     said = bulk_command(*args, "--as", "operator", "--token", "cli-1")
     job = said["job"]
     assert (job["state"], job["repeated"], job["requested_by"]) == ("done", False, "operator")
-    assert job["counts"] == {"pending": 0, "done": 1, "refused": 1, "stopped": 0}
+    # The run the dry run refused is left alone.
+    assert job["counts"] == {"pending": 0, "done": 1, "refused": 0, "stopped": 0}
     results = {row["run_id"]: row for row in job["results"]}
     assert results[queued.pk]["result"] == "done"
-    assert results[done.pk]["detail"] == f"run {done.pk} has already ended: completed"
+    assert done.pk not in results
     assert Run.objects.get(pk=queued.pk).status == RunStatus.CANCELLED
     again = bulk_command(*args, "--as", "operator", "--token", "cli-1")
     assert again["job"]["id"] == job["id"] and again["job"]["repeated"] is True

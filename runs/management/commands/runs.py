@@ -27,7 +27,8 @@ item of --kind whose evidence offers that choice (e.g. --choice check_again
 --kind checkpoint settles each unknown checkpoint the evidence can settle
 now).  A dry run comes first, always: what each run would change, and what
 would be refused and why; nothing is written.  With --dry-run that is all.
-Otherwise a job is made for the runs the dry run showed, in the name of
+Otherwise a job is made for the runs the dry run said would change (those
+it refused are left alone), in the name of
 --as (a user with the operator permission) with --reason, and carried out
 here, each run through the single action's own path and audit (--queue:
 handed to a Celery worker instead; follow it on /bulk/ID/).  The same
@@ -101,7 +102,7 @@ class Command(BaseCommand):
         repeated = job is not None
         if job is None and token and planned.changing:
             job = bulk.create_job(
-                ask, chosen, planned.run_ids, user=user, reason=options["reason"], token=token
+                ask, chosen, planned.changing_ids, user=user, reason=options["reason"], token=token
             ).job
             if not options["queue"]:
                 bulk.process(job.pk)
