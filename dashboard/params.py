@@ -4,62 +4,33 @@ written in capitals, `true` for a ticked box), and refused, saying what was
 not understood, where it is not: a page never shows rows that quietly
 ignored a filter (security.rejects_bad_input answers the refusal in the
 site's layout).  A parameter no page takes is left alone, as links carry
-any."""
+any.  The reading itself is runs/query_string.py's (the bulk
+selections read the runs list's query string through it too)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from django.core.exceptions import BadRequest
 from django.http import HttpRequest
 
-# The longest search a list page takes, in characters; the search box says
-# it (maxlength), so a browser never sends more.  At 9 bytes a character
-# percent-encoded (a 3-byte UTF-8 character: %E6%97%A5), it keeps the
-# request line far inside gunicorn's limit (dashboard/gunicorn.py).
-SEARCH_MAX = 200
-# How much of a refused value a refusal quotes.
-QUOTED = 60
-YES = ("1", "true", "yes", "on")
-NO = ("0", "false", "no", "off")
+from runs import query_string
+from runs.query_string import SEARCH_MAX, quoted
+
+__all__ = ["SEARCH_MAX", "choice", "flag", "quoted", "search"]
 
 
 def choice(request: HttpRequest, name: str, choices: Sequence[str]) -> str:
     """The query parameter `name` as one of `choices` (in any case), ""
     when absent or empty; BadRequest when it is none of them."""
-    value = request.GET.get(name, "").strip()
-    if not value:
-        return ""
-    for known in choices:
-        if known.casefold() == value.casefold():
-            return known
-    raise BadRequest(f"{name}={quoted(value)} is not one of: {', '.join(choices)}")
+    return query_string.choice(request.GET, name, choices)
 
 
 def flag(request: HttpRequest, name: str) -> bool:
     """A ticked box's parameter: 1 (or true, yes, on, in any case) or 0
     (false, no, off) or absent."""
-    value = request.GET.get(name, "").strip()
-    if value.casefold() in YES:
-        return True
-    if not value or value.casefold() in NO:
-        return False
-    raise BadRequest(
-        f"{name}={quoted(value)} is neither 1 (or true, yes, on) nor 0 (or false, no, off)"
-    )
+    return query_string.flag(request.GET, name)
 
 
 def search(request: HttpRequest, name: str = "q") -> str:
     """A search's text, no longer than SEARCH_MAX characters."""
-    value = request.GET.get(name, "").strip()
-    if len(value) > SEARCH_MAX:
-        raise BadRequest(
-            f"the search ({name}) is {len(value)} characters long: "
-            f"at most {SEARCH_MAX} are searched"
-        )
-    return value
-
-
-def quoted(value: str) -> str:
-    """`value` as a refusal quotes it: its start, where it is long."""
-    return repr(value if len(value) <= QUOTED else f"{value[:QUOTED]}…")
+    return query_string.search(request.GET, name)

@@ -541,3 +541,14 @@ RUNDESK_CAPTURE_RETRY_BYTES = int(
 RUNDESK_CAPTURE_RETRY_TRIES = int(env_float("RUNDESK_CAPTURE_RETRY_TRIES", 8, minimum=1))
 # Lock-wait sampling in the executor (evidence/locks.py), while runs are active.
 RUNDESK_LOCK_SAMPLE_SECONDS = env_float("RUNDESK_LOCK_SAMPLE_SECONDS", 0.5, minimum=0.05)
+
+# Bulk actions (runs/bulk.py): the most runs one job may act on; a larger
+# selection is refused at its dry run.  Beat hands out again, every
+# RUNDESK_BULK_SWEEP_SECONDS, a job no worker has moved for a minute (its
+# worker died, or its task was lost).
+RUNDESK_BULK_MAX_RUNS = int(env_float("RUNDESK_BULK_MAX_RUNS", 1000, minimum=1, maximum=100000))
+RUNDESK_BULK_SWEEP_SECONDS = env_float("RUNDESK_BULK_SWEEP_SECONDS", 30.0, minimum=1.0)
+CELERY_BEAT_SCHEDULE["rundesk-bulk"] = {
+    "task": "runs.tasks.redeliver_bulk_jobs",
+    "schedule": RUNDESK_BULK_SWEEP_SECONDS,
+}

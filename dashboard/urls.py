@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from dashboard import drills, inbox, views
+from dashboard import bulk, drills, inbox, views
 
 urlpatterns = [
     path("", views.runs_list, name="runs-list"),
@@ -27,6 +27,13 @@ urlpatterns = [
     path("drills/", drills.drills, name="drills"),
     path("drills/start/", drills.drill_start, name="drill-start"),
     path("drills/<int:drill_id>/progress/", drills.drill_progress, name="drill-progress"),
+    path("bulk/", bulk.bulk_jobs, name="bulk-jobs"),
+    path("bulk/dry-run/", bulk.bulk_dry_run, name="bulk-dry-run"),
+    path("bulk/confirm/", bulk.bulk_confirm, name="bulk-confirm"),
+    path("bulk/selects/", bulk.bulk_selects, name="bulk-selects"),
+    path("bulk/<int:job_id>/", bulk.bulk_job, name="bulk-job"),
+    path("bulk/<int:job_id>/progress/", bulk.bulk_progress, name="bulk-progress"),
+    path("bulk/<int:job_id>/stop/", bulk.bulk_stop, name="bulk-stop"),
     path("login/", views.SignIn.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

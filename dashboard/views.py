@@ -40,6 +40,7 @@ from evidence.models import (
     LockIncident,
 )
 from evidence.run_facts import agent_words, run_facts
+from runs import selection
 from runs.attention import needing_you, unblocking
 from runs.decisions import OPERATE
 from runs.models import Phase, Run, RunStatus, older_than, page_cursor
@@ -51,9 +52,10 @@ from runs.words import WITH_GAPS, human_duration, plain, status_now, status_word
 PAGE_SIZE = 50
 # The runs list's status filter: each status and, after completed, the
 # completed runs whose answer leaves work out (Run.objects.completed_with_gaps()).
-GAPS_FILTER = "completed_with_gaps"
-STATUS_FILTER = [(value, plain(RunStatus, value)) for value in RunStatus.values]
-STATUS_FILTER.insert(RunStatus.values.index(RunStatus.COMPLETED) + 1, (GAPS_FILTER, WITH_GAPS))
+STATUS_FILTER = [
+    (value, WITH_GAPS if value == selection.GAPS_FILTER else plain(RunStatus, value))
+    for value in selection.STATUS_VALUES
+]
 EVENTS_PAGE = 50
 BUNDLES_SHOWN = 10
 LOG_UPLOAD_LIMIT = 5 * 1024 * 1024
@@ -95,42 +97,15 @@ def needs_you(request: HtmxHttpRequest) -> HttpResponse:
 # -- runs -------------------------------------------------------------------------
 
 
-def _agent_filter(request: HttpRequest) -> str:
-    """The runs list's agent: one installed here, or one no longer
-    installed whose runs are still here (named as its runs record it)."""
-    named = request.GET.get("agent", "").strip()
-    if named and named not in settings.RUNDESK_AGENTS and Run.objects.filter(agent=named).exists():
-        return named
-    return params.choice(request, "agent", sorted(settings.RUNDESK_AGENTS))
-
-
-def listed_runs(request: HttpRequest) -> tuple[dict[str, Any], QuerySet[Run]]:
+def listed_runs(request: HttpRequest) -> tuple[selection.RunFilter, QuerySet[Run]]:
     """The runs list's filters as its query string gives them, and the
     runs they select, from its cursor (`before`) on: the runs list's and
     the API's (dashboard/api).  BadRequest for a filter or cursor it
-    cannot use.  Unordered: the caller picks its columns and its page."""
-    filters = {
-        "agent": _agent_filter(request),
-        "status": params.choice(request, "status", [value for value, _ in STATUS_FILTER]),
-        "unknown": params.flag(request, "unknown"),
-        "gaps": params.flag(request, "gaps"),
-        "drills": params.flag(request, "drills"),
-        "q": params.search(request),
-    }
-    # Drills' runs (runs/drills.py) are shown only when asked for, alone.
-    runs = Run.objects.listing().filter(is_drill=filters["drills"])
-    if filters["agent"]:
-        runs = runs.filter(agent=filters["agent"])
-    if filters["status"] == GAPS_FILTER:
-        runs = runs.completed_with_gaps()
-    elif filters["status"]:
-        runs = runs.filter(status=filters["status"])
-    if filters["unknown"]:
-        runs = runs.with_open_unknowns()
-    if filters["gaps"]:
-        runs = runs.with_capture_gaps()
-    if filters["q"]:
-        runs = runs.filter(question__icontains=filters["q"])
+    cannot use.  Unordered: the caller picks its columns and its page.
+    What it selects is runs/selection.py's: a bulk job acts on the same
+    runs."""
+    filters = selection.read(request.GET)
+    runs = filters.select(Run.objects.listing())
     if cursor := request.GET.get("before"):
         runs = _older_than(runs, cursor)
     return filters, runs
@@ -175,7 +150,7 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "filters": filters,
         "statuses": STATUS_FILTER,
         # Installed here, and the one filtered on if it is no longer.
-        "agents": sorted({*settings.RUNDESK_AGENTS, filters["agent"]} - {""}),
+        "agents": sorted({*settings.RUNDESK_AGENTS, filters.agent} - {""}),
         "next_cursor": next_cursor,
         "live": any(run.is_active for run in page),
         "now": now,

@@ -13,6 +13,7 @@ from django.http import HttpRequest, HttpResponse
 from django.utils.decorators import method_decorator
 
 from dashboard.security import rejects_bad_input
+from runs.bulk import BulkJob
 from runs.models import (
     Action,
     AnswerRevision,
@@ -117,3 +118,20 @@ class OperatorDecisionAdmin(ReadOnlyAdmin):
     list_filter = ["choice", "state_after"]
     search_fields = ["decided_by", "reason", "reference", "request_token"]
     list_select_related = ["run", "item"]
+
+
+@admin.register(BulkJob)
+class BulkJobAdmin(ReadOnlyAdmin):
+    """Bulk jobs (runs/bulk.py): operators make and stop them on /bulk/."""
+
+    list_display = [
+        "id",
+        "action",
+        "choice",
+        "kind",
+        "requested_by",
+        "state",
+        "total",
+        "created_at",
+    ]
+    list_filter = ["action", "state"]

@@ -8,4 +8,7 @@ class RunsConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from runs import checks  # noqa: F401 (registers them)
+        from runs import (
+            bulk,  # noqa: F401 (its models, BulkJob and BulkJobItem)
+            checks,  # noqa: F401 (registers them)
+        )

@@ -424,6 +424,21 @@ def run_offers(run: Run) -> list[Offer]:
     return choices
 
 
+def run_refusal(run: Run, choice: str) -> str:
+    """Why `choice` cannot be taken on `run` as it is now ("": it can), as
+    decide_run says it under the run's lock; a bulk job's dry run asks the
+    same without one (runs/bulk.py)."""
+    if run.is_imported:
+        return f"run {run.pk} cannot be decided: {_imported(run)}"
+    offered = {offer.choice for offer in run_offers(run)}
+    if choice not in offered:
+        return (
+            f"{choice} is not offered for run {run.pk} ({run.get_status_display()}): "
+            f"{', '.join(sorted(offered)) or 'nothing is'} offered"
+        )
+    return ""
+
+
 # -- deciding ---------------------------------------------------------------------
 
 
@@ -517,7 +532,7 @@ def _decided(item_id: int, request: Request) -> tuple[OutcomeItem | None, Decide
         # Its choice and reason are said with the decision that stands.
         raise DecisionRefused(f"already settled by {first.decided_by}", first)
     if request.who.user is not None:
-        _check_offered(item, shown, request.choice)
+        check_offered(item, shown, request.choice)
     settlement = check(item) if request.choice == DecisionChoice.CHECK_AGAIN else None
     outcome = _outcome(item, request.choice, settlement)
     decision = _record(item.run_id, item, item.action_id, request, shown, outcome)
@@ -529,7 +544,7 @@ def _decided(item_id: int, request: Request) -> tuple[OutcomeItem | None, Decide
     return item, Decided(decision, run_resumed=resumed)
 
 
-def _check_offered(item: OutcomeItem, shown: dict[str, Any], choice: str) -> None:
+def check_offered(item: OutcomeItem, shown: dict[str, Any], choice: str) -> None:
     """Refuses a person's choice the evidence, or the state of the item,
     its run and its action (read under their locks), does not allow now:
     a run that ended since the evidence was gathered changes what each
@@ -574,12 +589,8 @@ def decide_run(run_id: int, request: Request) -> Decided:
         run = Run.objects.locked(run_id)
         if (earlier := _by_token(request, run_id=run_id)) is not None:
             return Decided(earlier, repeated=True)
-        offered = {offer.choice for offer in run_offers(run)}
-        if request.choice not in offered:
-            raise DecisionRefused(
-                f"{request.choice} is not offered for run {run_id} ({run.get_status_display()}): "
-                f"{', '.join(sorted(offered)) or 'nothing is'} offered"
-            )
+        if why := run_refusal(run, request.choice):
+            raise DecisionRefused(why)
         here = agent_here(run)
         shown = request.shown or {
             "run": {"id": run.pk, "status": run.status},

@@ -19,8 +19,10 @@ from celery.beat import PersistentScheduler, ScheduleEntry
 from celery.signals import worker_process_shutdown
 from django.conf import settings
 from django.db import close_old_connections
+from django.utils import timezone
 
 from evidence.capture import capture
+from runs import bulk
 from runs import sweep as sweeping
 from runs.drills import report, run_drill
 from runs.executor import Ending, claim_and_drive
@@ -124,3 +126,22 @@ def drill(drill_id: int) -> str:
         logger.warning("no drill %s in this database: its task is left", drill_id)
         return f"no drill {drill_id} here"
     return str(report(run_drill(started)))
+
+
+@shared_task(acks_late=True, reject_on_worker_lost=True)
+def bulk_job(job_id: int) -> str:
+    """Carries out a bulk job's runs (runs/bulk.py).  Idempotent: another
+    delivery of it takes the items still pending, or finds the job ended."""
+    return bulk.process(job_id)
+
+
+@shared_task
+def redeliver_bulk_jobs() -> int:
+    """Beat's look for bulk jobs no worker moves (a worker died mid-job, or
+    the task was lost): each is handed out again, and its pending items
+    are carried on from where they stopped."""
+    stalled = list(bulk.BulkJob.objects.stalled(timezone.now()).values_list("pk", flat=True))
+    for job_id in stalled:
+        if failed := hand_over(bulk_job, job_id):
+            logger.warning("bulk job %s not handed out again (%s)", job_id, failed)
+    return len(stalled)
