@@ -33,6 +33,7 @@ from django_htmx.http import HttpResponseStopPolling
 from dashboard import params
 from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
+from runs import holds
 from runs.decisions import (
     OPERATE,
     REFERENCE_MAX,
@@ -136,6 +137,7 @@ def inbox(request: HtmxHttpRequest) -> HttpResponse:
         return response if context["live"] else HttpResponseStopPolling(response.content)
     # The whole page only: the rows refresh every 3 s and do not show them.
     context["waiting"] = [] if filters["kind"] else waiting_unheld(filters["run"])
+    context["held"] = [] if filters["kind"] or filters["run"] else holds.waiting(context["now"])
     ended = _filtered(OutcomeItem.objects.in_inbox().no_longer_blocking(), filters)
     context["ended_total"] = ended.count()
     # The newest first: the runs that ended last are the ones still in mind.

@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from dashboard import drills, inbox, views
+from dashboard import drills, holds, inbox, views
 
 urlpatterns = [
     path("", views.runs_list, name="runs-list"),
@@ -27,6 +27,9 @@ urlpatterns = [
     path("drills/", drills.drills, name="drills"),
     path("drills/start/", drills.drill_start, name="drill-start"),
     path("drills/<int:drill_id>/progress/", drills.drill_progress, name="drill-progress"),
+    path("holds/", holds.holds_page, name="holds"),
+    path("holds/add/", holds.hold_add, name="hold-add"),
+    path("holds/<int:hold_id>/release/", holds.hold_release, name="hold-release"),
     path("login/", views.SignIn.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

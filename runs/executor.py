@@ -202,13 +202,14 @@ def _held(lease: Lease, held: Held) -> Ending:
         return _after_refused_write(lease, refused)
     if waited is None:
         return _release(lease, f"hold {held.hold_id} was released meanwhile: run requeued")
-    ended, reason = waited
-    if ended != RunStatus.NEEDS_OPERATOR:
+    if waited.status != RunStatus.NEEDS_OPERATOR:
         timeline.record(
-            lease.run_id, EventKind.RUN_CANCELLED, f"cancelled instead of waiting: {reason}"
+            lease.run_id, EventKind.RUN_CANCELLED, f"cancelled instead of waiting: {waited.reason}"
         )
-        return Ending(ended)
-    timeline.record(lease.run_id, EventKind.NEEDS_OPERATOR, reason, hold=held.hold_id)
+        return Ending(waited.status)
+    timeline.record(
+        lease.run_id, EventKind.NEEDS_OPERATOR, waited.reason, hold=held.hold_id, held=waited.named
+    )
     return Ending.NEEDS_OPERATOR
 
 

@@ -79,11 +79,32 @@ def scope_words(tool: str, agent: str) -> str:
 
 def held_words(tool: str, hold: Hold) -> str:
     """Why a run waits: "held: send_email by alice: the helpdesk is down"."""
-    return f"held: {tool} by {hold.added_by}: {hold.reason}"
+    return f"{who_held_words(tool, hold.added_by)}: {hold.reason}"
+
+
+def who_held_words(tool: str, by: str) -> str:
+    """What a run's timeline names its wait by: "held: send_email by alice"."""
+    return f"held: {tool} by {by}"
 
 
 def released_words(hold: Hold) -> str:
     return f"hold {hold.pk} released by {hold.released_by}: {hold.release_reason}"
+
+
+def added_words(hold: Hold) -> str:
+    flying = len(hold.in_flight)
+    went = (
+        "1 dispatch already in flight goes"
+        if flying == 1
+        else f"{flying} dispatches already in flight go"
+    )
+    return f"Hold {hold.pk} added: {scope_words(hold.tool, hold.agent)} is held. {went} on."
+
+
+def released_count_words(released: Released) -> str:
+    count = len(released.resumed)
+    runs = "1 run" if count == 1 else f"{count} runs"
+    return f"Hold {released.hold.pk} released: {runs} back in the queue."
 
 
 def hold_wait_words(held: str, lasted: str, ended_by: str) -> str:
@@ -253,15 +274,23 @@ def _said(name: str, text: str) -> str:
 # -- a run at a held boundary -------------------------------------------------------
 
 
-def wait(
-    run_id: int, held: Held, finish: Callable[[RunStatus, str], RunStatus]
-) -> tuple[RunStatus, str] | None:
+@dataclass(frozen=True)
+class Waited:
+    """How a run stopped by a hold ended its ownership: `status`
+    needs_operator (or cancelled, a cancel asked meanwhile), with the
+    reason its row says and the words its timeline names the wait by."""
+
+    status: RunStatus
+    reason: str
+    named: str
+
+
+def wait(run_id: int, held: Held, finish: Callable[[RunStatus, str], RunStatus]) -> Waited | None:
     """The run stopped by `held` waits on its hold: `finish` (its owner's
     Lease.finish) ends the ownership as needs_operator, and its HoldWait
     row is written, in one transaction with the hold locked FOR SHARE.
     None when the hold was released meanwhile (the run is to go on at
-    once); else the status written (cancelled instead, when a cancel was
-    asked) and the reason."""
+    once)."""
     with transaction.atomic():
         with server_cursor() as cursor:
             # FOR SHARE: runs stopped by one hold wait on it side by side;
@@ -280,7 +309,7 @@ def wait(
             # back here) ended its earlier wait.
             HoldWait.objects.filter(run_id=run_id, until__isnull=True).update(until=Now())
             HoldWait.objects.create(hold=hold, run_id=run_id, step_key=held.step_key)
-    return ended, reason
+    return Waited(ended, reason, who_held_words(held.tool, hold.added_by))
 
 
 # -- what operators see ---------------------------------------------------------------
@@ -346,6 +375,35 @@ def waiting_on(hold_ids: list[int]) -> dict[int, list[HoldWait]]:
     for wait in rows.select_related("run").order_by("since", "id"):
         waits.setdefault(wait.hold_id, []).append(wait)
     return waits
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """An active hold with runs waiting on it: the oldest WAITS_SHOWN of
+    them, and how many in all (audit.waiting)."""
+
+    audit: Audit
+    waits: list[HoldWait]
+
+    @property
+    def said(self) -> str:
+        count = self.audit.waiting
+        runs = "1 run waits" if count == 1 else f"{count} runs wait"
+        return f"{runs} on it"
+
+
+# The runs listed under a hold that they wait on: the oldest this many.
+WAITS_SHOWN = 20
+
+
+def waiting(now: dt.datetime) -> list[Waiting]:
+    """The active holds runs wait on, the oldest first, each with its runs:
+    how the inbox and "Needs you" group them."""
+    audits = [
+        a for a in audited(Hold.objects.active().order_by("added_at", "id"), now) if a.waiting
+    ]
+    waits = waiting_on([audit.hold.pk for audit in audits])
+    return [Waiting(audit, waits.get(audit.hold.pk, [])[:WAITS_SHOWN]) for audit in audits]
 
 
 def as_json(audit: Audit) -> dict[str, Any]:

@@ -208,6 +208,7 @@ class RunQuerySet(models.QuerySet["Run"]):
             self.local()
             .filter(status=RunStatus.NEEDS_OPERATOR)
             .exclude(Exists(OutcomeItem.objects.holding_runs().filter(run=OuterRef("pk"))))
+            .exclude(Exists(HoldWait.objects.filter(run=OuterRef("pk"), until__isnull=True)))
         )
 
     def resume_if_settled(self, run_id: int, why: str) -> bool:

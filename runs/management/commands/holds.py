@@ -12,6 +12,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from runs import holds
+from runs.models import Hold
 from runs.words import human_duration
 
 HELP = """Tool holds.
@@ -78,7 +79,7 @@ class Command(BaseCommand):
             hold = holds.add(scope, user=self._user(options["username"]), reason=options["reason"])
         except holds.HoldRefused as refused:
             raise CommandError(f"not held: {refused}") from None
-        audit = holds.audited(holds.Hold.objects.filter(pk=hold.pk), timezone.now())[0]
+        audit = holds.audited(Hold.objects.filter(pk=hold.pk), timezone.now())[0]
         in_flight = ", ".join(f"run {each['run']} {each['step_key']}" for each in hold.in_flight)
         self._emit(
             options,
@@ -100,10 +101,7 @@ class Command(BaseCommand):
         self._emit(
             options,
             {"id": hold.pk, "released_by": hold.released_by, "runs_resumed": released.resumed},
-            [
-                f"hold {hold.pk} released by {hold.released_by}: "
-                f"{len(released.resumed)} run(s) back in the queue"
-            ],
+            [holds.released_count_words(released)],
         )
 
     def list(self, options: dict[str, Any]) -> None:
