@@ -580,10 +580,14 @@ class Dispatcher:
                 raise
             self._receipts_written(awaiting)
             # None: an earlier attempt committed, the boundaries with it
-            # unless a cancel refused them (then writing them alone says so).
-            ids = written if written is not None else (self._boundary_ids(boundaries) or write(()))
+            # unless a cancel or a hold refused them (then writing those
+            # alone says so).
+            if written is not None:
+                ids = written
+            elif len(ids := self._boundary_ids(boundaries)) < len(boundaries):
+                ids = {**ids, **write(())}
         stopped = held.stopped if held is not None else {}
-        missing = [each.step_key for each in boundaries if each.step_key not in {**ids, **stopped}]
+        missing = [each.step_key for each in boundaries if each.step_key not in ids | stopped]
         if missing:
             raise NeedsOperator(
                 f"identity {', '.join(missing)} exists but was not loaded: another owner wrote it"

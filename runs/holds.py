@@ -339,7 +339,12 @@ def audited(holds: QuerySet[Hold], now: dt.datetime) -> list[Audit]:
         output_field=DurationField(),
     )
     rows = holds.annotate(
-        n_waiting=Count("waits", filter=Q(waits__until__isnull=True)),
+        # A run cancelled while it waited waits no more (its wait ends at
+        # the release, as its end).
+        n_waiting=Count(
+            "waits",
+            filter=Q(waits__until__isnull=True, waits__run__status=RunStatus.NEEDS_OPERATOR),
+        ),
         n_waited=Count("waits__run", distinct=True),
         total=Sum(lasted),
         longest=Max(lasted),
@@ -371,7 +376,9 @@ def listing(now: dt.datetime) -> tuple[list[Audit], list[Audit]]:
 def waiting_on(hold_ids: list[int]) -> dict[int, list[HoldWait]]:
     """The open waits of each hold, oldest first, with their runs."""
     waits: dict[int, list[HoldWait]] = {}
-    rows = HoldWait.objects.filter(hold_id__in=hold_ids, until__isnull=True)
+    rows = HoldWait.objects.filter(
+        hold_id__in=hold_ids, until__isnull=True, run__status=RunStatus.NEEDS_OPERATOR
+    )
     for wait in rows.select_related("run").order_by("since", "id"):
         waits.setdefault(wait.hold_id, []).append(wait)
     return waits

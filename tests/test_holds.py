@@ -405,3 +405,17 @@ def test_the_command_adds_lists_and_releases(receivers, alice, bob, capsys):
         call_command("holds", "add", "--tool", "send_email", "--reason", "r", "--as", "carol")
     with pytest.raises(CommandError, match=r"not released: hold \d+ was released already"):
         call_command("holds", "release", str(added["id"]), "--reason", "r", "--as", "bob")
+
+
+def test_a_run_cancelled_while_held_waits_no_more_and_its_wait_ends_with_it(alice, bob):
+    run = submit(agent="support", input=INPUT)
+    hold = holds.add(holds.Scope("", "support"), user=alice, reason="incident")
+    assert claim_and_drive(run.pk) == Ending.NEEDS_OPERATOR
+    assert [group.audit.waiting for group in holds.waiting(timezone.now())] == [1]
+    assert Run.objects.get(pk=run.pk).request_cancel(by="bob", reason="customer left")
+    assert Run.objects.get(pk=run.pk).status == RunStatus.CANCELLED
+    assert holds.waiting(timezone.now()) == []
+
+    assert holds.release(hold.pk, user=bob, reason="over").resumed == []
+    wait = HoldWait.objects.get(run=run)
+    assert wait.until == Run.objects.get(pk=run.pk).finished_at
