@@ -419,3 +419,83 @@ def test_a_run_cancelled_while_held_waits_no_more_and_its_wait_ends_with_it(alic
     assert holds.release(hold.pk, user=bob, reason="over").resumed == []
     wait = HoldWait.objects.get(run=run)
     assert wait.until == Run.objects.get(pk=run.pk).finished_at
+
+
+def test_a_release_racing_a_run_that_starts_waiting_never_leaves_it_waiting(alice, bob):
+    """Another run's wait holds the hold FOR SHARE (an open transaction on
+    a connection of its own); the release waits for it; meanwhile this run
+    starts waiting too.  Whichever order the database gives them, the run
+    is not left waiting on a released hold."""
+    run = submit(agent="support", input=INPUT)
+    hold = holds.add(holds.Scope("send_email", ""), user=alice, reason="r")
+    lease = Lease.claim(run.pk, new_owner_name())
+    locked, let_go = threading.Event(), threading.Event()
+    released: dict[str, object] = {}
+
+    def another_wait() -> None:
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute("SELECT id FROM runs_hold WHERE id = %s FOR SHARE", [hold.pk])
+                locked.set()
+                let_go.wait(30)
+        finally:
+            connections.close_all()
+
+    def release() -> None:
+        try:
+            released["it"] = holds.release(hold.pk, user=bob, reason="go on")
+        finally:
+            connections.close_all()
+
+    holder = threading.Thread(target=another_wait)
+    holder.start()
+    assert locked.wait(30)
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    wait_for(lambda: _lock_waiters('UPDATE "runs_hold"') == 1, "the release waiting")
+    waited = holds.wait(run.pk, Held({"send": ("send_email", hold.pk)}), lease.finish)
+    let_go.set()
+    for thread in (holder, releaser):
+        thread.join(30)
+
+    if waited is None:  # the release came first: the executor gives the run back (_held)
+        lease.release()
+    else:  # it waited first: the release found it
+        assert released["it"].resumed == [run.pk]
+    run.refresh_from_db()
+    assert run.status == RunStatus.QUEUED
+    assert not HoldWait.objects.filter(until__isnull=True).exists()
+
+
+def test_an_executor_killed_while_runs_reach_a_hold_leaves_each_to_send_once_after_release(
+    receivers, process_env, alice, bob
+):
+    hold = holds.add(holds.Scope("", "support"), user=alice, reason="incident")
+    runs = [submit(agent="support", input=INPUT) for _ in range(10)]
+    env = {**process_env, **receivers.env()}
+    first = executor(env, "--concurrency", "3")
+    wait_for(lambda: waiting_on(hold) >= 1, "a run waiting", 60, watching=[lambda: alive(first)])
+    first.send_signal(signal.SIGKILL)  # mid-burst: some wait, some are on their way
+    first.communicate(timeout=30)
+
+    second = executor(env, "--concurrency", "3")
+    try:
+        # The runs the first left running are swept back once their leases expire.
+        wait_for(
+            lambda: waiting_on(hold) == 10,
+            "every run waiting",
+            120,
+            watching=[lambda: alive(second)],
+        )
+        assert receivers.mailbox.messages() == []
+        holds.release(hold.pk, user=bob, reason="over")
+        ids = [run.pk for run in runs]
+        wait_for(
+            lambda: Run.objects.filter(pk__in=ids, status=RunStatus.COMPLETED).count() == 10,
+            "every run completed",
+            120,
+            watching=[lambda: alive(second)],
+        )
+    finally:
+        stop(second)
+    sent_once_each(runs, receivers)
