@@ -46,13 +46,22 @@ from django.db.models import (
     Sum,
     Value,
 )
-from django.db.models.functions import Coalesce, Least, Now
+from django.db.models.functions import Coalesce, Greatest, Least, Now
 
 from runs import lifecycle, registry
 from runs.agent import EFFECT
 from runs.decisions import OPERATE
 from runs.leases import Held
-from runs.models import HOLDING_KINDS, Action, Hold, HoldWait, Run, RunStatus
+from runs.models import (
+    HOLDING_KINDS,
+    UNSTORABLE,
+    Action,
+    ActionState,
+    Hold,
+    HoldWait,
+    Run,
+    RunStatus,
+)
 from runs.sql import lock_refused, server_cursor, waits_bounded
 from runs.timeline import EventKind, timeline
 
@@ -197,7 +206,7 @@ def in_flight(scope: Scope) -> list[dict[str, Any]]:
     """The dispatches `scope` matches that have a boundary and no receipt
     now: in flight (a read whose receipt waits for its run's next write
     counts: until then it is not completed)."""
-    actions = Action.objects.filter(state="dispatched", run__imported_at__isnull=True)
+    actions = Action.objects.filter(state=ActionState.DISPATCHED, run__imported_at__isnull=True)
     actions = actions.filter(kind=scope.tool) if scope.tool else actions.filter(effect_class=EFFECT)
     if scope.agent:
         actions = actions.filter(run__agent=scope.agent)
@@ -241,10 +250,12 @@ def release(hold_id: int, *, user: AbstractBaseUser, reason: str) -> Released:
             )
             why = released_words(hold)
             resumed = [run_id for run_id in waiting if lifecycle.resume(run_id, why, HOLDING_KINDS)]
-            # A run that ended while it waited (cancelled, abandoned) waited until its end.
+            # A run that ended while it waited (cancelled, abandoned) waited
+            # until its end (a cancel's clock is its transaction's: never
+            # before the wait began).
             ended = Run.objects.filter(pk=OuterRef("run_id")).values("finished_at")
             HoldWait.objects.filter(hold=hold, until__isnull=True).update(
-                until=Least(Coalesce(Subquery(ended), Now()), Now())
+                until=Greatest(F("since"), Least(Coalesce(Subquery(ended), Now()), Now()))
             )
     except DatabaseError as error:
         if lock_refused(error):
@@ -266,8 +277,8 @@ def _said(name: str, text: str) -> str:
         raise HoldRefused(f"say why: a {name} is required")
     if len(text) > REASON_MAX:
         raise HoldRefused(f"the {name} is longer than {REASON_MAX} characters")
-    if "\x00" in text:
-        raise HoldRefused(f"the {name} holds a NUL character")
+    if UNSTORABLE.search(text):
+        raise HoldRefused(f"the {name} holds a character no text can: NUL or a lone surrogate")
     return text
 
 

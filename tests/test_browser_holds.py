@@ -6,14 +6,17 @@ run back to the queue.  A screenshot goes to var/screenshots/holds.png
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from playwright.sync_api import Page, expect
 
 from runs.executor import Ending, claim_and_drive
 from runs.models import Hold, HoldWait, Run, RunStatus
 from runs.submission import submit
+from runs.timeline import timeline
 from tests.test_browser import SCREENSHOTS
-from tests.test_support_agent import INPUT
+from tests.test_holds import INPUT, receivers  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
@@ -23,6 +26,7 @@ def operator_name() -> str:
     return "alice"
 
 
+@pytest.mark.usefixtures("receivers")
 def test_an_operator_holds_a_tool_and_releases_it_from_the_page(page: Page):
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.click("#nav-holds")
@@ -59,3 +63,12 @@ def test_an_operator_holds_a_tool_and_releases_it_from_the_page(page: Page):
     expect(released).to_contain_text("drafts fixed")
     assert Run.objects.get(pk=run.pk).status == RunStatus.QUEUED
     assert HoldWait.objects.get(run=run).until is not None
+
+    # The run goes on; its timeline shows the wait, and who ended it.
+    assert claim_and_drive(run.pk) == Ending.COMPLETED
+    timeline.flush()
+    page.goto(f"/runs/{run.pk}/")
+    expect(page.locator("#chart-timeline")).to_contain_text(
+        re.compile(r"held: send_email by alice: [0-9.]+ (ms|s), ended by the release of alice")
+    )
+    page.screenshot(path=SCREENSHOTS / "run-page-held.png", full_page=True)

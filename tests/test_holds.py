@@ -93,6 +93,7 @@ def sent_once_each(runs: list[Run], receivers: Receivers) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_held_tool_sends_nothing_during_a_burst_and_each_run_sends_once_after_release(
     receivers, process_env, alice, bob
 ):
@@ -144,6 +145,7 @@ def test_a_held_tool_sends_nothing_during_a_burst_and_each_run_sends_once_after_
     assert not HoldWait.objects.filter(hold=hold, until__isnull=True).exists()
 
 
+@pytest.mark.slow
 def test_a_hold_released_while_no_executor_runs_is_delivered_when_one_starts(
     receivers, process_env, alice, bob
 ):
@@ -169,6 +171,7 @@ def test_a_hold_released_while_no_executor_runs_is_delivered_when_one_starts(
     sent_once_each(runs, receivers)
 
 
+@pytest.mark.slow
 def test_a_hold_added_while_a_dispatch_is_in_flight_applies_from_the_next_boundary(
     receivers, process_env, alice, bob, operator
 ):
@@ -467,6 +470,7 @@ def test_a_release_racing_a_run_that_starts_waiting_never_leaves_it_waiting(alic
     assert not HoldWait.objects.filter(until__isnull=True).exists()
 
 
+@pytest.mark.slow
 def test_an_executor_killed_while_runs_reach_a_hold_leaves_each_to_send_once_after_release(
     receivers, process_env, alice, bob
 ):
