@@ -178,8 +178,11 @@ def run_choices(request: HttpRequest, run: Run) -> dict[str, Any]:
     a run that waits for an operator), for any page that includes it.  The
     run's status as the run page says it now (a lease that expired)."""
     run.status_label = status_now(run, timezone.now()).words
+    held = holds.open_wait(run)
     return {
         "run": run,
+        "held": held,
+        "held_said": holds.waits_on_words(held) if held else "",
         "run_offers": run_offers(run),
         "run_token": _token(),
         "run_decisions": history(run.decisions.filter(item__isnull=True)),

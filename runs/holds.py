@@ -424,6 +424,23 @@ def waiting(now: dt.datetime) -> list[Waiting]:
     return [Waiting(audit, waits.get(audit.hold.pk, [])[:WAITS_SHOWN]) for audit in audits]
 
 
+def open_wait(run: Run) -> HoldWait | None:
+    """The hold a run waits on now, if it waits on one."""
+    if run.status != RunStatus.NEEDS_OPERATOR:
+        return None
+    return HoldWait.objects.filter(run=run, until__isnull=True).select_related("hold").first()
+
+
+def waits_on_words(wait: HoldWait) -> str:
+    """What a held run's page says of its wait."""
+    hold = wait.hold
+    return (
+        f"Waits at {wait.step_key} on hold {hold.pk} ({scope_words(hold.tool, hold.agent)}, "
+        f"held by {hold.added_by}): releasing the hold sends it on; resuming it here brings "
+        "it back to the same hold."
+    )
+
+
 def as_json(audit: Audit) -> dict[str, Any]:
     hold = audit.hold
     return {

@@ -138,6 +138,11 @@ def test_runs_waiting_on_a_hold_are_grouped_under_it_in_the_inbox_and_needs_you(
     assert "Runs waiting for an operator" not in needs_you
     page = operator.get("/holds/").content.decode()
     assert "2 runs waiting now; 2 waited in all" in page
+    run_page = operator.get(f"/runs/{runs[0].pk}/").content.decode()
+    assert (
+        f'<a href="/holds/#hold-{hold.pk}">Waits at send on hold {hold.pk} (send_email of '
+        "support, held by olga)" in run_page
+    )
 
     holds.release(hold.pk, user=make_user("bob", operator=True), reason="ok")
     for run in runs:
