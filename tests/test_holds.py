@@ -30,6 +30,9 @@ from runs.models import Action, Hold, HoldWait, Run, RunStatus
 from runs.submission import submit
 from tests.conftest import make_user, manage
 from tests.faultruns import wait_for
+from tests.processes import Worker, wait_until
+from tests.processes import broker as broker
+from tests.test_handover import celery_only
 from tests.test_support_agent import INPUT, Receivers
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -503,3 +506,41 @@ def test_an_executor_killed_while_runs_reach_a_hold_leaves_each_to_send_once_aft
     finally:
         stop(second)
     sent_once_each(runs, receivers)
+
+
+@pytest.mark.slow
+def test_a_release_hands_each_waiting_run_to_a_celery_worker_at_once(
+    receivers, process_env, tmp_path, broker, alice, bob
+):
+    """With only a Celery worker (no executor, the sweep's redelivery left
+    at its default of a minute), the release's hand-over is what runs them."""
+    hold = holds.add(holds.Scope("send_email", "support"), user=alice, reason="wrong drafts")
+    runs = [submit(agent="support", input=INPUT) for _ in range(5)]
+    for run in runs:
+        assert claim_and_drive(run.pk) == Ending.NEEDS_OPERATOR
+    env = {**celery_only(process_env), **receivers.env()}
+    worker = Worker(env, tmp_path / "worker.log")
+    try:
+        worker.wait_ready()
+        released = manage(
+            "holds", "release", str(hold.pk), "--reason", "drafts fixed", "--as", "bob", "--json",
+            env=env,
+        )  # fmt: skip
+        out, err = released.communicate(timeout=60)
+        assert released.returncode == 0, err
+        assert sorted(json.loads(out)["runs_resumed"]) == sorted(run.pk for run in runs)
+        ids = [run.pk for run in runs]
+        wait_until(
+            lambda: Run.objects.filter(pk__in=ids, status=RunStatus.COMPLETED).count() == 5,
+            60,
+            "runs not completed",
+            worker,
+        )
+    finally:
+        worker.stop()
+    sent_once_each(runs, receivers)
+    hold.refresh_from_db()
+    last = max(Run.objects.filter(pk__in=ids).values_list("finished_at", flat=True))
+    elapsed = (last - hold.released_at).total_seconds()
+    print(f"\n5 runs on one Celery worker: the last completed {elapsed:.2f} s after the release")
+    assert elapsed < DELIVERED_WITHIN
