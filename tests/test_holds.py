@@ -306,7 +306,7 @@ def _lock_waiters(statement: str) -> int:
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND query LIKE %s",
+            " AND datname = current_database() AND query LIKE %s",
             [f"%{statement}%"],
         )
         return cursor.fetchone()[0]
