@@ -33,6 +33,7 @@ from django_htmx.http import HttpResponseStopPolling
 from dashboard import params
 from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
+from runs import holds
 from runs.decisions import (
     OPERATE,
     REFERENCE_MAX,
@@ -137,6 +138,7 @@ def inbox(request: HtmxHttpRequest) -> HttpResponse:
         return response if context["live"] else HttpResponseStopPolling(response.content)
     # The whole page only: the rows refresh every 3 s and do not show them.
     context["waiting"] = [] if filters["kind"] else waiting_unheld(filters["run"])
+    context["held"] = [] if filters["kind"] or filters["run"] else holds.waiting(context["now"])
     ended = filtered_items(OutcomeItem.objects.in_inbox().no_longer_blocking(), filters)
     context["ended_total"] = ended.count()
     # The newest first: the runs that ended last are the ones still in mind.
@@ -177,8 +179,11 @@ def run_choices(request: HttpRequest, run: Run) -> dict[str, Any]:
     a run that waits for an operator), for any page that includes it.  The
     run's status as the run page says it now (a lease that expired)."""
     run.status_label = status_now(run, timezone.now()).words
+    held = holds.open_wait(run)
     return {
         "run": run,
+        "held": held,
+        "held_said": holds.waits_on_words(held) if held else "",
         "run_offers": run_offers(run),
         "run_token": _token(),
         "run_decisions": history(run.decisions.filter(item__isnull=True)),

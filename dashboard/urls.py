@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from dashboard import bulk, drills, inbox, views
+from dashboard import bulk, drills, holds, inbox, views
 
 urlpatterns = [
     path("", views.runs_list, name="runs-list"),
@@ -34,6 +34,9 @@ urlpatterns = [
     path("bulk/<int:job_id>/", bulk.bulk_job, name="bulk-job"),
     path("bulk/<int:job_id>/progress/", bulk.bulk_progress, name="bulk-progress"),
     path("bulk/<int:job_id>/stop/", bulk.bulk_stop, name="bulk-stop"),
+    path("holds/", holds.holds_page, name="holds"),
+    path("holds/add/", holds.hold_add, name="hold-add"),
+    path("holds/<int:hold_id>/release/", holds.hold_release, name="hold-release"),
     path("login/", views.SignIn.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

@@ -24,6 +24,7 @@ from django.utils import timezone
 
 from evidence.models import CaptureGap, GapReason, LockIncident
 from runs.checkpoint_rows import CheckpointRow
+from runs.holds import hold_wait_words, hold_waiting_words
 from runs.models import (
     Action,
     ActionState,
@@ -109,6 +110,7 @@ WAIT_ENDS = {
 IDLE = {
     "operator": ("rgba(138, 92, 209, 0.3)", "#8a5cd1", "waiting for an operator"),
     "owner": ("rgba(91, 101, 112, 0.2)", "#5b6570", "nobody ran it: no lease held"),
+    "held": ("rgba(224, 162, 27, 0.3)", "#c98a0c", "held: waiting for a hold to be released"),
 }
 IDLE_LANE = "waits"
 # A claim takes a free executor well under a second: a shorter span without
@@ -181,7 +183,8 @@ class Mark:
 @dataclass
 class Idle:
     """A span where nothing of the run ran: it waited for an operator
-    (`why` "operator"), or nobody held its lease ("owner")."""
+    (`why` "operator"), at a held boundary ("held"), or nobody held its lease
+    ("owner")."""
 
     why: str  # a key of IDLE
     start: dt.datetime
@@ -564,6 +567,7 @@ def _idle(
     spans: list[Idle] = []
     waiting: dt.datetime | None = None
     ender = ""
+    held = ""  # the wait is at a held boundary: why, as its run says it
     unowned: tuple[dt.datetime, str] | None = None
     for e in events:
         kind, at = e["kind"], e["created_at"]
@@ -573,14 +577,16 @@ def _idle(
             elif kind in WAIT_ENDS:
                 if kind == EventKind.RUN_CANCELLED and not ender:
                     ender = f"the cancel asked by {run.cancel_requested_by or '(not recorded)'}"
-                said = wait_words((at - waiting).total_seconds(), ender)
-                spans.append(Idle("operator", waiting, at, said))
+                if released_by := (e["data"] or {}).get("released_by"):
+                    ender = f"the release of {released_by}"
+                spans.append(_waited(waiting, at, ender, held))
                 waiting = None
                 if kind == EventKind.RUN_REQUEUED:
                     unowned = (at, "back in the queue")
             continue
         if kind == EventKind.NEEDS_OPERATOR:
             waiting, ender, unowned = at, "", None
+            held = (e["data"] or {}).get("held", "")
         elif kind == EventKind.LEASE_ACQUIRED and unowned is not None:
             since, why = unowned
             if at - since >= UNOWNED_SHOWN:
@@ -592,13 +598,22 @@ def _idle(
         elif kind in (EventKind.LEASE_LOST, EventKind.LEASE_RELEASED, EventKind.RUN_REQUEUED):
             unowned = unowned or (at, plain(EventKind, kind))
     if waiting is not None and run.status == RunStatus.NEEDS_OPERATOR:
-        spans.append(Idle("operator", waiting, None, waiting_words(_clock(waiting, millis=False))))
+        since = _clock(waiting, millis=False)
+        if held:
+            spans.append(Idle("held", waiting, None, hold_waiting_words(held, since)))
+        else:
+            spans.append(Idle("operator", waiting, None, waiting_words(since)))
     elif waiting is not None:  # ended, its end's event not (yet) written
-        end = max(run.finished_at or waiting, waiting)
-        spans.append(
-            Idle("operator", waiting, end, wait_words((end - waiting).total_seconds(), ender))
-        )
+        spans.append(_waited(waiting, max(run.finished_at or waiting, waiting), ender, held))
     return spans
+
+
+def _waited(start: dt.datetime, end: dt.datetime, ender: str, held: str) -> Idle:
+    """A wait for an operator that ended, or at a held boundary (`held`)."""
+    seconds = (end - start).total_seconds()
+    if held:
+        return Idle("held", start, end, hold_wait_words(held, human_duration(seconds), ender))
+    return Idle("operator", start, end, wait_words(seconds, ender))
 
 
 def _ender(decision: OperatorDecision | None, message: str) -> str:

@@ -15,7 +15,10 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from django.db.models import Exists, OuterRef
+
 from evidence.models import BundleExport
+from runs import holds
 from runs.decisions import Offer, gather, offers
 from runs.inbox import Blocks, blocks, items_listed, what
 from runs.models import (
@@ -24,6 +27,7 @@ from runs.models import (
     DrillResult,
     DrillState,
     DrillVerdict,
+    HoldWait,
     OutcomeItem,
     Run,
     RunStatus,
@@ -83,17 +87,25 @@ class Attention:
     alerts: Section[Alert]
     exports: Section[BundleExport]
     drill: DrillFailures | None
+    held: list[holds.Waiting]  # active holds runs wait on
 
     @property
     def nothing(self) -> bool:
         """Nothing needs anyone."""
         sections = [self.waiting, self.lease_lost, self.items, self.alerts, self.exports]
-        return all(section.total == 0 for section in sections) and self.drill is None
+        return (
+            all(section.total == 0 for section in sections) and self.drill is None and not self.held
+        )
 
 
 def needing_you(now: dt.datetime) -> Attention:
     """Everything that needs an operator at `now`."""
-    waiting_runs = Run.objects.local().filter(status=RunStatus.NEEDS_OPERATOR, is_drill=False)
+    # A run waiting on a hold is said under its hold (`held`), not one by one.
+    waiting_runs = (
+        Run.objects.local()
+        .filter(status=RunStatus.NEEDS_OPERATOR, is_drill=False)
+        .exclude(Exists(HoldWait.objects.filter(run=OuterRef("pk"), until__isnull=True)))
+    )
     waiting_page = list(
         waiting_runs.only(
             "status", "status_reason", "question", "updated_at", "imported_at"
@@ -136,6 +148,7 @@ def needing_you(now: dt.datetime) -> Attention:
         alerts=Section(list(alerts.select_related("item")[:SHOWN]), alerts.count()),
         exports=Section(list(exports[:SHOWN]), exports.count()),
         drill=_drill_failures(),
+        held=holds.waiting(now),
     )
 
 

@@ -70,6 +70,7 @@ from runs.faults import FaultPlan, inject_cancel, steal_lease
 from runs.leases import (
     Boundary,
     CancelRequested,
+    Held,
     Lease,
     LeaseExpired,
     LeaseLost,
@@ -301,17 +302,17 @@ class Dispatcher:
             for index, (tool, _, action) in to_send.items()
             if action is None
         ]
-        ids = dict(
-            zip(
-                [each.step_key for each in new],
-                self._new_boundaries(new) if new else [],
-                strict=True,
-            )
-        )
+        # A read an active hold stops is not sent; the others go on, and
+        # the run waits once they are in (runs/holds.py).
+        ids, held = self._new_boundaries(new) if new else ({}, None)
         keys_sent = {each.step_key: each.idempotency_key for each in new}
         for _, _, action in to_send.values():
             if action is not None:
-                self._redispatch(action)
+                try:
+                    self._redispatch(action)
+                except Held as stopped:
+                    held = held or stopped
+                    continue
                 ids[action.step_key] = action.pk
                 keys_sent[action.step_key] = action.idempotency_key
         started = {
@@ -324,6 +325,7 @@ class Dispatcher:
                 beside=True,
             )
             for index, (tool, number, _) in to_send.items()
+            if steps[index].key in ids
         }
         for index, future in started.items():
             each, (tool, number, _) = steps[index], to_send[index]
@@ -341,6 +343,8 @@ class Dispatcher:
                 )
             except ActionFailed as failed:
                 results[index] = failed
+        if held is not None:
+            raise held
         for index in counted:
             if not isinstance(results[index], ActionFailed):
                 self.progress.taken.append(steps[index].key)
@@ -544,18 +548,30 @@ class Dispatcher:
             raise LeaseLost(f"run {self.lease.run_id}: heartbeat found the lease gone")
 
     def _new_boundary(self, step_key: str, key: str, tool: Tool, input: dict[str, Any]) -> int:
-        return self._new_boundaries([Boundary(step_key, tool.name, tool.effect, input, key)])[0]
+        ids, held = self._new_boundaries([Boundary(step_key, tool.name, tool.effect, input, key)])
+        if held is not None:
+            raise held
+        return ids[step_key]
 
-    def _new_boundaries(self, boundaries: Sequence[Boundary]) -> list[int]:
+    def _new_boundaries(self, boundaries: Sequence[Boundary]) -> tuple[dict[str, int], Held | None]:
         """Writes the boundaries (one, or reads side by side), each with the
         key its action is sent under (every attempt of this write carries
         the same), and the receipts of reads not written yet (one
-        statement: all commit, or nothing).  Their action ids, in order."""
+        statement: all commit, or nothing).  Their action ids by step key;
+        and, when active holds stopped some (not written, the receipts
+        written all the same), the Held that says which, for the caller to
+        raise once the others are sent."""
         self._check_can_dispatch()
         awaiting, self.unwritten = self.unwritten, []
+        held: Held | None = None
 
         def write(receipts: Sequence[PendingReceipt]) -> dict[str, int]:
-            return self.lease.record_boundaries(boundaries, receipts)
+            nonlocal held
+            try:
+                return self.lease.record_boundaries(boundaries, receipts)
+            except Held as stopped:
+                held = stopped
+                return stopped.written
 
         if not awaiting:
             ids = write(())
@@ -584,14 +600,21 @@ class Dispatcher:
                 raise
             self._receipts_written(awaiting)
             # None: an earlier attempt committed, the boundaries with it
-            # unless a cancel refused them (then writing them alone says so).
-            ids = written if written is not None else (self._boundary_ids(boundaries) or write(()))
-        missing = [each.step_key for each in boundaries if each.step_key not in ids]
+            # unless a cancel or a hold refused them (then writing those
+            # alone says so).
+            if written is not None:
+                ids = written
+            elif len(ids := self._boundary_ids(boundaries)) < len(boundaries):
+                ids = {**ids, **write(())}
+        stopped = held.stopped if held is not None else {}
+        missing = [each.step_key for each in boundaries if each.step_key not in ids | stopped]
         if missing:
             raise NeedsOperator(
                 f"identity {', '.join(missing)} exists but was not loaded: another owner wrote it"
             )
         for each in boundaries:
+            if each.step_key in stopped:
+                continue
             timeline.record(
                 self.run.pk,
                 EventKind.ACTION_DISPATCHED,
@@ -599,7 +622,7 @@ class Dispatcher:
                 action_id=ids[each.step_key],
                 epoch=self.lease.epoch,
             )
-        return [ids[each.step_key] for each in boundaries]
+        return ids, held
 
     def _boundary_ids(self, boundaries: Sequence[Boundary]) -> dict[str, int]:
         return dict(

@@ -22,11 +22,12 @@ from django.conf import settings
 from django.db import DatabaseError, connection
 
 from evidence.locks import LockSampler
-from runs import decisions, registry, sweep
+from runs import decisions, holds, registry, sweep
 from runs.agent import ActionFailed, Agent
 from runs.dispatch import Dispatcher, Stopping
 from runs.leases import (
     CancelRequested,
+    Held,
     Lease,
     LeaseExpired,
     LeaseLost,
@@ -106,6 +107,8 @@ def drive(lease: Lease, stop: threading.Event) -> Ending:
             return _end(lease, RunStatus.COMPLETED, "", f"{steps} steps", finish=dispatcher.finish)
     except Stopping:
         return _release(lease)
+    except Held as held:
+        return _held(lease, held)
     except NeedsOperator as reason:
         return _end(lease, RunStatus.NEEDS_OPERATOR, str(reason), item_id=reason.item_id)
     except ActionFailed as reason:
@@ -187,6 +190,27 @@ def _end(
     if item_id is not None and decisions.resume_if_settled_meanwhile(lease.run_id, item_id):
         return Ending.REQUEUED
     return Ending(status)
+
+
+def _held(lease: Lease, held: Held) -> Ending:
+    """A boundary an active hold stopped: the run waits on the hold
+    (holds.wait), or, the hold released meanwhile, goes back to the queue
+    at once to dispatch it."""
+    try:
+        waited = holds.wait(lease.run_id, held, lease.finish)
+    except LeaseLost as refused:
+        return _after_refused_write(lease, refused)
+    if waited is None:
+        return _release(lease, f"hold {held.hold_id} was released meanwhile: run requeued")
+    if waited.status != RunStatus.NEEDS_OPERATOR:
+        timeline.record(
+            lease.run_id, EventKind.RUN_CANCELLED, f"cancelled instead of waiting: {waited.reason}"
+        )
+        return Ending(waited.status)
+    timeline.record(
+        lease.run_id, EventKind.NEEDS_OPERATOR, waited.reason, hold=held.hold_id, held=waited.named
+    )
+    return Ending.NEEDS_OPERATOR
 
 
 def _release(lease: Lease, why: str = "executor stopping: run requeued") -> Ending:

@@ -38,6 +38,7 @@ from runs.models import (
     new_idempotency_key,
     text_digest,
 )
+from runs.outcomes import NeedsOperator
 from runs.sql import (
     bounded_lock_waits,
     commit_asynchronously,
@@ -93,6 +94,19 @@ RECEIPT_CTES = f"""owned AS (
 # Whether every receipt of RECEIPT_CTES was written (all of them, or the
 # write that carries them writes nothing).
 RECEIPTS_WRITTEN = "(SELECT count(*) FROM receipt) = cardinality(%(receipt_actions)s::bigint[])"
+# The active hold that stops an action of the tool {kind} (its effect class
+# {effect_class}) of the run %(run)s: its id, or NULL.  A subquery for the
+# boundary's statement, in its snapshot: a hold committed before the
+# statement started always stops it (runs/holds.py; the index of
+# hold_one_active_per_scope serves it).
+HOLDING = """(SELECT id FROM runs_hold
+    WHERE released_at IS NULL
+      AND (tool = {kind} OR tool = '' AND {effect_class} = 'effect')
+      AND (agent = '' OR agent = (SELECT agent FROM runs_run WHERE id = %(run)s))
+    ORDER BY id LIMIT 1)"""
+
+# The hold that stops the action of the row in scope (runs_action), if any.
+HOLDING_ACTION = HOLDING.format(kind="kind", effect_class="effect_class")
 # Publishing an answer revision: one statement, fenced like the others,
 # with the receipts of reads completed before it (RECEIPT_CTES: all commit,
 # or nothing; the revision only if every receipt is written).  It reads,
@@ -130,6 +144,21 @@ class LeaseExpired(LeaseLost):
 class CancelRequested(WriteRefused):
     """... because a cancel was asked: the run is still this owner's, to end
     as cancelled."""
+
+
+class Held(NeedsOperator):
+    """Boundaries active holds stopped: the run waits until they are
+    released.  `stopped` names each step key held, with its tool and its
+    hold's id; `written` the boundaries of the same statement that were
+    not held, by step key (reads side by side go on)."""
+
+    def __init__(
+        self, stopped: dict[str, tuple[str, int]], written: dict[str, int] | None = None
+    ) -> None:
+        self.step_key, (self.tool, self.hold_id) = next(iter(stopped.items()))
+        super().__init__(f"{self.step_key} ({self.tool}) is held by hold {self.hold_id}")
+        self.stopped = stopped
+        self.written = written or {}
 
 
 class RevisionExists(ValueError):
@@ -265,7 +294,9 @@ class Lease:
         sent side by side), with the receipts of actions completed before
         them (`receipts`), in one statement: all commit, or nothing.
         Returns each new action's id by step key; an identity that already
-        exists is left out (the caller looks at it).  Refused, it says why:
+        exists is left out (the caller looks at it).  A boundary an active
+        hold matches is not written (runs/holds.py): Held names them, and
+        the boundaries written beside them.  Refused, it says why:
         fenced out (LeaseLost: nothing is written), a cancel
         (CancelRequested) or the lease expired, the run not claimed yet
         (LeaseExpired): in these two the receipts are written, the
@@ -275,6 +306,15 @@ class Lease:
         with unanswered_as(what) if receipts else contextlib.nullcontext():
             row = self._fetch_one(
                 f"""WITH {RECEIPT_CTES},
+                    new AS (
+                        SELECT given.*, {
+                    HOLDING.format(kind="given.kind", effect_class="given.effect_class")
+                } AS hold
+                        FROM unnest(%(step_keys)s::text[], %(kinds)s::text[],
+                            %(effect_classes)s::text[], %(inputs)s::jsonb[],
+                            %(input_digests)s::text[], %(keys)s::text[])
+                            WITH ORDINALITY AS given (step_key, kind, effect_class, input,
+                                input_digest, idempotency_key, position)),
                     boundary AS (
                         INSERT INTO runs_action (run_id, step_key, kind, effect_class, input,
                             input_digest, state, epoch, attempts, idempotency_key, error,
@@ -282,19 +322,19 @@ class Lease:
                         SELECT %(run)s, new.step_key, new.kind, new.effect_class, new.input,
                             new.input_digest, 'dispatched', %(epoch)s, 1, new.idempotency_key,
                             '', now(), now()
-                        FROM owned, unnest(%(step_keys)s::text[], %(kinds)s::text[],
-                            %(effect_classes)s::text[], %(inputs)s::jsonb[],
-                            %(input_digests)s::text[], %(keys)s::text[])
-                            WITH ORDINALITY AS new (step_key, kind, effect_class, input,
-                                input_digest, idempotency_key, position)
-                        WHERE may_start AND live AND {RECEIPTS_WRITTEN}
+                        FROM owned, new
+                        WHERE may_start AND live AND {RECEIPTS_WRITTEN} AND new.hold IS NULL
                         ORDER BY new.position
                         ON CONFLICT (run_id, step_key) DO NOTHING
                         RETURNING id, step_key)
                     SELECT (SELECT may_start FROM owned), (SELECT live FROM owned),
                         {RECEIPTS_WRITTEN},
                         (SELECT array_agg(step_key ORDER BY id) FROM boundary),
-                        (SELECT array_agg(id ORDER BY id) FROM boundary)""",
+                        (SELECT array_agg(id ORDER BY id) FROM boundary),
+                        (SELECT array_agg(step_key ORDER BY position) FROM new
+                            WHERE hold IS NOT NULL),
+                        (SELECT array_agg(hold ORDER BY position) FROM new
+                            WHERE hold IS NOT NULL)""",
                 step_keys=[boundary.step_key for boundary in boundaries],
                 kinds=[boundary.kind for boundary in boundaries],
                 effect_classes=[boundary.effect_class for boundary in boundaries],
@@ -304,14 +344,19 @@ class Lease:
                 **receipt_params(receipts),
             )
         assert row is not None
-        may_start, live, receipts_written, step_keys, action_ids = row
+        may_start, live, receipts_written, step_keys, action_ids, held_keys, holds = row
         if may_start is None or not receipts_written:
             raise LeaseLost(f"{what} refused")
         if not may_start:
             raise CancelRequested(f"{what} refused: a cancel was asked")
         if not live:
             raise LeaseExpired(f"{what} refused: the lease expired")
-        return dict(zip(step_keys or (), action_ids or (), strict=True))
+        written = dict(zip(step_keys or (), action_ids or (), strict=True))
+        if held_keys:
+            kinds = {boundary.step_key: boundary.kind for boundary in boundaries}
+            stopped = {key: (kinds[key], hold) for key, hold in zip(held_keys, holds, strict=True)}
+            raise Held(stopped, written)
+        return written
 
     def record_boundary(
         self,
@@ -336,18 +381,30 @@ class Lease:
         owner died before its receipt; a read that failed stays failed), or
         an effect that an operator's decision says to send once more (its
         `failed` state; the database also counts the decisions, migration
-        0008)."""
-        self._require(
-            f"""UPDATE runs_action SET epoch = %(epoch)s, attempts = attempts + 1,
-                    state = 'dispatched', dispatched_at = now(), error = ''
-                WHERE id = %(action)s AND run_id = %(run)s
-                  AND (effect_class = 'read' AND state = 'dispatched'
-                       OR effect_class = 'effect' AND state = 'failed')
-                  AND epoch < %(epoch)s
-                  AND EXISTS ({OWNED_NOT_CANCELLED})""",
-            f"re-dispatch of action {action_id}",
+        0008).  Not while an active hold matches it: Held."""
+        row = self._fetch_one(
+            f"""WITH held AS (
+                    SELECT step_key, kind, {HOLDING_ACTION} AS hold
+                    FROM runs_action WHERE id = %(action)s),
+                armed AS (
+                    UPDATE runs_action SET epoch = %(epoch)s, attempts = attempts + 1,
+                        state = 'dispatched', dispatched_at = now(), error = ''
+                    WHERE id = %(action)s AND run_id = %(run)s
+                      AND (effect_class = 'read' AND state = 'dispatched'
+                           OR effect_class = 'effect' AND state = 'failed')
+                      AND epoch < %(epoch)s
+                      AND EXISTS ({OWNED_NOT_CANCELLED})
+                      AND NOT EXISTS (SELECT 1 FROM held WHERE hold IS NOT NULL)
+                    RETURNING id)
+                SELECT (SELECT count(*) FROM armed), step_key, kind, hold FROM held""",
             action=action_id,
         )
+        if row is not None and row[0] == 0 and row[3] is not None and self.held():
+            _, step_key, kind, hold = row
+            raise Held({step_key: (kind, hold)})
+        if row is None or row[0] == 0:
+            what = f"re-dispatch of action {action_id}"
+            raise self._refused(what, f": run {self.run_id} epoch {self.epoch} not held")
 
     def record_receipts(self, receipts: Sequence[PendingReceipt]) -> None:
         """The facts that the actions completed, with the actions' states,

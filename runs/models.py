@@ -208,6 +208,7 @@ class RunQuerySet(models.QuerySet["Run"]):
             self.local()
             .filter(status=RunStatus.NEEDS_OPERATOR)
             .exclude(Exists(OutcomeItem.objects.holding_runs().filter(run=OuterRef("pk"))))
+            .exclude(Exists(HoldWait.objects.filter(run=OuterRef("pk"), until__isnull=True)))
         )
 
     def resume_if_settled(self, run_id: int, why: str) -> bool:
@@ -1001,3 +1002,102 @@ class DrillResult(models.Model):
 
     def __str__(self) -> str:
         return f"{self.scenario} ({self.agent}): {self.verdict}"
+
+
+# -- holds (runs/holds.py) ---------------------------------------------------------
+
+
+class HoldQuerySet(models.QuerySet["Hold"]):
+    def active(self) -> HoldQuerySet:
+        return self.filter(released_at__isnull=True)
+
+    def released(self) -> HoldQuerySet:
+        return self.filter(released_at__isnull=False)
+
+
+class Hold(models.Model):
+    """An operator's stop on a tool (`tool`) of one agent (`agent`) or of
+    every agent (agent ""), or on every effect of one agent (tool ""): a
+    run reaching the boundary of an action it matches does not dispatch it
+    and waits (HoldWait) until the hold is released (runs/holds.py)."""
+
+    tool = models.CharField(max_length=40, blank=True)  # "": every effect of `agent`
+    agent = models.CharField(max_length=63, blank=True)  # "": every agent
+    reason = models.TextField()
+    added_by = models.CharField(max_length=150)
+    added_at = models.DateTimeField(db_default=Now())
+    # The dispatches of what it holds that were already in flight when it
+    # was added (boundaries without a receipt, committed before it): they
+    # went on.  [{"action": id, "run": id, "step_key": ..., "tool": ...}]
+    in_flight = models.JSONField(default=list, blank=True)
+    released_by = models.CharField(max_length=150, blank=True)
+    released_at = models.DateTimeField(null=True, blank=True)
+    release_reason = models.TextField(blank=True)
+
+    objects = HoldQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-added_at", "-id"]
+        constraints = [
+            # Every effect of every agent is not a hold: it is stopping the service.
+            models.CheckConstraint(
+                condition=~Q(tool="") | ~Q(agent=""), name="hold_names_a_tool_or_an_agent"
+            ),
+            models.CheckConstraint(condition=~Q(reason=""), name="hold_says_why"),
+            models.CheckConstraint(condition=~Q(added_by=""), name="hold_says_who"),
+            # Released by someone, for a reason, after it was added; or not at all.
+            models.CheckConstraint(
+                condition=Q(released_at__isnull=True, released_by="", release_reason="")
+                | (Q(released_at__gte=F("added_at")) & ~Q(released_by="") & ~Q(release_reason="")),
+                name="hold_release_complete",
+            ),
+            # One active hold per scope; also serves the boundary's look-up
+            # of active holds (holds.HOLDING).
+            models.UniqueConstraint(
+                fields=["tool", "agent"],
+                condition=Q(released_at__isnull=True),
+                name="hold_one_active_per_scope",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"hold {self.pk}"
+
+    @property
+    def is_active(self) -> bool:
+        return self.released_at is None
+
+
+class HoldWait(models.Model):
+    """A run's wait at a held boundary: from when it stopped (`since`) to
+    when the hold's release put it back in the queue, or it ended
+    (`until`).  The hold's audit figures (how many runs waited, how long)
+    are sums of these."""
+
+    hold = models.ForeignKey(Hold, on_delete=models.PROTECT, related_name="waits")
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="hold_waits")
+    step_key = models.CharField(max_length=200)
+    since = models.DateTimeField(db_default=Now())
+    until = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["since", "id"]
+        constraints = [
+            # A run waits at one boundary at a time.
+            models.UniqueConstraint(
+                fields=["run"], condition=Q(until__isnull=True), name="hold_wait_one_open_per_run"
+            ),
+            models.CheckConstraint(
+                condition=Q(until__isnull=True) | Q(until__gte=F("since")),
+                name="hold_wait_ends_after_it_starts",
+            ),
+        ]
+        indexes = [
+            # Serves the release: the open waits of a hold.
+            models.Index(
+                fields=["hold"], condition=Q(until__isnull=True), name="hold_wait_open_idx"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} waits on hold {self.hold_id}"
