@@ -53,7 +53,7 @@ from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from evidence.capture import RunCapture
-from runs import registry
+from runs import approvals, registry
 from runs.agent import (
     ActionFailed,
     Agent,
@@ -222,16 +222,29 @@ class Dispatcher:
         return self.history.action(step_key).pk
 
     def step(
-        self, step_key: str, tool_name: str, input: dict[str, Any], *, sources: Sequence[str] = ()
+        self,
+        step_key: str,
+        tool_name: str,
+        input: dict[str, Any],
+        *,
+        sources: Sequence[str] = (),
+        needs_approval: bool = False,
     ) -> dict[str, Any]:
         """One action of the run: its result, from its receipt or from
         dispatching it.  `sources` names the documents a model call was
-        given (its evidence links to them)."""
+        given (its evidence links to them).  One that needs approval
+        passes its gate first (runs/approvals.py): it waits for it, is
+        refused by it, or goes on with the input approved."""
         if step_key in self.completed_now:
             raise NeedsOperator(f"the agent used identity {step_key} twice")
         tool = self._tool(tool_name)
         if refusal := self._refused_input(step_key, tool, input):
             return refusal
+        if needs_approval or tool.needs_approval:
+            passed = approvals.gate(self, step_key, tool, input)
+            if passed.refusal is not None:
+                return passed.refusal
+            tool, input = passed.tool, passed.input
         covered = step_key in self.covered
         self.covered.discard(step_key)
         if not covered:
