@@ -5,6 +5,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from dashboard import drills, inbox, views
+from dashboard.approvals import approval_decide
 
 urlpatterns = [
     path("", views.runs_list, name="runs-list"),
@@ -30,4 +31,5 @@ urlpatterns = [
     path("login/", views.SignIn.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
+    path("inbox/<int:item_id>/approve/", approval_decide, name="inbox-approve"),
 ]

@@ -401,10 +401,8 @@ def input_diff(proposed: Mapping[str, Any], sent: Mapping[str, Any]) -> list[str
 
 def _lines(input: Mapping[str, Any]) -> list[str]:
     lines = []
-    for key in input:
-        value = input[key]
-        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        lines.extend(f"{key}: {line}" for line in text.splitlines() or [""])
+    for key, value in input.items():
+        lines.extend(f"{key}: {line}" for line in _text(value).splitlines() or [""])
     return lines
 
 
@@ -448,3 +446,43 @@ def expire_due() -> list[int]:
         if decided.run_resumed:
             resumed.append(decided.decision.run_id)
     return resumed
+
+
+# -- shown to a person ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A proposed input as a person reads it: its short fields as headers
+    (an email's To and Subject), its long text (the email's body) below."""
+
+    headers: list[tuple[str, str]]
+    body: str | None
+
+
+# The field shown as the text below the headers, when an input has one.
+BODY = "body"
+
+
+def rendered(input: Mapping[str, Any]) -> Rendered:
+    headers = [
+        (key.replace("_", " ").capitalize(), _text(value))
+        for key, value in input.items()
+        if key != BODY
+    ]
+    # An email's order: who it goes to, then what it is about.
+    headers.sort(key=lambda header: {"To": 0, "Subject": 1}.get(header[0], 2))
+    return Rendered(headers, _text(input[BODY]) if BODY in input else None)
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def editable(tool: Tool | None) -> list[str]:
+    """The fields of a tool's input an approver may edit: its string
+    properties (an email's to, subject and body)."""
+    if tool is None:
+        return []
+    properties = tool.input_schema.get("properties", {})
+    return [name for name, spec in properties.items() if spec.get("type") == "string"]
