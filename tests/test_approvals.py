@@ -12,11 +12,13 @@ import signal
 import threading
 import uuid
 from collections.abc import Iterator
+from io import StringIO
 from pathlib import Path
 
 import psycopg
 import pytest
 from django.contrib.auth.models import Group, Permission, User
+from django.core.management import CommandError, call_command
 from django.db import IntegrityError, connection, connections, transaction
 from psycopg.types.json import Jsonb
 
@@ -394,3 +396,60 @@ def boundary_waits(run_id: int) -> bool:
             [f"rundesk:executor:run-{run_id}"],
         )
         return cursor.fetchone()[0] > 0
+
+
+def outcomes_json(*args: str) -> dict:
+    out = StringIO()
+    call_command("outcomes", *args, "--json", stdout=out)
+    return json.loads(out.getvalue())
+
+
+def test_the_outcomes_command_approves_with_an_input_file(receivers, tmp_path):
+    make_approver("ana")
+    make_user("olga", operator=True)
+    run, item = waiting_reply()
+    shown = outcomes_json("show", str(item.pk))
+    assert shown["item"]["kind"] == "approval"
+    assert shown["evidence"]["approval"]["input"]["to"] == CUSTOMER
+    edited = {**Approval.objects.get(run=run).proposed, "body": "Refunded, from the CLI."}
+    path = tmp_path / "edit.json"
+    path.write_text(json.dumps(edited))
+
+    with pytest.raises(CommandError, match="olga may not decide: it needs the approver"):
+        call_command("outcomes", "approve", str(item.pk), "--as", "olga")
+    with pytest.raises(CommandError, match="invalid choice: .approve."):
+        call_command(
+            "outcomes",
+            "decide",
+            str(item.pk),
+            "--choice",
+            "approve",
+            "--as",
+            "olga",
+            "--reason",
+            "x",
+        )
+    done = outcomes_json(
+        "approve", str(item.pk), "--as", "ana", "--input-file", str(path), "--token", "t-1"
+    )
+    again = outcomes_json(
+        "approve", str(item.pk), "--as", "ana", "--input-file", str(path), "--token", "t-1"
+    )
+
+    assert (done["decision"]["choice"], done["run_resumed"]) == ("approve_edited", True)
+    assert again["repeated"] is True
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    (mail,) = receivers.mailbox.messages()
+    assert mail.get_content().strip() == "Refunded, from the CLI."
+
+
+def test_the_outcomes_command_rejects_with_a_reason(receivers):
+    make_approver("ana")
+    run, item = waiting_reply()
+
+    done = outcomes_json("reject", str(item.pk), "--as", "ana", "--reason", "not our policy")
+
+    assert done["decision"]["choice"] == "reject"
+    assert done["item"]["state"] == "resolved"
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    assert receivers.mailbox.messages() == []
