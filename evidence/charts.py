@@ -36,6 +36,7 @@ from runs.models import (
 )
 from runs.timeline import EventKind
 from runs.words import (
+    APPROVAL_WAIT,
     cut_words,
     human_duration,
     plain,
@@ -560,6 +561,9 @@ def _idle(
     spans: list[Idle] = []
     waiting: dt.datetime | None = None
     ender = ""
+    # What the run waits for, as its wait's event says it (an approval's
+    # begins APPROVAL_WAIT).
+    waiting_for = ""
     unowned: tuple[dt.datetime, str] | None = None
     for e in events:
         kind, at = e["kind"], e["created_at"]
@@ -569,7 +573,7 @@ def _idle(
             elif kind in WAIT_ENDS:
                 if kind == EventKind.RUN_CANCELLED and not ender:
                     ender = f"the cancel asked by {run.cancel_requested_by or '(not recorded)'}"
-                said = wait_words((at - waiting).total_seconds(), ender)
+                said = wait_words((at - waiting).total_seconds(), ender, waiting_for)
                 spans.append(Idle("operator", waiting, at, said))
                 waiting = None
                 if kind == EventKind.RUN_REQUEUED:
@@ -577,6 +581,8 @@ def _idle(
             continue
         if kind == EventKind.NEEDS_OPERATOR:
             waiting, ender, unowned = at, "", None
+            approval = (e["message"] or "").startswith(APPROVAL_WAIT)
+            waiting_for = APPROVAL_WAIT if approval else "waiting for an operator"
         elif kind == EventKind.LEASE_ACQUIRED and unowned is not None:
             since, why = unowned
             if at - since >= UNOWNED_SHOWN:
@@ -588,11 +594,17 @@ def _idle(
         elif kind in (EventKind.LEASE_LOST, EventKind.LEASE_RELEASED, EventKind.RUN_REQUEUED):
             unowned = unowned or (at, plain(EventKind, kind))
     if waiting is not None and run.status == RunStatus.NEEDS_OPERATOR:
-        spans.append(Idle("operator", waiting, None, waiting_words(_clock(waiting, millis=False))))
+        since = _clock(waiting, millis=False)
+        spans.append(Idle("operator", waiting, None, waiting_words(since, waiting_for)))
     elif waiting is not None:  # ended, its end's event not (yet) written
         end = max(run.finished_at or waiting, waiting)
         spans.append(
-            Idle("operator", waiting, end, wait_words((end - waiting).total_seconds(), ender))
+            Idle(
+                "operator",
+                waiting,
+                end,
+                wait_words((end - waiting).total_seconds(), ender, waiting_for),
+            )
         )
     return spans
 

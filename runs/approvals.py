@@ -76,7 +76,7 @@ from runs.models import (
 from runs.outcomes import NeedsOperator, open_item
 from runs.sql import waits_bounded
 from runs.timeline import EventKind, timeline
-from runs.words import declared_tool, human_duration
+from runs.words import APPROVAL_WAIT, declared_tool, human_duration
 
 if TYPE_CHECKING:
     from runs.dispatch import Dispatcher
@@ -86,9 +86,7 @@ logger = logging.getLogger(__name__)
 APPROVE = "runs.approve_action"
 # The group migration 0021 makes, holding APPROVE (shown as who may approve).
 APPROVERS = "approvers"
-# How a run's wait for an approval begins its status reason (and so the
-# needs_operator event the run page's timeline reads).
-WAITING = "waiting for approval"
+WAITING = APPROVAL_WAIT
 CHOICES = [DecisionChoice.APPROVE, DecisionChoice.APPROVE_EDITED, DecisionChoice.REJECT]
 # Who may approve, as an item shows them: the first few names.
 NAMES_SHOWN = 20

@@ -22,6 +22,7 @@ from django.core.management import CommandError, call_command
 from django.db import IntegrityError, connection, connections, transaction
 from psycopg.types.json import Jsonb
 
+from evidence import charts
 from runs import approvals
 from runs.agents.receivers import Helpdesk, Mailbox
 from runs.approvals import decide_approval
@@ -45,6 +46,7 @@ from runs.models import (
 )
 from runs.submission import submit
 from runs.sweep import sweep
+from runs.timeline import timeline
 from tests import approval_agents
 from tests.conftest import make_user, manage
 from tests.faultruns import wait_for
@@ -453,3 +455,16 @@ def test_the_outcomes_command_rejects_with_a_reason(receivers):
     assert done["item"]["state"] == "resolved"
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     assert receivers.mailbox.messages() == []
+
+
+def test_the_run_timeline_draws_the_gate_as_a_wait_ended_by_the_decision(receivers):
+    ana = make_approver("ana")
+    run, item = waiting_reply()
+    decide_approval(item.pk, asked(ana, DecisionChoice.APPROVE))
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    timeline.flush()
+
+    figure = json.dumps(charts.timeline(run, list(run.actions.all()), []), ensure_ascii=False)
+
+    assert "waiting for approval: " in figure
+    assert "ended by the decision of ana (approve)" in figure
