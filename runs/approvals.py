@@ -39,7 +39,7 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 from django.contrib.auth import get_user_model
 from django.db import DatabaseError, IntegrityError, transaction
@@ -74,12 +74,10 @@ from runs.models import (
     digest,
 )
 from runs.outcomes import NeedsOperator, open_item
+from runs.progress import History
 from runs.sql import waits_bounded
 from runs.timeline import EventKind, timeline
 from runs.words import APPROVAL_WAIT, declared_tool, human_duration
-
-if TYPE_CHECKING:
-    from runs.dispatch import Dispatcher
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +93,15 @@ NAMES_SHOWN = 20
 # -- the gate, in the run ------------------------------------------------------------
 
 
+class Stepping(Protocol):
+    """What the gate needs of the runtime's Dispatcher (runs/dispatch.py)."""
+
+    run: Run
+    history: History
+
+    def write_receipt(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Passed:
     """What a gated step goes on with: the tool and the input to dispatch
@@ -105,7 +112,7 @@ class Passed:
     refusal: dict[str, str] | None = None
 
 
-def gate(dispatcher: Dispatcher, step_key: str, tool: Tool, input: dict[str, Any]) -> Passed:
+def gate(dispatcher: Stepping, step_key: str, tool: Tool, input: dict[str, Any]) -> Passed:
     """The approval of a gated step: opens it and waits (NeedsOperator) the
     first time, waits while it is pending, and then says what the step goes
     on with.  The approval is a fact of the run, like a receipt: a resumed
@@ -148,7 +155,7 @@ def gate(dispatcher: Dispatcher, step_key: str, tool: Tool, input: dict[str, Any
     return Passed(dataclasses.replace(tool, run=run), approval.sent)
 
 
-def _open(dispatcher: Dispatcher, step_key: str, tool: Tool, input: dict[str, Any]) -> NoReturn:
+def _open(dispatcher: Stepping, step_key: str, tool: Tool, input: dict[str, Any]) -> NoReturn:
     """Opens the approval item and its Approval in one transaction (the
     item's alerts with them), and waits."""
     dispatcher.write_receipt()  # the last reads' receipts, before the run waits
