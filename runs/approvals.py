@@ -406,9 +406,15 @@ def input_diff(proposed: Mapping[str, Any], sent: Mapping[str, Any]) -> list[str
 
 def _lines(input: Mapping[str, Any]) -> list[str]:
     lines = []
-    for key, value in input.items():
-        lines.extend(f"{key}: {line}" for line in _text(value).splitlines() or [""])
+    for key in sorted(input, key=_reading_order):
+        lines.extend(f"{key}: {line}" for line in _text(input[key]).splitlines() or [""])
     return lines
+
+
+def _reading_order(key: str) -> tuple[int, str]:
+    """An email's order: who it goes to, what it is about, the rest, the
+    body last (a jsonb object keeps its keys in an order of its own)."""
+    return ({"to": 0, "subject": 1, BODY: 3}.get(key, 2), key)
 
 
 # -- expiry (the sweep) ----------------------------------------------------------------------
@@ -471,12 +477,10 @@ BODY = "body"
 
 def rendered(input: Mapping[str, Any]) -> Rendered:
     headers = [
-        (key.replace("_", " ").capitalize(), _text(value))
-        for key, value in input.items()
+        (key.replace("_", " ").capitalize(), _text(input[key]))
+        for key in sorted(input, key=_reading_order)
         if key != BODY
     ]
-    # An email's order: who it goes to, then what it is about.
-    headers.sort(key=lambda header: {"To": 0, "Subject": 1}.get(header[0], 2))
     return Rendered(headers, _text(input[BODY]) if BODY in input else None)
 
 
