@@ -18,12 +18,13 @@ from pathlib import Path
 import psycopg
 import pytest
 from django.contrib.auth.models import Group, Permission, User
+from django.core import mail as told_by_mail
 from django.core.management import CommandError, call_command
 from django.db import IntegrityError, connection, connections, transaction
 from psycopg.types.json import Jsonb
 
 from evidence import charts
-from runs import approvals
+from runs import alerts, approvals
 from runs.agents.receivers import Helpdesk, Mailbox
 from runs.approvals import decide_approval
 from runs.decisions import DecisionRefused, Request, Who
@@ -118,7 +119,8 @@ def test_a_reply_waits_for_approval_with_the_mail_shown_and_nothing_sent(
     receivers, journal, settings
 ):
     settings.RUNDESK_ALERT_URL = "http://127.0.0.1:9/alerts"
-    make_approver("ana")
+    ana = make_approver("ana")
+    User.objects.filter(pk=ana.pk).update(email="ana@example.com")  # told by email too
     run, item = waiting_reply()
 
     assert run.status_reason.startswith("waiting for approval of send_reply (send)")
@@ -135,7 +137,10 @@ def test_a_reply_waits_for_approval_with_the_mail_shown_and_nothing_sent(
     approval = Approval.objects.get(run=run)
     assert (approval.state, approval.step_key, approval.tool) == ("pending", "send", "send_reply")
     # Told once: an alert row per channel, written with the item.
-    assert [alert.channel for alert in item.alerts.all()] == ["webhook"]
+    assert [alert.channel for alert in item.alerts.all()] == ["email", "webhook"]
+    alerts.deliver_due()
+    (told,) = told_by_mail.outbox  # the approvers, not the operators
+    assert told.to == ["ana@example.com"]
     assert claim_and_drive(run.pk) == Ending.NOT_CLAIMABLE  # nothing opened again
     assert OutcomeItem.objects.filter(run=run).count() == 1
 
