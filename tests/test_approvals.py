@@ -7,8 +7,8 @@ input was not approved."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import threading
 import uuid
