@@ -136,7 +136,7 @@ def gate(dispatcher: Stepping, step_key: str, tool: Tool, input: dict[str, Any])
     decision = approval.decision
     assert decision is not None
     if approval.state == ApprovalState.REJECTED:
-        said = f"{tool.name} not approved: {refusal_words(approval)}"
+        said = refusal_words(approval)
         timeline.record(run_id, EventKind.ACTION_REFUSED, f"{step_key}: {said}")
         return Passed(tool, input, {"refused": said})
     told = {
@@ -212,12 +212,14 @@ def waiting_reason(approval: Approval) -> str:
 
 
 def refusal_words(approval: Approval) -> str:
-    """Why a rejected approval refused its step, as the agent is told."""
+    """Why a rejected approval refused its step, as the agent is told:
+    "send_reply rejected by ana: wrong tone", "send_reply not approved
+    within 2 h" (the system's reason)."""
     decision = approval.decision
     assert decision is not None
     if decision.user_id is None:
-        return decision.reason
-    return f"rejected by {decision.decided_by}: {decision.reason}"
+        return f"{approval.tool} {decision.reason}"
+    return f"{approval.tool} rejected by {decision.decided_by}: {decision.reason}"
 
 
 def who_may_approve() -> dict[str, Any]:

@@ -48,7 +48,7 @@ from runs.models import (
 )
 from runs.submission import submit
 from runs.sweep import sweep
-from runs.timeline import timeline
+from runs.timeline import EventKind, timeline
 from tests import approval_agents
 from tests.conftest import make_user, manage
 from tests.faultruns import wait_for
@@ -235,6 +235,9 @@ def test_rejected_the_run_completes_without_the_mail(receivers):
     (update,) = receivers.helpdesk.updates()
     assert json.loads(update["body"])["status"] == "not answered"
     assert Approval.objects.get(run=run).state == ApprovalState.REJECTED
+    timeline.flush()
+    (said,) = run.events.filter(kind=EventKind.ACTION_REFUSED).values_list("message", flat=True)
+    assert said == "send: send_reply rejected by ana: wrong tone"  # what the agent was told
 
 
 def test_the_same_token_again_changes_nothing(receivers):
@@ -337,7 +340,7 @@ def test_not_approved_in_time_is_a_system_refusal_and_the_run_goes_on(journal):
     assert (decision.choice, decision.reason) == ("reject", "not approved within 1.0 s")
     assert OutcomeItem.objects.get(pk=item.pk).state == OutcomeState.SETTLED
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
-    assert run.revisions.get().content == "not sent: notify not approved: not approved within 1.0 s"
+    assert run.revisions.get().content == "not sent: notify not approved within 1.0 s"
     assert journal.counts("notify") == {}
     # A person is too late once it expired, even before the sweep.
     with pytest.raises(DecisionRefused, match="already decided"):
