@@ -108,7 +108,8 @@ def _rows(items: QuerySet[OutcomeItem]) -> list[OutcomeItem]:
         item.blocks = blocks(item)
         item.run.status_label = status_words(item.run)
         # An approval item's row shows what it asks: the email, as one.
-        item.mail = rendered(item.approval.proposed) if item.kind == OutcomeKind.APPROVAL else None
+        gate = getattr(item, "approval", None)
+        item.mail = rendered(gate.proposed) if gate is not None else None
     return rows
 
 
@@ -197,7 +198,9 @@ def run_choices(request: HttpRequest, run: Run) -> dict[str, Any]:
 @rejects_bad_input
 def item_detail(request: HttpRequest, item_id: int) -> HttpResponse:
     item = get_object_or_404(items_listed(OutcomeItem.objects.all()), pk=item_id)
-    if item.kind == OutcomeKind.APPROVAL:
+    # An imported run's approval item comes without its gate (bundles
+    # carry items, not gates): the item page shows what it recorded.
+    if getattr(item, "approval", None) is not None:
         return approval_page(request, item)
     return render(request, "outcome_item.html", _item_context(request, item))
 

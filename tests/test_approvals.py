@@ -422,6 +422,9 @@ def test_the_outcomes_command_approves_with_an_input_file(receivers, tmp_path):
     run, item = waiting_reply()
     shown = outcomes_json("show", str(item.pk))
     assert shown["item"]["kind"] == "approval"
+    out = StringIO()
+    call_command("outcomes", "show", str(item.pk), stdout=out)
+    assert "Nothing is sent until an approver decides (the approvers group)" in out.getvalue()
     assert shown["evidence"]["approval"]["input"]["to"] == CUSTOMER
     edited = {**Approval.objects.get(run=run).proposed, "body": "Refunded, from the CLI."}
     path = tmp_path / "edit.json"
