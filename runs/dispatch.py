@@ -288,6 +288,8 @@ class Dispatcher:
             tool = self._tool(each.tool)
             if tool.effect != EffectClass.READ:
                 raise ValueError(f"{each.key}: only reads go side by side, and {tool.name} is not")
+            if tool.needs_approval:
+                raise ValueError(f"{each.key}: {tool.name} needs approval: step it on its own")
             if refusal := self._refused_input(each.key, tool, each.input):
                 results[index] = refusal
                 continue

@@ -8,10 +8,11 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, ClassVar
 
-from runs.agent import EFFECT, Agent, Tool, ToolCall
+from runs.agent import EFFECT, READ, Agent, Step, Tool, ToolCall
 from runs.agents.tools import journal
 
 PATH = "tests.approval_agents:NoticeAgent"
+BESIDE = "tests.approval_agents:BesideAgent"
 # The time a notice waits for its approval.
 WAITS = dt.timedelta(seconds=1)
 
@@ -54,3 +55,20 @@ class NoticeAgent(Agent):
             f"not sent: {sent['refused']}" if "refused" in sent else f"sent to {sent['notified']}"
         )
         self.ctx.publish(said, revision=1, final=True)
+
+
+def look(input: dict[str, Any], call: ToolCall) -> dict[str, Any]:
+    journal("look", call.identity)
+    return {"seen": input["what"]}
+
+
+class BesideAgent(Agent):
+    """Asks for a read that needs approval side by side: refused, since
+    reads side by side are dispatched at once."""
+
+    name = "beside"
+    version = "1"
+    tools = (Tool("look", READ, look, needs_approval=True),)
+
+    def run(self) -> None:
+        self.ctx.side_by_side([Step("look", "look", {"what": "x"})])

@@ -98,6 +98,7 @@ def installed(settings) -> None:
         **settings.RUNDESK_AGENTS,
         "support-approved": SUPPORT,
         "notice": approval_agents.PATH,
+        "beside": approval_agents.BESIDE,
     }
 
 
@@ -345,6 +346,16 @@ def test_not_approved_in_time_is_a_system_refusal_and_the_run_goes_on(journal):
     # A person is too late once it expired, even before the sweep.
     with pytest.raises(DecisionRefused, match="already decided"):
         decide_approval(item.pk, asked(make_approver("bo"), DecisionChoice.APPROVE))
+
+
+def test_a_step_that_needs_approval_never_goes_side_by_side(journal):
+    run = submit(agent="beside", input={})
+
+    assert claim_and_drive(run.pk) == RunStatus.FAILED
+    run.refresh_from_db()
+    assert "look: look needs approval: step it on its own" in run.status_reason
+    assert journal.counts("look") == {}
+    assert not run.actions.exists()
 
 
 def test_sigkilled_right_after_an_approval_the_mail_is_sent_once(receivers, process_env, journal):
