@@ -155,6 +155,13 @@ def gate(dispatcher: Stepping, step_key: str, tool: Tool, input: dict[str, Any])
     return Passed(dataclasses.replace(tool, run=run), approval.sent)
 
 
+def gated_steps(run_id: int) -> set[str]:
+    """The steps of a run an approval was asked for: each stays gated (an
+    agent whose code changed and no longer asks meets the same decision;
+    the database would refuse its boundary otherwise)."""
+    return set(Approval.objects.filter(run_id=run_id).values_list("step_key", flat=True))
+
+
 def _open(dispatcher: Stepping, step_key: str, tool: Tool, input: dict[str, Any]) -> NoReturn:
     """Opens the approval item and its Approval in one transaction (the
     item's alerts with them), and waits."""

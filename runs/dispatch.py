@@ -170,6 +170,8 @@ class Dispatcher:
         self.checkpoints = Checkpointer(lease, self.faults)
         # The reads whose results are in hand, until their receipts are written.
         self.unwritten: list[AwaitingReceipt] = []
+        # Steps an approval was asked for: gated whatever the agent says now.
+        self.gated = approvals.gated_steps(self.run.pk)
 
     def run_agent(self, declared: type[Agent]) -> None:
         """Runs the agent `declared` through this dispatcher, from where
@@ -240,7 +242,7 @@ class Dispatcher:
         tool = self._tool(tool_name)
         if refusal := self._refused_input(step_key, tool, input):
             return refusal
-        if needs_approval or tool.needs_approval:
+        if needs_approval or tool.needs_approval or step_key in self.gated:
             passed = approvals.gate(self, step_key, tool, input)
             if passed.refusal is not None:
                 return passed.refusal
