@@ -90,7 +90,9 @@ class ApprovalForm(forms.Form):
         return edit
 
 
-def approval_page(request: HttpRequest, item: OutcomeItem, form: ApprovalForm | None = None):
+def approval_page(
+    request: HttpRequest, item: OutcomeItem, form: ApprovalForm | None = None
+) -> HttpResponse:
     """The page of an approval item (inbox.item_detail sends it here)."""
     return render(
         request, "approval.html", _context(request, item, form), status=400 if form else 200
