@@ -348,6 +348,20 @@ def test_not_approved_in_time_is_a_system_refusal_and_the_run_goes_on(journal):
         decide_approval(item.pk, asked(make_approver("bo"), DecisionChoice.APPROVE))
 
 
+def test_an_agent_asks_for_approval_per_call_and_sends_once_approved(journal):
+    ana = make_approver("ana")
+    run = submit(agent="notice", input={"to": "ops@example.com", "text": "deploy at 5"})
+    assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
+    item = OutcomeItem.objects.get(run=run, kind=OutcomeKind.APPROVAL)
+    assert journal.counts("notify") == {}
+
+    decide_approval(item.pk, asked(ana, DecisionChoice.APPROVE))
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+
+    assert run.revisions.get().content == "sent to ops@example.com"
+    assert journal.counts("notify") == {action_identity(run.pk, "notice"): 1}
+
+
 def test_a_step_that_needs_approval_never_goes_side_by_side(journal):
     run = submit(agent="beside", input={})
 
