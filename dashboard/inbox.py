@@ -31,9 +31,11 @@ from django.views.decorators.http import require_POST, require_safe
 from django_htmx.http import HttpResponseStopPolling
 
 from dashboard import params
+from dashboard.approvals import approval_page
 from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
 from runs import holds
+from runs.approvals import rendered
 from runs.decisions import (
     OPERATE,
     REFERENCE_MAX,
@@ -107,6 +109,9 @@ def _rows(items: QuerySet[OutcomeItem]) -> list[OutcomeItem]:
         item.what = what(item)
         item.blocks = blocks(item)
         item.run.status_label = status_words(item.run)
+        # An approval item's row shows what it asks: the email, as one.
+        gate = getattr(item, "approval", None)
+        item.mail = rendered(gate.proposed) if gate is not None else None
     return rows
 
 
@@ -199,6 +204,10 @@ def run_choices(request: HttpRequest, run: Run) -> dict[str, Any]:
 @rejects_bad_input
 def item_detail(request: HttpRequest, item_id: int) -> HttpResponse:
     item = get_object_or_404(items_listed(OutcomeItem.objects.all()), pk=item_id)
+    # An imported run's approval item comes without its gate (bundles
+    # carry items, not gates): the item page shows what it recorded.
+    if getattr(item, "approval", None) is not None:
+        return approval_page(request, item)
     return render(request, "outcome_item.html", _item_context(request, item))
 
 

@@ -5,6 +5,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
 from dashboard import bulk, drills, holds, inbox, views
+from dashboard.approvals import approval_decide
 
 urlpatterns = [
     path("", views.runs_list, name="runs-list"),
@@ -41,4 +42,5 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("api/", include("dashboard.api.urls")),
+    path("inbox/<int:item_id>/approve/", approval_decide, name="inbox-approve"),
 ]

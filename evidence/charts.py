@@ -37,6 +37,7 @@ from runs.models import (
 )
 from runs.timeline import EventKind
 from runs.words import (
+    APPROVAL_WAIT,
     cut_words,
     human_duration,
     plain,
@@ -568,6 +569,9 @@ def _idle(
     waiting: dt.datetime | None = None
     ender = ""
     held = ""  # the wait is at a held boundary: why, as its run says it
+    # What else the run waits for, as its wait's event says it (an
+    # approval's begins APPROVAL_WAIT).
+    waiting_for = ""
     unowned: tuple[dt.datetime, str] | None = None
     for e in events:
         kind, at = e["kind"], e["created_at"]
@@ -579,7 +583,7 @@ def _idle(
                     ender = f"the cancel asked by {run.cancel_requested_by or '(not recorded)'}"
                 if released_by := (e["data"] or {}).get("released_by"):
                     ender = f"the release of {released_by}"
-                spans.append(_waited(waiting, at, ender, held))
+                spans.append(_waited(waiting, at, ender, held, waiting_for))
                 waiting = None
                 if kind == EventKind.RUN_REQUEUED:
                     unowned = (at, "back in the queue")
@@ -587,6 +591,8 @@ def _idle(
         if kind == EventKind.NEEDS_OPERATOR:
             waiting, ender, unowned = at, "", None
             held = (e["data"] or {}).get("held", "")
+            approval = (e["message"] or "").startswith(APPROVAL_WAIT)
+            waiting_for = APPROVAL_WAIT if approval else "waiting for an operator"
         elif kind == EventKind.LEASE_ACQUIRED and unowned is not None:
             since, why = unowned
             if at - since >= UNOWNED_SHOWN:
@@ -602,18 +608,20 @@ def _idle(
         if held:
             spans.append(Idle("held", waiting, None, hold_waiting_words(held, since)))
         else:
-            spans.append(Idle("operator", waiting, None, waiting_words(since)))
+            spans.append(Idle("operator", waiting, None, waiting_words(since, waiting_for)))
     elif waiting is not None:  # ended, its end's event not (yet) written
-        spans.append(_waited(waiting, max(run.finished_at or waiting, waiting), ender, held))
+        end = max(run.finished_at or waiting, waiting)
+        spans.append(_waited(waiting, end, ender, held, waiting_for))
     return spans
 
 
-def _waited(start: dt.datetime, end: dt.datetime, ender: str, held: str) -> Idle:
-    """A wait for an operator that ended, or at a held boundary (`held`)."""
+def _waited(start: dt.datetime, end: dt.datetime, ender: str, held: str, waiting_for: str) -> Idle:
+    """A wait that ended: at a held boundary (`held`), or `waiting_for` an
+    operator or an approval."""
     seconds = (end - start).total_seconds()
     if held:
         return Idle("held", start, end, hold_wait_words(held, human_duration(seconds), ender))
-    return Idle("operator", start, end, wait_words(seconds, ender))
+    return Idle("operator", start, end, wait_words(seconds, ender, waiting_for))
 
 
 def _ender(decision: OperatorDecision | None, message: str) -> str:

@@ -129,6 +129,11 @@ class Tool:
     timeout: float = 60.0
     input_schema: Mapping[str, Any] = field(default_factory=lambda: ANY_OBJECT)
     receiver: Callable[[dict[str, Any], str], str] | None = None
+    # Each call waits for a person's approval before its boundary (an
+    # approval item in the inbox; runs/approvals.py), for at most
+    # `approval_timeout`: not approved by then, it is refused.
+    needs_approval: bool = False
+    approval_timeout: dt.timedelta = dt.timedelta(hours=2)
 
     def __post_init__(self) -> None:
         if not NAME.fullmatch(self.name):
@@ -141,6 +146,8 @@ class Tool:
         if not self.timeout > 0:
             raise ValueError(f"tool {self.name}: timeout must be positive seconds")
         jsonschema.Draft202012Validator.check_schema(self.input_schema)
+        if not self.approval_timeout > dt.timedelta(0):
+            raise ValueError(f"tool {self.name}: approval_timeout must be positive")
 
     def refusal(self, input: Any) -> str:
         """Why this tool refuses `input` before its boundary ("" if not)."""
@@ -174,15 +181,27 @@ class RunContext:
         self.saved: dict[str, Any] | None = None
 
     def step(
-        self, key: str, tool: str, input: dict[str, Any], *, sources: Sequence[str] = ()
+        self,
+        key: str,
+        tool: str,
+        input: dict[str, Any],
+        *,
+        sources: Sequence[str] = (),
+        needs_approval: bool = False,
     ) -> dict[str, Any]:
         """Dispatches `tool` with `input` under step `key` after its boundary
         is durable, or returns the result its receipt holds.  A refusal is a
         result: {"refused": why} (an input the tool's schema refuses too).
         Raises ActionFailed if the tool failed; an unknown outcome, a lost
         lease or a cancel end the run's turn (do not catch BaseException).
-        `sources` names the documents a model call was given."""
-        return self._dispatcher.step(key, tool, input, sources=sources)
+        `sources` names the documents a model call was given.
+        `needs_approval` (or the tool's own `needs_approval`): the run
+        waits for a person to approve this call first; the result then
+        says what was sent under "approval" (an approver may have edited
+        the input), and a rejection is a refusal."""
+        return self._dispatcher.step(
+            key, tool, input, sources=sources, needs_approval=needs_approval
+        )
 
     def side_by_side(self, steps: Sequence[Step]) -> list[dict[str, Any] | ActionFailed]:
         """Reads dispatched at once: their boundaries are one durable write,

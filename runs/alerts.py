@@ -33,7 +33,15 @@ from django.db import DatabaseError, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
-from runs.models import HOLDING_KINDS, Alert, AlertChannel, AlertState, OutcomeItem, OutcomeState
+from runs.models import (
+    HOLDING_KINDS,
+    Alert,
+    AlertChannel,
+    AlertState,
+    OutcomeItem,
+    OutcomeKind,
+    OutcomeState,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +66,7 @@ def item_opened(item: OutcomeItem) -> None:
     if item.kind not in HOLDING_KINDS:
         return  # an unknown checkpoint holds nothing: the run went on
     channels = []
-    if _recipients().exists():
+    if _recipients(item.kind).exists():
         channels.append(AlertChannel.EMAIL)
     if settings.RUNDESK_ALERT_URL:
         channels.append(AlertChannel.WEBHOOK)
@@ -164,9 +172,12 @@ def retry_after(attempts: int) -> dt.timedelta:
     )
 
 
-def _recipients() -> Any:
+def _recipients(kind: str) -> Any:
+    # An approval item is the approvers' to decide (runs/approvals.py);
+    # every other item the operators'.
+    group = "approvers" if kind == OutcomeKind.APPROVAL else "operators"
     return (
-        User.objects.filter(groups__name="operators", is_active=True)
+        User.objects.filter(groups__name=group, is_active=True)
         .exclude(email="")
         .values_list("email", flat=True)
         .distinct()
@@ -184,7 +195,7 @@ def _send(alert: Alert, item: OutcomeItem) -> None:
         "inbox": f"{settings.RUNDESK_SITE_URL}/inbox/{item.pk}/",
     }
     if alert.channel == AlertChannel.EMAIL:
-        _email(message, list(_recipients()))
+        _email(message, list(_recipients(item.kind)))
     else:
         _post(message, f"rundesk-alert-{alert.pk}")
 

@@ -177,6 +177,10 @@ def gather(item: OutcomeItem) -> dict[str, Any]:
             "receiver_answer": item.action.error if item.action_id else "",
             "in_flight_until": until.isoformat() if until else None,
         }
+    elif item.kind == OutcomeKind.APPROVAL:
+        # What it asks is its evidence (runs/approvals.py): no write of
+        # unknown outcome to ask the database about.
+        shown["approval"] = item.evidence
     elif run.is_imported:
         # Its xid and writer's backend are another installation's: asking
         # this database about them would answer about something else.
@@ -265,6 +269,8 @@ def offers(item: OutcomeItem, shown: dict[str, Any]) -> list[Offer]:
     the state `item`, its run and its action are in."""
     if item.state != OutcomeState.OPEN or item.run.is_imported:
         return []
+    if item.kind == OutcomeKind.APPROVAL:
+        return []  # approvers decide it, through runs/approvals.py
     if item.kind == OutcomeKind.EFFECT:
         return _effect_offers(item, shown)
     now = shown["now"]

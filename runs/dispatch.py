@@ -53,7 +53,7 @@ from django.db import DatabaseError, transaction
 from django.utils import timezone
 
 from evidence.capture import RunCapture
-from runs import registry
+from runs import approvals, registry
 from runs.agent import (
     ActionFailed,
     Agent,
@@ -171,6 +171,8 @@ class Dispatcher:
         self.checkpoints = Checkpointer(lease, self.faults)
         # The reads whose results are in hand, until their receipts are written.
         self.unwritten: list[AwaitingReceipt] = []
+        # Steps an approval was asked for: gated whatever the agent says now.
+        self.gated = approvals.gated_steps(self.run.pk)
 
     def run_agent(self, declared: type[Agent]) -> None:
         """Runs the agent `declared` through this dispatcher, from where
@@ -223,16 +225,29 @@ class Dispatcher:
         return self.history.action(step_key).pk
 
     def step(
-        self, step_key: str, tool_name: str, input: dict[str, Any], *, sources: Sequence[str] = ()
+        self,
+        step_key: str,
+        tool_name: str,
+        input: dict[str, Any],
+        *,
+        sources: Sequence[str] = (),
+        needs_approval: bool = False,
     ) -> dict[str, Any]:
         """One action of the run: its result, from its receipt or from
         dispatching it.  `sources` names the documents a model call was
-        given (its evidence links to them)."""
+        given (its evidence links to them).  One that needs approval
+        passes its gate first (runs/approvals.py): it waits for it, is
+        refused by it, or goes on with the input approved."""
         if step_key in self.completed_now:
             raise NeedsOperator(f"the agent used identity {step_key} twice")
         tool = self._tool(tool_name)
         if refusal := self._refused_input(step_key, tool, input):
             return refusal
+        if needs_approval or tool.needs_approval or step_key in self.gated:
+            passed = approvals.gate(self, step_key, tool, input)
+            if passed.refusal is not None:
+                return passed.refusal
+            tool, input = passed.tool, passed.input
         covered = step_key in self.covered
         self.covered.discard(step_key)
         if not covered:
@@ -276,6 +291,8 @@ class Dispatcher:
             tool = self._tool(each.tool)
             if tool.effect != EffectClass.READ:
                 raise ValueError(f"{each.key}: only reads go side by side, and {tool.name} is not")
+            if tool.needs_approval:
+                raise ValueError(f"{each.key}: {tool.name} needs approval: step it on its own")
             if refusal := self._refused_input(each.key, tool, each.input):
                 results[index] = refusal
                 continue

@@ -114,6 +114,8 @@ def _about(
     checkpoint is after by `after`."""
     if item.action_id is not None:
         return action(item.action)
+    if item.kind == OutcomeKind.APPROVAL:
+        return f"{item.evidence.get('tool', 'an action')} ({item.evidence.get('identity', '')})"
     if item.checkpoint_id is not None:
         checkpoint = item.checkpoint
         return f"checkpoint {checkpoint.number} after {after(checkpoint.after_action)}"
@@ -132,7 +134,7 @@ def said(item: OutcomeItem, text: str) -> str:
 
 
 def items_listed(queryset: QuerySet[OutcomeItem]) -> QuerySet[OutcomeItem]:
-    return queryset.select_related("run", "action", "checkpoint__after_action")
+    return queryset.select_related("run", "action", "checkpoint__after_action", "approval")
 
 
 def listing_row(item: OutcomeItem, now: dt.datetime) -> dict[str, Any]:
@@ -185,6 +187,14 @@ def known(item: OutcomeItem, shown: dict[str, Any]) -> list[str]:
                 f"{offered_from(dt.datetime.fromisoformat(until))} (reload then)."
             )
         return sentences
+    if item.kind == OutcomeKind.APPROVAL:
+        approvers = item.evidence.get("approvers", {})
+        return [
+            f"Asked at {opened}: {item.summary}. Nothing is sent until an approver decides "
+            f"(the {approvers.get('group', 'approvers')} group); not approved by "
+            f"{_moment(item.evidence.get('expires_at'))}, it is refused and the run goes on "
+            "without it."
+        ]
     now = shown["now"]
     kind = plain(OutcomeKind, item.kind)
     xid = f"transaction {now['xid']}" if now["xid"] is not None else "its transaction (no xid)"

@@ -650,6 +650,9 @@ class OutcomeKind(models.TextChoices):
     RECEIPT = "receipt"
     PUBLICATION = "publication"
     EFFECT = "effect"
+    # An action that needs a person's approval before its boundary
+    # (runs/approvals.py): the run waits until it is approved or refused.
+    APPROVAL = "approval"
 
 
 class OutcomeState(models.TextChoices):
@@ -661,7 +664,12 @@ class OutcomeState(models.TextChoices):
 
 # The items a run must wait for: an unknown receipt, publication or effect.
 # An unknown checkpoint holds nothing (the run went on).
-HOLDING_KINDS = [OutcomeKind.RECEIPT, OutcomeKind.PUBLICATION, OutcomeKind.EFFECT]
+HOLDING_KINDS = [
+    OutcomeKind.RECEIPT,
+    OutcomeKind.PUBLICATION,
+    OutcomeKind.EFFECT,
+    OutcomeKind.APPROVAL,
+]
 
 
 class OutcomeItemQuerySet(models.QuerySet["OutcomeItem"]):
@@ -845,6 +853,10 @@ class DecisionChoice(models.TextChoices):
     # The run itself.
     RESUME = "resume", "resume the run"
     ABANDON = "abandon", "abandon the run"
+    # An action that needs approval (runs/approvals.py).
+    APPROVE = "approve", "approve"
+    APPROVE_EDITED = "approve_edited", "approve with an edit"
+    REJECT = "reject", "reject"
 
 
 # The decisions that authorise dispatching an effect once more, under its
@@ -1101,3 +1113,93 @@ class HoldWait(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} waits on hold {self.hold_id}"
+
+
+# -- approval gates (runs/approvals.py) ------------------------------------------------
+
+
+class ApprovalState(models.TextChoices):
+    PENDING = "pending"  # its item is open: the run waits
+    APPROVED = "approved"  # the action may be dispatched, with `sent` as its input
+    REJECTED = "rejected"  # refused by a person, or not approved in time
+
+
+class Approval(models.Model):
+    """The gate before an action that needs a person's approval: opened
+    with its item (the inbox's), before the action's boundary, and decided
+    once (pending -> approved or rejected; a trigger refuses any other
+    change, migration 0023).  The boundary of a gated action can only be
+    written with the input an approval sent: a trigger on runs_action
+    compares its input digest with `sent_digest` (migration 0023)."""
+
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="approvals")
+    item = models.OneToOneField(OutcomeItem, on_delete=models.PROTECT, related_name="approval")
+    step_key = models.CharField(max_length=200)
+    tool = models.CharField(max_length=40)
+    # What the agent proposed, as it asked for it, and its digest.
+    proposed = models.JSONField()
+    proposed_digest = models.CharField(max_length=64)
+    # Who may approve (the group holding the approve permission), as shown.
+    approvers = models.CharField(max_length=150)
+    expires_at = models.DateTimeField()
+    state = models.CharField(max_length=10, choices=ApprovalState, default=ApprovalState.PENDING)
+    decision = models.OneToOneField(
+        OperatorDecision,
+        on_delete=models.PROTECT,
+        related_name="approval",
+        null=True,
+        blank=True,
+    )
+    # The input dispatched: the proposed one, or an approver's edit of it.
+    sent = models.JSONField(null=True, blank=True)
+    sent_digest = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(db_default=Now())
+    decided_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["created_at", "id"]
+        permissions = [("approve_action", "Can approve or reject actions that need approval")]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "step_key"], name="approval_one_per_action"),
+            models.CheckConstraint(
+                condition=Q(
+                    state=ApprovalState.PENDING,
+                    decision__isnull=True,
+                    sent__isnull=True,
+                    sent_digest="",
+                    decided_at__isnull=True,
+                )
+                | (
+                    Q(
+                        state=ApprovalState.APPROVED,
+                        decision__isnull=False,
+                        sent__isnull=False,
+                        decided_at__isnull=False,
+                    )
+                    & ~Q(sent_digest="")
+                )
+                | Q(
+                    state=ApprovalState.REJECTED,
+                    decision__isnull=False,
+                    sent__isnull=True,
+                    sent_digest="",
+                    decided_at__isnull=False,
+                ),
+                name="approval_decided_once",
+            ),
+        ]
+        indexes = [
+            # The sweep's expiry: pending approvals past their time, oldest first.
+            models.Index(
+                fields=["expires_at"],
+                name="approval_pending_idx",
+                condition=Q(state=ApprovalState.PENDING),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"approval of run {self.run_id} {self.step_key} ({self.state})"
+
+    @property
+    def edited(self) -> bool:
+        return self.state == ApprovalState.APPROVED and self.sent_digest != self.proposed_digest

@@ -11,6 +11,8 @@ run:
 - unknown outcomes are asked about again (runs/outcomes.py); what the
   evidence settles is a system decision (runs/decisions.py), and settling
   the last item a waiting run was held by puts it back in the queue;
+- approvals not given within their tool's time are rejected as the system
+  (runs/approvals.py), and their runs go on without the action;
 - a checkpoint left unknown, with no item, by an owner that stopped while
   it asked the evidence is settled by its xid;
 - with `redeliver_after`, queued runs of this process's kind nobody took for
@@ -37,7 +39,7 @@ from dataclasses import dataclass, field
 
 from django.db import DatabaseError
 
-from runs import alerts, decisions, lifecycle
+from runs import alerts, approvals, decisions, lifecycle
 from runs.models import Run
 from runs.outcomes import settle_left_checkpoints
 from runs.sql import waits_bounded
@@ -55,6 +57,8 @@ class Swept:
     checkpoints: list[int] = field(default_factory=list)  # runs of those settled
     redelivered: list[int] = field(default_factory=list)
     alerted: list[int] = field(default_factory=list)  # alerts sent
+    # Runs resumed because their approval expired (a system rejection).
+    approvals_expired: list[int] = field(default_factory=list)
 
 
 def sweep(*, redeliver_after: float | None = None) -> Swept:
@@ -67,6 +71,7 @@ def sweep(*, redeliver_after: float | None = None) -> Swept:
         timeline.record(run_id, EventKind.RUN_REQUEUED, lifecycle.REQUEUE_WHY)
     settled = decisions.settle_open_items()
     swept.settled, swept.resumed = settled.settled, settled.runs_resumed
+    swept.approvals_expired = approvals.expire_due()
     swept.checkpoints = _step("settling checkpoints left unknown", settle_left_checkpoints)
     if redeliver_after is not None:
         swept.redelivered = _step(

@@ -167,15 +167,22 @@ def since(moment: dt.datetime, now: dt.datetime) -> str:
     return human_duration((now - moment).total_seconds())
 
 
-def wait_words(seconds: float, ended_by: str) -> str:
-    """A run's wait for an operator, as its timeline labels it: how long,
-    and what ended it ("the decision of olga (…)")."""
-    return f"waiting for an operator: {human_duration(seconds)}, ended by {ended_by or 'its end'}"
+# How a run's wait for an approval (runs/approvals.py) begins its status
+# reason, and so the needs_operator event its timeline reads.
+APPROVAL_WAIT = "waiting for approval"
 
 
-def waiting_words(since: str) -> str:
-    """A run's wait for an operator that goes on, as its timeline labels it."""
-    return f"waiting for an operator since {since}, still waiting"
+def wait_words(seconds: float, ended_by: str, waiting: str = "waiting for an operator") -> str:
+    """A run's wait for an operator (or `waiting` for what else: an
+    approval), as its timeline labels it: how long, and what ended it
+    ("the decision of olga (…)")."""
+    return f"{waiting}: {human_duration(seconds)}, ended by {ended_by or 'its end'}"
+
+
+def waiting_words(since: str, waiting: str = "waiting for an operator") -> str:
+    """A run's wait for an operator (or an approval) that goes on, as its
+    timeline labels it."""
+    return f"{waiting} since {since}, still waiting"
 
 
 def unowned_words(seconds: float, after: str, until: str) -> str:

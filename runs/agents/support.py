@@ -22,6 +22,8 @@ for an operator) rather than draft again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime as dt
 import email.errors
 import email.utils
 import hashlib
@@ -293,6 +295,11 @@ SEND_EMAIL = Tool(
     input_schema=EMAIL,
     receiver=mail_receiver,
 )
+# The same mail, sent only once a person approved it (runs/approvals.py):
+# what ApprovedSupportAgent sends its replies with.
+SEND_REPLY = dataclasses.replace(
+    SEND_EMAIL, name="send_reply", needs_approval=True, approval_timeout=dt.timedelta(hours=2)
+)
 UPDATE_TICKET = Tool(
     "update_ticket",
     EFFECT,
@@ -327,6 +334,8 @@ class SupportAgent(Agent):
         "additionalProperties": False,
     }
     tools = (READ_TICKET, READ_ARTICLE, MODEL_CALL, SEND_EMAIL, UPDATE_TICKET)
+    # The tool its reply is sent with.
+    send_tool: ClassVar[str] = SEND_EMAIL.name
     drill_input: ClassVar[dict[str, Any]] = {
         "ticket": "T-1042",
         "articles": ["refunds.md", "shipping.md"],
@@ -399,12 +408,25 @@ class SupportAgent(Agent):
         if missing:
             final += "\n\n---\nNot used (could not be read): " + ", ".join(missing)
         self.ctx.publish(final, revision=2, final=True, used=["draft"])
-        sent = self.ctx.step(
-            "send",
-            "send_email",
-            {"to": ticket["customer"], "subject": subject, "body": reply, "ticket": ticket_id},
-        )
-        update = {"ticket": ticket_id, "status": "answered", "reply": reply}
+        mail = {"to": ticket["customer"], "subject": subject, "body": reply, "ticket": ticket_id}
+        sent = self.ctx.step("send", self.send_tool, mail)
+        # The ticket says what the customer got: an approver may have
+        # edited the mail, or refused it.
+        reply = sent.get("approval", {}).get("input", mail)["body"]
+        status = "not answered" if "refused" in sent else "answered"
+        update = {"ticket": ticket_id, "status": status, "reply": reply}
         if message := sent.get("message_id"):
             update["message_id"] = message
         self.ctx.step("update", "update_ticket", update)
+
+
+class ApprovedSupportAgent(SupportAgent):
+    """The support agent whose every reply a person approves before it is
+    sent (SEND_REPLY): approved, edited and approved, or rejected (then
+    the ticket is updated as not answered, and no mail goes)."""
+
+    name = "support-approved"
+    tools = (READ_TICKET, READ_ARTICLE, MODEL_CALL, SEND_REPLY, UPDATE_TICKET)
+    send_tool: ClassVar[str] = SEND_REPLY.name
+    # Drills run unattended: nobody would approve.
+    drill_input = None

@@ -10,6 +10,7 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError, DjangoHelpFormatter
 from django.utils import timezone
 
+from runs import approvals
 from runs.decisions import (
     OPERATE,
     DecisionRefused,
@@ -38,6 +39,7 @@ from runs.models import (
     DecisionChoice,
     OperatorDecision,
     OutcomeItem,
+    OutcomeKind,
     OutcomeState,
     Run,
 )
@@ -55,6 +57,14 @@ and prints the first decision).
   outcomes show ID [--json]
   outcomes decide ID --choice C --reason TEXT --as USER [--reference R] [--token T] [--json]
   outcomes decide-run RUN_ID --choice resume|abandon --reason TEXT --as USER [--token T] [--json]
+  outcomes approve ID --as USER [--input-file FILE] [--reason TEXT] [--token T] [--json]
+  outcomes reject ID --reason TEXT --as USER [--token T] [--json]
+
+An approval item (kind approval: an action that needs a person's approval
+before it is sent) is decided with `approve` (as proposed; with
+--input-file, a JSON object that is sent instead, checked against the
+tool's input schema) or `reject`, by a user with the approver permission
+(runs.approve_action, the approvers group): not with `decide`.
 
 A refused decision (not offered by the evidence now, settled meanwhile, no
 permission) exits with status 1 and says why on stderr; with --json it also
@@ -90,10 +100,12 @@ JSON (one document on stdout; keys are stable, new keys may be added):
               "item": ITEM}
   decide-run  {"decision": DECISION, "repeated": bool,
               "run": {"id", "status", "status_reason"}}
+  approve, reject  as decide
 """
 
 
 RUN_CHOICES = [DecisionChoice.RESUME.value, DecisionChoice.ABANDON.value]
+APPROVAL_CHOICES = [str(choice) for choice in approvals.CHOICES]
 
 
 class Formatter(DjangoHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -165,7 +177,7 @@ class Command(BaseCommand):
 
         listing = commands.add_parser("list", help="outcome items, oldest first")
         listing.add_argument("--open", action="store_true", help="only the open ones")
-        listing.add_argument("--kind", choices=["checkpoint", "receipt", "publication", "effect"])
+        listing.add_argument("--kind", choices=OutcomeKind.values)
         listing.add_argument("--run", type=int, help="only this run's")
         listing.add_argument("--json", action="store_true")
 
@@ -175,16 +187,36 @@ class Command(BaseCommand):
 
         item = commands.add_parser("decide", help="decide an item")
         item.add_argument("item_id", type=int, metavar="ID")
-        self._decision_arguments(item, [c for c in DecisionChoice.values if c not in RUN_CHOICES])
+        self._decision_arguments(
+            item,
+            [c for c in DecisionChoice.values if c not in RUN_CHOICES + APPROVAL_CHOICES],
+        )
         item.add_argument("--reference", default="", help="e.g. the receiver's delivery id")
 
         run = commands.add_parser("decide-run", help="resume or abandon a waiting run")
         run.add_argument("run_id", type=int, metavar="RUN_ID")
         self._decision_arguments(run, RUN_CHOICES)
 
+        approve = commands.add_parser("approve", help="approve an approval item")
+        approve.add_argument("item_id", type=int, metavar="ID")
+        approve.add_argument(
+            "--input-file",
+            type=argparse.FileType("rb"),
+            help="a JSON object: the input sent instead of the proposed one",
+        )
+        approve.add_argument("--reason", default="", help="why (kept with the decision)")
+        self._person_arguments(approve)
+        reject = commands.add_parser("reject", help="reject an approval item")
+        reject.add_argument("item_id", type=int, metavar="ID")
+        reject.add_argument("--reason", required=True, help="why: kept with the decision")
+        self._person_arguments(reject)
+
     def _decision_arguments(self, parser: Any, choices: list[str]) -> None:
         parser.add_argument("--choice", required=True, choices=choices)
         parser.add_argument("--reason", required=True, help="why: kept with the decision")
+        self._person_arguments(parser)
+
+    def _person_arguments(self, parser: Any) -> None:
         parser.add_argument(
             "--as",
             dest="username",
@@ -205,6 +237,8 @@ class Command(BaseCommand):
             "show": self.show,
             "decide": self.decide,
             "decide-run": self.decide_run,
+            "approve": self.approve,
+            "reject": self.approve,
         }[options["command"]]
         handler(options)
 
@@ -349,6 +383,51 @@ class Command(BaseCommand):
         ]
         self.emit(options, document, text)
 
+    def approve(self, options: dict[str, Any]) -> None:
+        """`approve` (with --input-file: with an edit) or `reject`."""
+        item = self._item(options["item_id"])
+        edited = None
+        if options["command"] == "reject":
+            choice = DecisionChoice.REJECT
+        elif options["input_file"] is None:
+            choice = DecisionChoice.APPROVE
+        else:
+            choice, edited = DecisionChoice.APPROVE_EDITED, self._input(options["input_file"])
+        request = Request(
+            choice=choice,
+            who=Who(user=self._person(options["username"], approvals.APPROVE, "approver")),
+            token=self._token(options),
+            reason=options["reason"],
+        )
+        try:
+            decided = approvals.decide_approval(item.pk, request, edited)
+        except DecisionRefused as refused:
+            self._refused(options, refused)
+        item = self._item(item.pk)
+        document = {
+            "decision": decision_json(decided.decision),
+            "repeated": decided.repeated,
+            "run_resumed": decided.run_resumed,
+            "item": listing_row(item, timezone.now()),
+        }
+        text = [
+            ("already recorded (same token): " if decided.repeated else "recorded: ")
+            + _decision_line(decided.decision).strip(),
+            f"item {item.pk} is {item.state}"
+            + (f"; run {item.run_id} is back in the queue" if decided.run_resumed else ""),
+        ]
+        self.emit(options, document, text)
+
+    def _input(self, file: Any) -> dict[str, Any]:
+        with file:
+            try:
+                edited = json.loads(file.read())
+            except (ValueError, UnicodeDecodeError) as error:
+                raise CommandError(f"--input-file {file.name}: no JSON: {error}") from None
+        if not isinstance(edited, dict):
+            raise CommandError(f"--input-file {file.name}: not a JSON object")
+        return edited
+
     def _item(self, item_id: int) -> OutcomeItem:
         item = items_listed(OutcomeItem.objects.all()).filter(pk=item_id).first()
         if item is None:
@@ -356,16 +435,19 @@ class Command(BaseCommand):
         return item
 
     def _operator(self, username: str) -> Any:
+        return self._person(username, OPERATE, "operator")
+
+    def _person(self, username: str, permission: str, role: str) -> Any:
         """The person deciding: the audit names them, so there is no default."""
         users = get_user_model().objects.filter(username=username)
         user = None if UNSTORABLE.search(username) else users.first()
         if user is None:
             raise CommandError(f"no user {username!r}: --as names the person deciding")
-        if not user.has_perm(OPERATE):
+        if not user.has_perm(permission):
             inactive = "" if user.is_active else "; the user is inactive"
             raise CommandError(
-                f"{username} may not decide: it needs the operator permission "
-                f"({OPERATE}, the operators group){inactive}"
+                f"{username} may not decide: it needs the {role} permission "
+                f"({permission}, the {role}s group){inactive}"
             )
         return user
 
