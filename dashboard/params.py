@@ -8,10 +8,13 @@ any."""
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Sequence
 
 from django.core.exceptions import BadRequest
 from django.http import HttpRequest
+
+from runs.finding import parse_labels
 
 # The longest search a list page takes, in characters; the search box says
 # it (maxlength), so a browser never sends more.  At 9 bytes a character
@@ -63,3 +66,26 @@ def search(request: HttpRequest, name: str = "q") -> str:
 def quoted(value: str) -> str:
     """`value` as a refusal quotes it: its start, where it is long."""
     return repr(value if len(value) <= QUOTED else f"{value[:QUOTED]}…")
+
+
+def labels(request: HttpRequest, name: str = "label") -> dict[str, str]:
+    """Labels to filter on, each `key=value` (repeatable): runs carrying all."""
+    try:
+        return parse_labels([value for value in request.GET.getlist(name) if value.strip()])
+    except ValueError as error:
+        raise BadRequest(str(error)) from None
+
+
+def moment(request: HttpRequest, name: str) -> dt.datetime | None:
+    """An instant: an ISO date or date and time (a browser's
+    datetime-local), in UTC unless it names its offset; None when absent."""
+    value = request.GET.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise BadRequest(
+            f"{name}={quoted(value)} is not a date or a time (e.g. 2026-12-06 or 2026-12-06T14:30)"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)

@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from dashboard import drills, inbox, views
+from dashboard import drills, inbox, overview, saved_views, views
 
 urlpatterns = [
     path("", views.runs_list, name="runs-list"),
@@ -27,6 +27,10 @@ urlpatterns = [
     path("drills/", drills.drills, name="drills"),
     path("drills/start/", drills.drill_start, name="drill-start"),
     path("drills/<int:drill_id>/progress/", drills.drill_progress, name="drill-progress"),
+    path("overview/", overview.overview, name="overview"),
+    path("views/save/", saved_views.view_save, name="view-save"),
+    path("views/<int:view_id>/", saved_views.view_open, name="view-open"),
+    path("views/<int:view_id>/delete/", saved_views.view_delete, name="view-delete"),
     path("login/", views.SignIn.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

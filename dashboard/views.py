@@ -27,6 +27,7 @@ from django_htmx.http import HttpResponseStopPolling
 from dashboard import params
 from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.inbox import run_choices
+from dashboard.models import SavedView
 from dashboard.run_page import CancelForm, run_now
 from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
 from evidence import bundles, charts, locks, pglog, tasks
@@ -40,6 +41,7 @@ from evidence.models import (
     LockIncident,
 )
 from evidence.run_facts import agent_words, run_facts
+from runs import finding
 from runs.attention import needing_you, unblocking
 from runs.decisions import OPERATE
 from runs.models import Phase, Run, RunStatus, older_than, page_cursor
@@ -114,6 +116,11 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "gaps": params.flag(request, "gaps"),
         "drills": params.flag(request, "drills"),
         "q": params.search(request),
+        "labels": params.labels(request),
+        "time": params.choice(request, "time", list(finding.TIMES)) or "created",
+        "from": params.moment(request, "from"),
+        "to": params.moment(request, "to"),
+        "sort": params.choice(request, "sort", list(finding.SORTS)) or finding.NEWEST.name,
     }
     runs = Run.objects.listing().only(
         "id",
@@ -130,6 +137,9 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "queued_at",
         "cancel_requested_by",
         "created_at",
+        "started_at",
+        "finished_at",
+        "labels",
     )
     # Drills' runs (runs/drills.py) are shown only when asked for, alone.
     runs = runs.filter(is_drill=filters["drills"])
@@ -144,11 +154,15 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
     if filters["gaps"]:
         runs = runs.with_capture_gaps()
     if filters["q"]:
-        runs = runs.filter(question__icontains=filters["q"])
-    if cursor := request.GET.get("before"):
-        runs = _older_than(runs, cursor)
-    page = list(runs.order_by("-created_at", "-id")[: PAGE_SIZE + 1])
-    more, page = len(page) > PAGE_SIZE, page[:PAGE_SIZE]
+        runs = finding.matching(runs, filters["q"])
+    runs = finding.labelled(runs, filters["labels"])
+    runs = finding.between(runs, filters["time"], filters["from"], filters["to"])
+    try:
+        page, next_cursor = finding.page(
+            runs, finding.SORTS[filters["sort"]], request.GET.get("before", ""), PAGE_SIZE
+        )
+    except ValueError as error:
+        raise BadRequest(str(error)) from None
     now = timezone.now()
     for run in page:
         said = status_now(run, now)
@@ -160,7 +174,11 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "statuses": STATUS_FILTER,
         # Installed here, and the one filtered on if it is no longer.
         "agents": sorted({*settings.RUNDESK_AGENTS, filters["agent"]} - {""}),
-        "next_cursor": page_cursor(page[-1]) if more and page else "",
+        "next_cursor": next_cursor,
+        "sorts": finding.SORTS.values(),
+        "created_sort": "created" if filters["sort"] == finding.NEWEST.name else "-created",
+        "times": finding.TIMES,
+        "saved_views": SavedView.objects.visible_to(request.user),
         "live": any(run.is_active for run in page),
         "now": now,
         "search_max": params.SEARCH_MAX,
