@@ -328,31 +328,39 @@ def over_time(window: Window, now: dt.datetime) -> list[tuple[dt.datetime, str, 
 
 
 def latencies(window: Window, now: dt.datetime) -> dict[str, dict[str, Latency]]:
-    """agent -> measure -> Latency over the window: the runs that ended
-    (completed, failed, cancelled together as "run") and their steps."""
+    """agent -> "run" or "step" -> Latency over the window: the runs that
+    ended (completed, failed, cancelled together) and their steps."""
+    rows = """WITH rows AS (
+                  SELECT agent, CASE WHEN measure = %(step)s THEN 'step' ELSE 'run' END AS what,
+                         count, seconds, histogram
+                  FROM runs_runsummary
+                  WHERE grain = %(grain)s AND bucket >= %(since)s AND measure <> %(submitted)s)"""
+    arguments = {
+        "step": SummaryMeasure.STEP,
+        "submitted": SummaryMeasure.SUBMITTED,
+        "grain": window.grain,
+        "since": start_of(window, now),
+    }
+    histograms: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0] * BUCKETS)
     with connection.cursor() as cursor:
         cursor.execute(
-            """WITH rows AS (
-                   SELECT agent, CASE WHEN measure = %(step)s THEN 'step' ELSE 'run' END AS what,
-                          count, seconds, histogram
-                   FROM runs_runsummary
-                   WHERE grain = %(grain)s AND bucket >= %(since)s AND measure <> %(submitted)s)
-               SELECT agent, what, sum(count)::bigint, sum(seconds),
-                      ARRAY(SELECT sum(n)::bigint FROM rows r2,
-                                unnest(r2.histogram) WITH ORDINALITY AS h(n, i)
-                            WHERE r2.agent = rows.agent AND r2.what = rows.what
-                            GROUP BY i ORDER BY i)
-               FROM rows GROUP BY agent, what ORDER BY agent, what""",
-            {
-                "step": SummaryMeasure.STEP,
-                "submitted": SummaryMeasure.SUBMITTED,
-                "grain": window.grain,
-                "since": start_of(window, now),
-            },
+            rows
+            + """ SELECT agent, what, i, sum(n)::bigint
+                       FROM rows, unnest(histogram) WITH ORDINALITY AS h(n, i)
+                       GROUP BY agent, what, i""",
+            arguments,
+        )
+        for agent, what, index, n in cursor.fetchall():
+            histograms[agent, what][index - 1] = n
+        cursor.execute(
+            rows
+            + """ SELECT agent, what, sum(count)::bigint, sum(seconds) FROM rows
+                       GROUP BY agent, what ORDER BY agent, what""",
+            arguments,
         )
         found: dict[str, dict[str, Latency]] = {}
-        for agent, what, count, seconds, histogram in cursor.fetchall():
-            found.setdefault(agent, {})[what] = Latency.of(count, seconds, list(histogram))
+        for agent, what, count, seconds in cursor.fetchall():
+            found.setdefault(agent, {})[what] = Latency.of(count, seconds, histograms[agent, what])
         return found
 
 
