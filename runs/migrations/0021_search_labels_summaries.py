@@ -44,7 +44,7 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='run',
             name='labels',
-            field=models.JSONField(blank=True, default=dict),
+            field=models.JSONField(blank=True, db_default=models.Value({}, models.JSONField()), default=dict),
         ),
         migrations.AddIndex(
             model_name='run',
@@ -60,11 +60,11 @@ class Migration(migrations.Migration):
         ),
         migrations.AddIndex(
             model_name='run',
-            index=models.Index(condition=models.Q(('finished_at__isnull', False)), fields=['finished_at', 'id'], name='run_finished_idx'),
+            index=models.Index(condition=models.Q(('started_at__isnull', True)), fields=['-created_at', '-id'], name='run_unstarted_idx'),
         ),
         migrations.AddIndex(
             model_name='run',
-            index=models.Index(condition=models.Q(('started_at__isnull', True)), fields=['-created_at', '-id'], name='run_unstarted_idx'),
+            index=models.Index(condition=models.Q(('finished_at__isnull', False)), fields=['finished_at', 'id'], name='run_finished_idx'),
         ),
         migrations.AddIndex(
             model_name='run',
