@@ -341,9 +341,7 @@ class Run(models.Model):
     imported_at = models.DateTimeField(null=True, blank=True, help_text="Set: an imported run")
     # Labels given at submission (`submit_run --label key=value`): what the
     # operators find runs by (runs/finding.py), never read by the runtime.
-    labels = models.JSONField(
-        default=dict, db_default=Value({}, models.JSONField()), blank=True
-    )
+    labels = models.JSONField(default=dict, db_default=Value({}, models.JSONField()), blank=True)
 
     objects = RunQuerySet.as_manager()
 
