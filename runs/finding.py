@@ -180,6 +180,17 @@ SORTS = {
 }
 
 
+# The columns the sorts read (their keys), for a page's query.
+SORT_COLUMNS = ("created_at", "started_at", "finished_at", "status")
+
+
+def in_page(columns: models.QuerySet, page: list[Any]) -> list[Any]:
+    """The rows of `page` as `columns` reads them (a list's columns),
+    in the page's order: worked out for those rows alone."""
+    found = columns.in_bulk([row.pk for row in page])
+    return [found[row.pk] for row in page if row.pk in found]
+
+
 def cursor_of(row: Any, sort: Sort) -> str:
     """Where a page in `sort`'s order stops: the next starts after `row`.
     A nullable sort's row without the column is in the second part: its
