@@ -106,8 +106,8 @@ class AgentFigures:
 
 
 def per_agent(window: summaries.Window, now: dt.datetime) -> list[AgentFigures]:
-    minutes = window.span.total_seconds() / 60
-    start = summaries.start_of(window, now)
+    start = summaries.start_of(window, now, window.totals_grain)
+    minutes = (now - start).total_seconds() / 60
     found = []
     for agent, latencies in sorted(summaries.latencies(window, now).items()):
         run, step = latencies.get("run"), latencies.get("step")

@@ -1017,7 +1017,8 @@ class DrillResult(models.Model):
 
 class SummaryGrain(models.TextChoices):
     MINUTE = "minute"  # the last hour's figures
-    HOUR = "hour"  # the last day's and week's
+    HOUR = "hour"  # the last day's and week's over time
+    DAY = "day"  # the last week's durations
 
 
 class SummaryMeasure(models.TextChoices):

@@ -194,6 +194,7 @@ def _keys(moment: dt.datetime, agent: str, measure: str) -> Iterable[Key]:
     minute = moment.astimezone(dt.UTC).replace(second=0, microsecond=0)
     yield SummaryGrain.MINUTE, minute, agent, measure
     yield SummaryGrain.HOUR, minute.replace(minute=0), agent, measure
+    yield SummaryGrain.DAY, minute.replace(hour=0, minute=0), agent, measure
 
 
 def _steps(
@@ -291,27 +292,34 @@ def quantile(histogram: list[int], q: float) -> float | None:
 
 @dataclass(frozen=True)
 class Window:
-    """A span the overview shows: how far back, and in which grain."""
+    """A span the overview shows: how far back, in which grain over time,
+    and in which its durations are summed (the fewer rows, the faster)."""
 
     name: str
     span: dt.timedelta
     grain: str
+    totals_grain: str
 
 
 WINDOWS = {
     window.name: window
     for window in [
-        Window("hour", dt.timedelta(hours=1), SummaryGrain.MINUTE),
-        Window("day", dt.timedelta(days=1), SummaryGrain.HOUR),
-        Window("week", dt.timedelta(days=7), SummaryGrain.HOUR),
+        Window("hour", dt.timedelta(hours=1), SummaryGrain.MINUTE, SummaryGrain.MINUTE),
+        Window("day", dt.timedelta(days=1), SummaryGrain.HOUR, SummaryGrain.HOUR),
+        Window("week", dt.timedelta(days=7), SummaryGrain.HOUR, SummaryGrain.DAY),
     ]
 }
 
 
-def start_of(window: Window, now: dt.datetime) -> dt.datetime:
-    """The first bucket of `window` at `now`."""
+def start_of(window: Window, now: dt.datetime, grain: str | None = None) -> dt.datetime:
+    """The first bucket of `window` at `now`, in its grain (or `grain`)."""
+    grain = grain or window.grain
     start = (now - window.span).astimezone(dt.UTC).replace(second=0, microsecond=0)
-    return start if window.grain == SummaryGrain.MINUTE else start.replace(minute=0)
+    if grain == SummaryGrain.MINUTE:
+        return start
+    return (
+        start.replace(minute=0) if grain == SummaryGrain.HOUR else start.replace(hour=0, minute=0)
+    )
 
 
 def over_time(window: Window, now: dt.datetime) -> list[tuple[dt.datetime, str, int]]:
@@ -328,8 +336,10 @@ def over_time(window: Window, now: dt.datetime) -> list[tuple[dt.datetime, str, 
 
 
 def latencies(window: Window, now: dt.datetime) -> dict[str, dict[str, Latency]]:
-    """agent -> "run" or "step" -> Latency over the window: the runs that
-    ended (completed, failed, cancelled together) and their steps."""
+    """agent -> "run" or "step" -> Latency over the window (from the start
+    of its first bucket in its totals' grain: a week's from the start of
+    its first day): the runs that ended (completed, failed, cancelled
+    together) and their steps."""
     rows = """WITH rows AS (
                   SELECT agent, CASE WHEN measure = %(step)s THEN 'step' ELSE 'run' END AS what,
                          count, seconds, histogram
@@ -338,8 +348,8 @@ def latencies(window: Window, now: dt.datetime) -> dict[str, dict[str, Latency]]
     arguments = {
         "step": SummaryMeasure.STEP,
         "submitted": SummaryMeasure.SUBMITTED,
-        "grain": window.grain,
-        "since": start_of(window, now),
+        "grain": window.totals_grain,
+        "since": start_of(window, now, window.totals_grain),
     }
     histograms: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0] * BUCKETS)
     with connection.cursor() as cursor:

@@ -20,7 +20,7 @@ class Migration(migrations.Migration):
             name='RunSummary',
             fields=[
                 ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('grain', models.CharField(choices=[('minute', 'Minute'), ('hour', 'Hour')], max_length=10)),
+                ('grain', models.CharField(choices=[('minute', 'Minute'), ('hour', 'Hour'), ('day', 'Day')], max_length=10)),
                 ('bucket', models.DateTimeField()),
                 ('agent', models.CharField(max_length=63)),
                 ('measure', models.CharField(choices=[('submitted', 'Submitted'), ('completed', 'Completed'), ('failed', 'Failed'), ('cancelled', 'Cancelled'), ('step', 'Step')], max_length=20)),
