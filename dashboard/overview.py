@@ -88,7 +88,11 @@ def runs_over_time(window: summaries.Window, now: dt.datetime) -> dict[str, Any]
             "margin": {"l": 50, "r": 20, "t": 10, "b": 40},
             "height": 300,
             "barmode": "stack",
-            "xaxis": {"type": "date"},
+            # The whole window, however few of its buckets have runs.
+            "xaxis": {
+                "type": "date",
+                "range": [summaries.start_of(window, now).isoformat(), now.isoformat()],
+            },
             "yaxis": {"title": {"text": "runs"}},
             "legend": {"orientation": "h"},
         },

@@ -279,6 +279,11 @@ def _dashboard(figures: dict[str, Any]) -> list[Row]:
                     f"{page['page']} {_n(page['p95_ms'])} ms"
                     for page in fleet["overview"] + fleet["search"]
                 )
+                + "; the search's statement alone: "
+                + ", ".join(
+                    f"{row['search']} {_n(row['p95_ms'])} ms"
+                    for row in fleet.get("search_statement", [])
+                )
                 + f"; first roll-up {_n(fleet['first_rollup_s'])} s, next "
                 f"{_n(fleet['next_rollup_ms'])} ms",
             )
