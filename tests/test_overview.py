@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from evidence.models import CaptureGapHour, LockIncident
 from runs import summaries
+from runs.executor import claim_and_drive
 from runs.harness import database_url
 from runs.models import (
     Action,
@@ -36,6 +37,8 @@ from runs.models import (
     SummaryCursor,
 )
 from runs.outcomes import open_item
+from runs.submission import submit
+from runs.sweep import sweep
 
 pytestmark = pytest.mark.django_db
 
@@ -342,3 +345,35 @@ def test_viewers_and_operators_read_it_and_nobody_posts(viewer, operator):
     assert operator.get("/overview/").status_code == 200
     assert operator.post("/overview/").status_code == 405
     assert "nav-overview" in viewer.get("/needs-you/").content.decode()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_ends_while_the_summaries_are_locked_and_the_sweep_goes_on():
+    """Another session holds every summary table locked (ACCESS EXCLUSIVE)
+    for the whole run: the run is driven to its end all the same (no
+    statement of its path touches a summary), and the sweep's roll-up gives
+    up within its lock bound while the sweep's other steps go on; once the
+    lock is gone, the next roll-up counts the run."""
+    with psycopg.connect(database_url()) as holder:
+        holder.execute("LOCK TABLE runs_runsummary, runs_summarycursor IN ACCESS EXCLUSIVE MODE")
+        run = submit(question="Compare the funds", documents=["northwind-clean-energy.md"])
+        claim_and_drive(run.pk)
+        run.refresh_from_db()
+        assert run.status == RunStatus.COMPLETED
+        started = time.monotonic()
+        assert sweep().rolled == 0
+        assert time.monotonic() - started < 10
+        holder.rollback()
+    deadline = time.monotonic() + 30
+    while not RunSummary.objects.filter(measure="completed").exists():
+        assert time.monotonic() < deadline, "the run was never rolled up"
+        summaries.roll_up()
+        time.sleep(0.1)
+    assert (
+        sum(
+            RunSummary.objects.filter(grain="minute", measure="completed").values_list(
+                "count", flat=True
+            )
+        )
+        == 1
+    )
