@@ -13,6 +13,8 @@ import uuid
 
 import psycopg
 import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db import connection
 from django.db.models import Sum
 from django.test import Client
@@ -377,3 +379,8 @@ def test_a_run_ends_while_the_summaries_are_locked_and_the_sweep_goes_on():
         )
         == 1
     )
+
+
+def test_the_bench_refuses_no_runs_to_measure_at():
+    with pytest.raises(CommandError, match="--dashboard-runs must be at least 1"):
+        call_command("bench", "--dashboard", "--dashboard-runs", "0")

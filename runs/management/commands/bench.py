@@ -133,6 +133,8 @@ class Command(BaseCommand):
             raise CommandError("--steps must be at least 1")
         if options["rounds"] < 1:
             raise CommandError("--rounds must be at least 1")
+        if options["dashboard_runs"] < 1:
+            raise CommandError("--dashboard-runs must be at least 1")
         if markdown := options["markdown"]:
             # Said before the benchmarks' minutes, not after.
             if not options["all"]:
