@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from dashboard import bulk, drills, holds, inbox, views
+from dashboard import bulk, drills, holds, inbox, overview, saved_views, views
 from dashboard.approvals import approval_decide
 
 urlpatterns = [
@@ -38,6 +38,10 @@ urlpatterns = [
     path("holds/", holds.holds_page, name="holds"),
     path("holds/add/", holds.hold_add, name="hold-add"),
     path("holds/<int:hold_id>/release/", holds.hold_release, name="hold-release"),
+    path("overview/", overview.overview, name="overview"),
+    path("views/save/", saved_views.view_save, name="view-save"),
+    path("views/<int:view_id>/", saved_views.view_open, name="view-open"),
+    path("views/<int:view_id>/delete/", saved_views.view_delete, name="view-delete"),
     path("login/", views.SignIn.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

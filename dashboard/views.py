@@ -27,6 +27,7 @@ from django_htmx.http import HttpResponseStopPolling
 from dashboard import params
 from dashboard.htmx import HtmxHttpRequest, asks_for
 from dashboard.inbox import run_choices
+from dashboard.models import SavedView
 from dashboard.run_page import CancelForm, run_now
 from dashboard.security import form_lock_waits, rejects_bad_input, shown_unless_locked
 from evidence import bundles, charts, locks, pglog, tasks
@@ -40,7 +41,7 @@ from evidence.models import (
     LockIncident,
 )
 from evidence.run_facts import agent_words, run_facts
-from runs import selection
+from runs import finding, selection
 from runs.attention import needing_you, unblocking
 from runs.decisions import OPERATE
 from runs.models import Phase, Run, RunStatus, older_than, page_cursor
@@ -122,8 +123,13 @@ def newest_first(rows: QuerySet, size: int) -> tuple[list[Any], str]:
 @require_safe
 @rejects_bad_input
 def runs_list(request: HtmxHttpRequest) -> HttpResponse:
-    filters, runs = listed_runs(request)
-    runs = runs.only(
+    filters = selection.read(request.GET)
+    sort = params.choice(request, "sort", list(finding.SORTS)) or finding.NEWEST.name
+    # The page is chosen first, its columns then worked out for its rows
+    # alone (finding.in_page): in one query with the filters, PostgreSQL
+    # plans the columns' subqueries for every row it estimates the filters
+    # leave, and at a million runs hashes the whole actions table.
+    columns = Run.objects.listing().only(
         "id",
         "agent",
         "question",
@@ -138,8 +144,20 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         "queued_at",
         "cancel_requested_by",
         "created_at",
+        "started_at",
+        "finished_at",
+        "labels",
     )
-    page, next_cursor = newest_first(runs, PAGE_SIZE)
+    try:
+        found, next_cursor = finding.page(
+            filters.select(Run.objects.all()).only(*finding.SORT_COLUMNS),
+            finding.SORTS[sort],
+            request.GET.get("before", ""),
+            PAGE_SIZE,
+        )
+    except ValueError as error:
+        raise BadRequest(str(error)) from None
+    page = finding.in_page(columns, found)
     now = timezone.now()
     for run in page:
         said = status_now(run, now)
@@ -152,6 +170,11 @@ def runs_list(request: HtmxHttpRequest) -> HttpResponse:
         # Installed here, and the one filtered on if it is no longer.
         "agents": sorted({*settings.RUNDESK_AGENTS, filters.agent} - {""}),
         "next_cursor": next_cursor,
+        "sort": sort,
+        "sorts": finding.SORTS.values(),
+        "created_sort": "created" if sort == finding.NEWEST.name else "-created",
+        "times": finding.TIMES,
+        "saved_views": SavedView.objects.visible_to(request.user),
         "live": any(run.is_active for run in page),
         "now": now,
         "search_max": params.SEARCH_MAX,

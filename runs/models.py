@@ -35,6 +35,7 @@ from django.db.models import (
 from django.db.models.functions import Cast, Coalesce, Concat, Now
 
 from runs import lifecycle
+from runs.finding import finding_indexes
 from runs.lifecycle import ACTIVE_STATUSES, TERMINAL_STATUSES, RunStatus
 from runs.timeline import EventKind
 
@@ -144,6 +145,10 @@ def _completed_with_gaps() -> Q:
         Q(Exists(reads_left_out().filter(run=OuterRef("pk")))) | ~Q(phase_reason="")
     )
 
+
+# The runs list's search, labels and sorts (runs/finding.py), each index
+# named for the query it serves there.
+FINDING_INDEXES = finding_indexes()
 
 # What no PostgreSQL text can hold: NUL, and lone surrogates (UTF-8 cannot
 # encode them).
@@ -335,6 +340,9 @@ class Run(models.Model):
     # redacted where (counts), whether copies of model calls were included.
     origin_manifest = models.JSONField(null=True, blank=True)
     imported_at = models.DateTimeField(null=True, blank=True, help_text="Set: an imported run")
+    # Labels given at submission (`submit_run --label key=value`): what the
+    # operators find runs by (runs/finding.py), never read by the runtime.
+    labels = models.JSONField(default=dict, db_default=Value({}, models.JSONField()), blank=True)
 
     objects = RunQuerySet.as_manager()
 
@@ -404,6 +412,7 @@ class Run(models.Model):
                 name="run_running_lease_idx",
                 condition=Q(status=RunStatus.RUNNING),
             ),
+            *FINDING_INDEXES,
         ]
 
     def __str__(self) -> str:
@@ -1203,3 +1212,64 @@ class Approval(models.Model):
     @property
     def edited(self) -> bool:
         return self.state == ApprovalState.APPROVED and self.sent_digest != self.proposed_digest
+
+
+# -- summaries of runs, for the overview (runs/summaries.py) -------------------------
+
+
+class SummaryGrain(models.TextChoices):
+    MINUTE = "minute"  # the last hour's figures
+    HOUR = "hour"  # the last day's and week's over time
+    DAY = "day"  # the last week's durations
+
+
+class SummaryMeasure(models.TextChoices):
+    SUBMITTED = "submitted"  # runs submitted in the bucket
+    # Runs that ended in the bucket, by how (their duration: submission to end).
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    # Actions of the runs that ended in the bucket (their duration: dispatch to end).
+    STEP = "step"
+
+
+class RunSummary(models.Model):
+    """How many runs (or steps) of an agent were submitted or ended in a
+    minute or an hour, their durations' sum and a histogram of them in
+    fixed buckets (summaries.LATENCY_BOUNDS), from which the overview reads
+    p50/p95/p99.  Written only by the roll-up (runs/summaries.py), which
+    reads rows that the runs already committed: no statement of a run's main
+    path reads, writes or waits on this table."""
+
+    grain = models.CharField(max_length=10, choices=SummaryGrain)
+    bucket = models.DateTimeField()  # the minute or hour's start
+    agent = models.CharField(max_length=63)
+    measure = models.CharField(max_length=20, choices=SummaryMeasure)
+    count = models.BigIntegerField(default=0)
+    seconds = models.FloatField(default=0)  # the durations' sum
+    histogram = ArrayField(models.BigIntegerField(), default=list)
+
+    class Meta:
+        ordering = ["grain", "bucket", "agent", "measure"]
+        constraints = [
+            # Also serves the overview's read: one grain, buckets from a time on.
+            models.UniqueConstraint(
+                fields=["grain", "bucket", "agent", "measure"], name="run_summary_unique"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.agent} {self.measure} {self.grain} {self.bucket:%Y-%m-%d %H:%M}"
+
+
+class SummaryCursor(models.Model):
+    """How far the roll-up has read one source of runs (summaries.SOURCES):
+    every run before (at, last_id) in its order is counted, none after."""
+
+    source = models.CharField(max_length=20, primary_key=True)
+    at = models.DateTimeField()
+    last_id = models.BigIntegerField(default=0)
+    rolled_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.source} up to {self.at.isoformat()} #{self.last_id}"

@@ -7,6 +7,7 @@ command line: one reading, one set of refusals."""
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping, Sequence
 
 from django.core.exceptions import BadRequest
@@ -61,3 +62,18 @@ def search(query: Mapping[str, str], name: str = "q") -> str:
 def quoted(value: str) -> str:
     """`value` as a refusal quotes it: its start, where it is long."""
     return repr(value if len(value) <= QUOTED else f"{value[:QUOTED]}…")
+
+
+def moment(query: Mapping[str, str], name: str) -> dt.datetime | None:
+    """An instant: an ISO date or date and time (a browser's
+    datetime-local), in UTC unless it names its offset; None when absent."""
+    value = query.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise BadRequest(
+            f"{name}={quoted(value)} is not a date or a time (e.g. 2026-12-06 or 2026-12-06T14:30)"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)

@@ -12,6 +12,7 @@ from django.db import transaction
 from runs import registry
 from runs.agent import input_refusal
 from runs.faults import MAX_STEPS, FaultPlan
+from runs.finding import parse_labels
 from runs.models import UNSTORABLE, Run, canonical_json
 from runs.timeline import EventKind, timeline
 
@@ -35,11 +36,13 @@ def submit(
     action_budget: int | None = None,
     deadline: dt.datetime | None = None,
     drill: bool = False,
+    labels: dict[str, str] | None = None,
 ) -> Run:
     """Queues a run of `agent` on `input` (`question` and `documents`: the
     research agent's input, said short; `drill`: one a fault drill made,
-    runs/drills.py).  Bad input raises SubmissionRefused (a ValueError)
-    with what is wrong, and where."""
+    runs/drills.py; `labels`: what operators find it by, runs/finding.py).
+    Bad input raises SubmissionRefused (a ValueError) with what is wrong,
+    and where."""
     if question is not None or documents is not None:
         input = {"question": question or "", "documents": documents or [], **(input or {})}
     try:
@@ -66,6 +69,10 @@ def submit(
         FaultPlan.parse(faults)
     except ValueError as error:
         raise SubmissionRefused("faults", str(error)) from None
+    try:
+        labels = parse_labels([f"{key}={value}" for key, value in (labels or {}).items()])
+    except ValueError as error:
+        raise SubmissionRefused("labels", str(error)) from None
     if action_budget is not None and action_budget < 1:
         raise SubmissionRefused("action_budget", "the action budget must be at least 1")
     if action_budget is not None and action_budget > MAX_STEPS:
@@ -80,6 +87,7 @@ def submit(
         input=input,
         question=declared.title(input).strip()[:10_000] or agent,
         documents=documents,
+        labels=labels,
         **fields,
     )
     # An observation: it must not be able to fail the submission, so the

@@ -19,7 +19,9 @@ run:
   that long are handed out again: the backstop for a hand-over lost after
   the commit that made the run runnable (runs/handover.py);
 - due alerts are sent (runs/alerts.py), after the settlements: an item
-  evidence settled meanwhile is not announced.
+  evidence settled meanwhile is not announced;
+- the overview's summaries are rolled up from their cursors
+  (runs/summaries.py).
 
 Every run it makes runnable again (requeued, resumed) is handed to a Celery
 worker when its transaction commits (runs/lifecycle.py).
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 
 from django.db import DatabaseError
 
-from runs import alerts, approvals, decisions, lifecycle
+from runs import alerts, approvals, decisions, lifecycle, summaries
 from runs.models import Run
 from runs.outcomes import settle_left_checkpoints
 from runs.sql import waits_bounded
@@ -59,6 +61,7 @@ class Swept:
     alerted: list[int] = field(default_factory=list)  # alerts sent
     # Runs resumed because their approval expired (a system rejection).
     approvals_expired: list[int] = field(default_factory=list)
+    rolled: int = 0  # ended runs added to the summaries
 
 
 def sweep(*, redeliver_after: float | None = None) -> Swept:
@@ -80,6 +83,8 @@ def sweep(*, redeliver_after: float | None = None) -> Swept:
         )
     # Not a _step: no transaction may be open while an alert is sent.
     swept.alerted = alerts.deliver_due().sent
+    # Last: the overview's summaries; a roll-up that fails is left to the next sweep.
+    swept.rolled = sum(_step("rolling up the summaries", lambda: [summaries.roll_up().ended]))
     return swept
 
 

@@ -56,7 +56,17 @@ class RunFilters(Paged):
     unknown: str = Field("", description="1: only runs with open items")
     gaps: str = Field("", description="1: only runs with capture gaps")
     drills: str = Field("", description="1: drills' runs (alone); they are left out otherwise")
-    q: str = Field("", description="Text the run's question (its title) contains")
+    q: str = Field(
+        "", description="Words the run's question or input has (each a word's start, any case)"
+    )
+    label: list[str] = Field(
+        [], description="key=value: only runs carrying that label (repeatable: every one)"
+    )
+    time: str = Field(
+        "created", description="The time from and to bound: created, started, finished"
+    )
+    since: str = Field("", alias="from", description="An ISO date or time: at or after it (UTC)")
+    until: str = Field("", alias="to", description="An ISO date or time: before it (UTC)")
 
 
 class RunRow(Schema):

@@ -261,7 +261,7 @@ def _bundle(figures: dict[str, Any]) -> list[Row]:
 
 def _dashboard(figures: dict[str, Any]) -> list[Row]:
     large_runs, _ = pages.SCALES["large"]
-    return [
+    rows = [
         (
             f"dashboard at {_n(large_runs)} runs",
             "p50: "
@@ -270,6 +270,25 @@ def _dashboard(figures: dict[str, Any]) -> list[Row]:
             ),
         )
     ]
+    if fleet := figures.get("overview"):
+        rows.append(
+            (
+                f"overview and search at {_n(fleet['runs'])} runs, {_n(fleet['events'])} events",
+                "p95: "
+                + ", ".join(
+                    f"{page['page']} {_n(page['p95_ms'])} ms"
+                    for page in fleet["overview"] + fleet["search"]
+                )
+                + "; the search's statement alone: "
+                + ", ".join(
+                    f"{row['search']} {_n(row['p95_ms'])} ms"
+                    for row in fleet.get("search_statement", [])
+                )
+                + f"; first roll-up {_n(fleet['first_rollup_s'])} s, next "
+                f"{_n(fleet['next_rollup_ms'])} ms",
+            )
+        )
+    return rows
 
 
 def _page_load(figures: dict[str, Any]) -> list[Row]:

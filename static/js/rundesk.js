@@ -15,6 +15,17 @@ function drawCharts(root) {
     if (!target || typeof Plotly === "undefined") return;
     const figure = JSON.parse(data.textContent);
     Plotly.react(target, figure.data, figure.layout, { displaylogo: false, responsive: true });
+    // A point whose customdata is a path of this site opens it: the list
+    // behind a bar of the overview.
+    if (target.dataset.linked !== "1" && typeof target.on === "function") {
+      target.dataset.linked = "1";
+      target.on("plotly_click", (event) => {
+        const link = event.points?.[0]?.customdata;
+        if (typeof link === "string" && link.startsWith("/") && !link.startsWith("//")) {
+          window.location.assign(link);
+        }
+      });
+    }
   });
 }
 

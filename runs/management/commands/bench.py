@@ -20,6 +20,7 @@ from runs.benchmarks import (
     capture,
     document,
     evidence_locked,
+    overview,
     page_load,
     pages,
     parallel,
@@ -69,7 +70,16 @@ class Command(BaseCommand):
         parser.add_argument(
             "--dashboard",
             action="store_true",
-            help="server time of the dashboard's pages at 100 and 100,000 runs (own databases)",
+            help="server time of the dashboard's pages at 100 and 100,000 runs, and of the "
+            "overview and the runs list's search at --dashboard-runs runs with 10 events each "
+            "(own databases)",
+        )
+        parser.add_argument(
+            "--dashboard-runs",
+            type=int,
+            default=overview.RUNS,
+            metavar="N",
+            help="with --dashboard: the runs the overview and the search are measured at",
         )
         parser.add_argument(
             "--page-load",
@@ -123,6 +133,8 @@ class Command(BaseCommand):
             raise CommandError("--steps must be at least 1")
         if options["rounds"] < 1:
             raise CommandError("--rounds must be at least 1")
+        if options["dashboard_runs"] < 1:
+            raise CommandError("--dashboard-runs must be at least 1")
         if markdown := options["markdown"]:
             # Said before the benchmarks' minutes, not after.
             if not options["all"]:
@@ -212,6 +224,9 @@ BENCHMARKS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "throughput": lambda options: throughput.report(),
     "scale": lambda options: scale.report(options["broker"]),
     "bundle": lambda options: bundle.report([10_000, 200_000]),
-    "dashboard": lambda options: {"pages": pages.measure()},
+    "dashboard": lambda options: {
+        "pages": pages.measure(),
+        "overview": overview.measure(options["dashboard_runs"]),
+    },
     "page_load": lambda options: {"pages": page_load.measure()},
 }

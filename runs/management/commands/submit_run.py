@@ -10,6 +10,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 from django.utils import timezone
 
+from runs.finding import parse_labels
 from runs.submission import submit
 from runs.tasks import execute_run, hand_over
 
@@ -34,6 +35,14 @@ class Command(BaseCommand):
             help="research: a document path relative to RUNDESK_CORPUS_DIR (repeat for several)",
         )
         parser.add_argument("--faults", default="", help="fault plan, as JSON (runs/faults.py)")
+        parser.add_argument(
+            "--label",
+            action="append",
+            dest="labels",
+            default=[],
+            metavar="KEY=VALUE",
+            help="a label operators find the run by (repeat for several)",
+        )
         parser.add_argument("--budget", type=int, help="action budget")
         parser.add_argument("--deadline-seconds", type=float, help="deadline from now")
         parser.add_argument(
@@ -54,6 +63,10 @@ class Command(BaseCommand):
             faults = json.loads(options["faults"]) if options["faults"] else []
         except json.JSONDecodeError as error:
             raise CommandError(f"--faults is not valid JSON: {error}") from None
+        try:
+            labels = parse_labels(options["labels"])
+        except ValueError as error:
+            raise CommandError(f"--label: {error}") from None
         deadline = None
         if options["deadline_seconds"] is not None:
             try:
@@ -73,6 +86,7 @@ class Command(BaseCommand):
                     faults=faults,
                     action_budget=options["budget"],
                     deadline=deadline,
+                    labels=labels,
                 )
             except ValueError as error:
                 raise CommandError(str(error)) from None
