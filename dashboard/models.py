@@ -16,6 +16,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from runs.bulk import TOKEN_MAX, BulkJob, Created
 from runs.models import Run, digest
 
 # What starts every API token: a secret pasted somewhere it should not be
@@ -189,3 +190,62 @@ class ApiSubmission(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_token} -> run {self.run_id}"
+
+
+class ApiBulkRequestQuerySet(models.QuerySet["ApiBulkRequest"]):
+    def started(
+        self, user: Any, token: str, asked: dict[str, Any], start: Callable[[], Created]
+    ) -> Created:
+        """`start()` (which makes the job, runs.bulk.create_job) once per
+        request token: a repeat of the same request (`asked`) finds the job
+        the first one made, also when the two run at once (the job's unique
+        token decides; the loser finds the winner's, recorded with it).
+        TokenReused for another request under the same token."""
+        request_digest = digest(asked)
+        if (earlier := self._earlier(user, token, request_digest)) is not None:
+            return Created(earlier, repeated=True)
+        with transaction.atomic():
+            created = start()
+            if created.repeated:
+                # Made meanwhile under this token: by this request's twin
+                # (its record committed with its job), or on the pages.
+                earlier = self._earlier(user, token, request_digest)
+                if earlier is None:
+                    raise TokenReused(
+                        f"this request token was used for bulk job {created.job.pk}, "
+                        "started on the pages or by the command"
+                    )
+                return Created(earlier, repeated=True)
+            self.create(
+                user=user, request_token=token, request_digest=request_digest, job=created.job
+            )
+        return created
+
+    def _earlier(self, user: Any, token: str, request_digest: str) -> BulkJob | None:
+        earlier = self.filter(request_token=token).select_related("job").first()
+        if earlier is None:
+            return None
+        if earlier.user_id != user.pk or earlier.request_digest != request_digest:
+            raise TokenReused(
+                f"this request token was used for another bulk request (job {earlier.job_id})"
+            )
+        return earlier.job
+
+
+class ApiBulkRequest(models.Model):
+    """A bulk job started through the API under a client's request token:
+    its request's digest tells a repeat (a retry after a lost answer: the
+    same job) from another request that reuses the token (refused).  The
+    job's own token (runs.bulk) makes it once; this row says what was asked."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    # Unique as the job's is: one token, one job, whoever asked.
+    request_token = models.CharField(max_length=TOKEN_MAX, unique=True)
+    request_digest = models.CharField(max_length=64)
+    job = models.OneToOneField(BulkJob, on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(db_default=Now())
+
+    objects = ApiBulkRequestQuerySet.as_manager()
+
+    def __str__(self) -> str:
+        return f"{self.request_token} -> bulk job {self.job_id}"
