@@ -16,7 +16,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs.bulk import TOKEN_MAX, BulkJob, Created
+from runs.bulk import TOKEN_MAX, BulkJob, Created, DryRun, Refused, create_job
 from runs.models import Run, digest
 
 # What starts every API token: a secret pasted somewhere it should not be
@@ -193,43 +193,54 @@ class ApiSubmission(models.Model):
 
 
 class ApiBulkRequestQuerySet(models.QuerySet["ApiBulkRequest"]):
-    def started(
-        self, user: Any, token: str, asked: dict[str, Any], start: Callable[[], Created]
-    ) -> Created:
-        """`start()` (which makes the job, runs.bulk.create_job) once per
-        request token: a repeat of the same request (`asked`) finds the job
-        the first one made, also when the two run at once (the job's unique
-        token decides; the loser finds the winner's, recorded with it).
-        TokenReused for another request under the same token."""
-        request_digest = digest(asked)
-        if (earlier := self._earlier(user, token, request_digest)) is not None:
-            return Created(earlier, repeated=True)
-        with transaction.atomic():
-            created = start()
-            if created.repeated:
-                # Made meanwhile under this token: by this request's twin
-                # (its record committed with its job), or on the pages.
-                earlier = self._earlier(user, token, request_digest)
-                if earlier is None:
-                    raise TokenReused(
-                        f"this request token was used for bulk job {created.job.pk}, "
-                        "started on the pages or by the command"
-                    )
-                return Created(earlier, repeated=True)
-            self.create(
-                user=user, request_token=token, request_digest=request_digest, job=created.job
-            )
-        return created
-
-    def _earlier(self, user: Any, token: str, request_digest: str) -> BulkJob | None:
+    def earlier(self, user: Any, token: str, asked: dict[str, Any]) -> BulkJob | None:
+        """The job an earlier request with this token made, when this one
+        (`asked`) repeats it; TokenReused when the token was used for
+        another request (another user's, another body)."""
         earlier = self.filter(request_token=token).select_related("job").first()
         if earlier is None:
             return None
-        if earlier.user_id != user.pk or earlier.request_digest != request_digest:
+        if earlier.user_id != user.pk or earlier.request_digest != digest(asked):
             raise TokenReused(
                 f"this request token was used for another bulk request (job {earlier.job_id})"
             )
         return earlier.job
+
+    def start(
+        self, user: Any, token: str, asked: dict[str, Any], planned: DryRun, reason: str
+    ) -> Created:
+        """The job for the runs `planned` (the dry run of `asked`) says
+        would change, made by runs.bulk.create_job as the confirm page makes
+        it, and recorded with what was asked, in one transaction; Refused
+        when the dry run refuses the selection or nothing would change.  A
+        twin of this request started at once finds the winner's job (the
+        job's unique token decides; its record commits with it)."""
+        if planned.refused:
+            raise Refused(planned.refused)
+        if not planned.changing:
+            raise Refused(
+                f"nothing would change on the {planned.total} runs selected: no job was made"
+            )
+        with transaction.atomic():
+            created = create_job(
+                planned.ask,
+                planned.selection,
+                planned.changing_ids,
+                user=user,
+                reason=reason,
+                token=token,
+            )
+            if not created.repeated:
+                self.create(
+                    user=user, request_token=token, request_digest=digest(asked), job=created.job
+                )
+                return created
+        if (earlier := self.earlier(user, token, asked)) is None:
+            raise TokenReused(
+                f"this request token was used for bulk job {created.job.pk}, "
+                "started on the pages or by the command"
+            )
+        return Created(earlier, repeated=True)
 
 
 class ApiBulkRequest(models.Model):

@@ -35,17 +35,7 @@ from dashboard.models import ApiBulkRequest, TokenReused
 from dashboard.security import form_lock_waits
 from dashboard.views import newest_first
 from runs import tasks
-from runs.bulk import (
-    Ask,
-    BulkJob,
-    Created,
-    DryRun,
-    ItemResult,
-    Refused,
-    Selection,
-    create_job,
-    dry_run,
-)
+from runs.bulk import Ask, BulkJob, Created, ItemResult, Refused, Selection, dry_run
 from runs.handover import hand_over
 from runs.models import older_than
 
@@ -94,29 +84,20 @@ def start_bulk(request: HttpRequest, payload: BulkConfirmIn) -> Status:
     operating(request)
     chosen, ask = _asked(payload)
     asked = payload.model_dump(mode="json", exclude={"request_token"})
-
-    def start() -> Created:
-        planned: DryRun = dry_run(chosen, ask)
-        if planned.refused:
-            raise Refused(planned.refused)
-        if not planned.changing:
-            raise Refused(
-                f"nothing would change on the {planned.total} runs selected: no job was made"
-            )
-        return create_job(
-            ask,
-            chosen,
-            planned.changing_ids,
-            user=request.user,
-            reason=payload.reason,
-            token=payload.request_token,
-        )
-
+    token = payload.request_token
     try:
         with form_lock_waits():
-            created = ApiBulkRequest.objects.started(
-                request.user, payload.request_token, asked, start
-            )
+            earlier = ApiBulkRequest.objects.earlier(request.user, token, asked)
+        if earlier is not None:
+            created = Created(earlier, repeated=True)
+        else:
+            # Outside a transaction: a decision's evidence is gathered anew
+            # (a receiver may be asked), as the dry-run page gathers it.
+            planned = dry_run(chosen, ask)
+            with form_lock_waits():
+                created = ApiBulkRequest.objects.start(
+                    request.user, token, asked, planned, payload.reason
+                )
     except TokenReused as reused:
         raise ApiError(409, str(reused), field="request_token") from None
     except Refused as refused:
