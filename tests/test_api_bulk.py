@@ -7,10 +7,14 @@ checked against the OpenAPI document (tests/test_api.py's ApiClient)."""
 
 from __future__ import annotations
 
+import json
+import threading
 import uuid
 from typing import Any
 
 import pytest
+from django.db import connection
+from django.http import HttpResponse
 from django.test import Client
 
 from runs import tasks
@@ -220,6 +224,33 @@ def test_the_same_request_token_answers_the_same_job_and_another_body_is_409(
     stranger = bearer(token_of(make_user("omar", operator=True)), document)
     assert stranger.post(JOBS, body).status_code == 409
     assert BulkJob.objects.count() == 1 and handed_over == [job["id"]]
+
+
+def test_two_confirms_at_once_with_one_token_start_one_job(operator_user, handed_over) -> None:
+    for i in range(3):
+        run_in(RunStatus.QUEUED, f"queued {i}")
+    body = json.dumps(confirmed())
+    secret = token_of(operator_user)
+    answers: list[HttpResponse] = []
+    barrier = threading.Barrier(2)
+
+    def confirming() -> None:
+        try:
+            client = Client(headers={"Authorization": f"Bearer {secret}"})
+            barrier.wait()
+            answers.append(client.post(JOBS, body, content_type="application/json"))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=confirming) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(answer.status_code for answer in answers) == [200, 201]
+    (job,) = BulkJob.objects.all()
+    assert {answer.json()["job"]["id"] for answer in answers} == {job.pk}
+    assert handed_over == [job.pk] and job.items.count() == 3
 
 
 def test_a_token_the_pages_used_is_not_taken_for_the_apis(
