@@ -17,7 +17,7 @@ from django.db import connection
 from django.http import HttpResponse
 from django.test import Client
 
-from runs import tasks
+from runs import bulk, tasks
 from runs.bulk import BulkJob, BulkState, ItemResult
 from runs.models import OperatorDecision, Run, RunStatus
 from tests.conftest import make_user, signed_in
@@ -28,7 +28,7 @@ from tests.test_api import document as document  # the OpenAPI document, as a fi
 from tests.test_api import operator_api as operator_api  # olga's token
 from tests.test_api import operator_user as operator_user  # olga
 from tests.test_api import viewer_api as viewer_api  # vera's token
-from tests.test_bulk import recorded, run_in
+from tests.test_bulk import publication_item, recorded, run_in
 from tests.test_handover import fresh_producers as fresh_producers
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -328,6 +328,39 @@ def test_results_and_jobs_read_a_page_at_a_time_to_the_last(
     assert listed == [big, *reversed(job_ids)]  # newest first
     assert viewer_api.get(JOBS, {"before": "yesterday"}).status_code == 400
     assert viewer_api.get(f"{JOBS}999999/").status_code == 404
+
+
+def test_a_decision_on_every_open_item_of_a_kind_is_dry_run_then_taken_by_evidence(
+    operator_api, operator_user, handed_over
+) -> None:
+    adopted = run_in(RunStatus.NEEDS_OPERATOR, "its revision is there")
+    found = publication_item(adopted, written=True)
+    nothing = run_in(RunStatus.NEEDS_OPERATOR, "no item")
+    asked = {"ids": [adopted.pk, nothing.pk], "action": "decide"}
+    asked |= {"choice": "check_again", "kind": "publication"}
+    before = recorded()
+    planned = operator_api.post(DRY_RUN, asked).json()
+    assert recorded() == before
+    assert (planned["choice"], planned["kind"], planned["would_change"]) == (
+        "check_again",
+        "publication",
+        1,
+    )
+    runs = {run["id"]: run for run in planned["runs"]}
+    assert runs[adopted.pk]["changes"][0].endswith("The evidence now settles it: committed.")
+    assert runs[nothing.pk]["refusals"] == ["no open answer publication item"]
+    started = operator_api.post(JOBS, confirmed(**asked, filter=None)).json()["job"]
+    assert started["asks"] == "“check the evidence again” on every open answer publication item"
+    assert bulk.process(started["id"]) == BulkState.DONE  # what the worker runs
+    (result,) = operator_api.get(f"{JOBS}{started['id']}/").json()["results"]
+    decision = OperatorDecision.objects.get(item=found)
+    assert (result["run_id"], result["result"], result["decisions"]) == (
+        adopted.pk,
+        ItemResult.DONE,
+        [decision.pk],
+    )
+    assert "settled; the run is back in the queue" in result["detail"]
+    assert (decision.user, decision.choice) == (operator_user, "check_again")
 
 
 @pytest.mark.slow
