@@ -212,20 +212,29 @@ def bulk_progress(request: HtmxHttpRequest, job_id: int) -> HttpResponse:
     return HttpResponseStopPolling(response.content) if job.is_finished else response
 
 
-@require_POST
-@permission_required(OPERATE, raise_exception=True)
-@rejects_bad_input
-def bulk_stop(request: HtmxHttpRequest, job_id: int) -> HttpResponse:
+def stop(job_id: int, user: Any) -> tuple[BulkJob, int, str]:
+    """Stops job `job_id` for `user` (the page's button, the API's stop):
+    the job as it is now, how many runs this stop left not done, and what
+    became of the stop, said."""
+    by = user.get_username()
     with form_lock_waits():
         job = get_object_or_404(BulkJob, pk=job_id)
-        stopped = job.request_stop(request.user.get_username())
+        stopped = job.request_stop(by)
     job.refresh_from_db()
-    if job.stop_requested_by == request.user.get_username() and stopped:
+    if job.stop_requested_by == by and stopped:
         said = f"Bulk job {job.pk} stopped: {stopped} runs not done."
     elif job.stop_requested_at is not None:
         said = f"Bulk job {job.pk} was stopped by {job.stop_requested_by}."
     else:
         said = f"Bulk job {job.pk} had ended: nothing to stop."
+    return job, stopped, said
+
+
+@require_POST
+@permission_required(OPERATE, raise_exception=True)
+@rejects_bad_input
+def bulk_stop(request: HtmxHttpRequest, job_id: int) -> HttpResponse:
+    job, _, said = stop(job_id, request.user)
     if request.htmx:
         return render(request, "bulk_job.html#progress", {**_progress(job), "notice": said})
     messages.info(request, said)

@@ -18,6 +18,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.http import urlencode
 
+from runs.bulk import TOKEN_MAX, BulkJob, Created, DryRun, Refused, create_job
 from runs.models import Run, digest
 
 # What starts every API token: a secret pasted somewhere it should not be
@@ -255,3 +256,73 @@ class SavedView(models.Model):
         """What a view keeps of a runs-list query: its parameters, in order,
         the empty ones and the page cursor left out."""
         return urlencode([(k, v) for k, v in pairs if k in VIEW_PARAMETERS and v.strip()])
+
+
+class ApiBulkRequestQuerySet(models.QuerySet["ApiBulkRequest"]):
+    def earlier(self, user: Any, token: str, asked: dict[str, Any]) -> BulkJob | None:
+        """The job an earlier request with this token made, when this one
+        (`asked`) repeats it; TokenReused when the token was used for
+        another request (another user's, another body)."""
+        earlier = self.filter(request_token=token).select_related("job").first()
+        if earlier is None:
+            return None
+        if earlier.user_id != user.pk or earlier.request_digest != digest(asked):
+            raise TokenReused(
+                f"this request token was used for another bulk request (job {earlier.job_id})"
+            )
+        return earlier.job
+
+    def start(
+        self, user: Any, token: str, asked: dict[str, Any], planned: DryRun, reason: str
+    ) -> Created:
+        """The job for the runs `planned` (the dry run of `asked`) says
+        would change, made by runs.bulk.create_job as the confirm page makes
+        it, and recorded with what was asked, in one transaction; Refused
+        when the dry run refuses the selection or nothing would change.  A
+        twin of this request started at once finds the winner's job (the
+        job's unique token decides; its record commits with it)."""
+        if planned.refused:
+            raise Refused(planned.refused)
+        if not planned.changing:
+            raise Refused(
+                f"nothing would change on the {planned.total} runs selected: no job was made"
+            )
+        with transaction.atomic():
+            created = create_job(
+                planned.ask,
+                planned.selection,
+                planned.changing_ids,
+                user=user,
+                reason=reason,
+                token=token,
+            )
+            if not created.repeated:
+                self.create(
+                    user=user, request_token=token, request_digest=digest(asked), job=created.job
+                )
+                return created
+        if (earlier := self.earlier(user, token, asked)) is None:
+            raise TokenReused(
+                f"this request token was used for bulk job {created.job.pk}, "
+                "started on the pages or by the command"
+            )
+        return Created(earlier, repeated=True)
+
+
+class ApiBulkRequest(models.Model):
+    """A bulk job started through the API under a client's request token:
+    its request's digest tells a repeat (a retry after a lost answer: the
+    same job) from another request that reuses the token (refused).  The
+    job's own token (runs.bulk) makes it once; this row says what was asked."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    # Unique as the job's is: one token, one job, whoever asked.
+    request_token = models.CharField(max_length=TOKEN_MAX, unique=True)
+    request_digest = models.CharField(max_length=64)
+    job = models.OneToOneField(BulkJob, on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(db_default=Now())
+
+    objects = ApiBulkRequestQuerySet.as_manager()
+
+    def __str__(self) -> str:
+        return f"{self.request_token} -> bulk job {self.job_id}"

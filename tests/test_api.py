@@ -26,6 +26,7 @@ from django.test import Client
 from openapi_spec_validator import validate
 
 from dashboard.models import ApiToken
+from runs.bulk import Ask, BulkJob, Selection, create_job
 from runs.models import DecisionChoice, OperatorDecision, OutcomeItem, OutcomeKind, Run, RunStatus
 from runs.submission import submit
 from tests.conftest import make_user, signed_in
@@ -145,8 +146,10 @@ def submission(**fields: Any) -> dict[str, Any]:
     return {"agent": "research", "input": QUESTION, "request_token": uuid.uuid4().hex, **fields}
 
 
-def operations(run: Run, item: OutcomeItem) -> list[tuple[str, str, Any]]:
-    """Every operation of the API, on a run and an item that exist."""
+def operations(run: Run, item: OutcomeItem, job: BulkJob) -> list[tuple[str, str, Any]]:
+    """Every operation of the API, on a run, an item and a bulk job that
+    exist (the bulk job cancels the run submitted before it)."""
+    cancel = {"filter": "status=queued", "action": "cancel"}
     return [
         ("get", "/api/runs/", None),
         ("get", f"/api/runs/{run.pk}/", None),
@@ -155,7 +158,30 @@ def operations(run: Run, item: OutcomeItem) -> list[tuple[str, str, Any]]:
         ("get", "/api/items/", None),
         ("get", f"/api/items/{item.pk}/", None),
         ("post", f"/api/items/{item.pk}/decide/", decision()),
+        ("post", DRY_RUN, cancel),
+        ("post", "/api/bulk/", {**cancel, "reason": "r", "request_token": uuid.uuid4().hex}),
+        ("get", "/api/bulk/", None),
+        ("get", f"/api/bulk/{job.pk}/", None),
+        ("post", f"/api/bulk/{job.pk}/stop/", None),
     ]
+
+
+# The one post that writes nothing: a viewer's too, as the dry-run page is.
+DRY_RUN = "/api/bulk/dry-run/"
+
+
+@pytest.fixture
+def bulk_job(lost_delivery, operator_user) -> BulkJob:
+    """A bulk job no worker has taken: abandon the waiting run."""
+    run, _ = lost_delivery
+    return create_job(
+        Ask("abandon"),
+        Selection(),
+        [run.pk],
+        user=operator_user,
+        reason="r",
+        token=uuid.uuid4().hex,
+    ).job
 
 
 def send(api: ApiClient, method: str, path: str, body: Any) -> HttpResponse:
@@ -166,7 +192,7 @@ def send(api: ApiClient, method: str, path: str, body: Any) -> HttpResponse:
 
 
 def test_the_openapi_document_is_valid_and_describes_every_operation(
-    lost_delivery, document
+    lost_delivery, bulk_job, document
 ) -> None:
     validate(document)
     assert document["openapi"].startswith("3.")
@@ -178,7 +204,8 @@ def test_the_openapi_document_is_valid_and_describes_every_operation(
         if method in ("get", "post")
     }
     tested = {
-        (method, re.sub(r"/\d+/", "/{id}/", path)) for method, path, _ in operations(run, item)
+        (method, re.sub(r"/\d+/", "/{id}/", path))
+        for method, path, _ in operations(run, item, bulk_job)
     }
     assert {(m, re.sub(r"\{[^}]+\}", "{id}", p)) for m, p in described} == tested
     schemes = document["components"]["securitySchemes"]
@@ -204,9 +231,9 @@ def test_the_document_is_served_to_a_token_and_refused_to_the_anonymous(viewer_a
 # -- who may do what -------------------------------------------------------------------
 
 
-def test_every_operation_refuses_the_anonymous_with_401(lost_delivery, document) -> None:
+def test_every_operation_refuses_the_anonymous_with_401(lost_delivery, bulk_job, document) -> None:
     anonymous = ApiClient(Client(), document)
-    for method, path, body in operations(*lost_delivery):
+    for method, path, body in operations(*lost_delivery, bulk_job):
         answer = send(anonymous, method, path, body)
         assert answer.status_code == 401, (method, path)
         assert answer.json()["error"]["code"] == "unauthenticated"
@@ -219,22 +246,24 @@ def test_every_operation_refuses_the_anonymous_with_401(lost_delivery, document)
     ["Bearer rdk_not-a-token", "Bearer ", "Basic b2xnYTpwYXNzd29yZA==", "rdk_no-scheme"],
 )
 def test_a_bad_token_is_refused_with_401_even_with_a_session(
-    lost_delivery, document, operator_user, header
+    lost_delivery, bulk_job, document, operator_user, header
 ) -> None:
     client = signed_in(operator_user, headers={"Authorization": header})
     api = ApiClient(client, document)
-    for method, path, body in operations(*lost_delivery):
+    for method, path, body in operations(*lost_delivery, bulk_job):
         answer = send(api, method, path, body)
         assert answer.status_code == 401, (method, path, header)
     assert Run.objects.count() == 1 and not OperatorDecision.objects.exists()
 
 
-def test_a_revoked_token_is_refused_with_401(lost_delivery, document, operator_user) -> None:
+def test_a_revoked_token_is_refused_with_401(
+    lost_delivery, bulk_job, document, operator_user
+) -> None:
     issued = ApiToken.objects.issue(operator_user, "ci")
     api = bearer(issued.secret, document)
     assert api.get("/api/runs/").status_code == 200
     assert issued.token.revoke()
-    for method, path, body in operations(*lost_delivery):
+    for method, path, body in operations(*lost_delivery, bulk_job):
         answer = send(api, method, path, body)
         assert answer.status_code == 401
         assert "revoked" in answer.json()["error"]["message"]
@@ -247,25 +276,32 @@ def test_an_inactive_users_token_is_refused(document, operator_user) -> None:
     assert api.get("/api/runs/").status_code == 401
 
 
-def test_a_viewer_reads_everything_and_acts_on_nothing(lost_delivery, viewer_api) -> None:
-    for method, path, body in operations(*lost_delivery):
+def test_a_viewer_reads_everything_and_acts_on_nothing(lost_delivery, bulk_job, viewer_api) -> None:
+    for method, path, body in operations(*lost_delivery, bulk_job):
         answer = send(viewer_api, method, path, body)
-        if method == "get":
+        if method == "get" or path == DRY_RUN:
             assert answer.status_code == 200, path
         else:
             assert answer.status_code == 403, path
             assert "operator permission" in answer.json()["error"]["message"]
     _, item = lost_delivery
     assert Run.objects.count() == 1 and not OperatorDecision.objects.exists()
+    assert list(BulkJob.objects.values_list("state", flat=True)) == ["queued"]
     item.refresh_from_db()
     assert item.state == "open"
 
 
-def test_an_operator_reads_and_acts(lost_delivery, operator_api) -> None:
-    for method, path, body in operations(*lost_delivery):
+def test_an_operator_reads_and_acts(lost_delivery, bulk_job, operator_api) -> None:
+    for method, path, body in operations(*lost_delivery, bulk_job):
         answer = send(operator_api, method, path, body)
         assert answer.status_code in (200, 201), (path, answer.json())
     assert Run.objects.count() == 2 and OperatorDecision.objects.count() == 2
+    # A job started to cancel the submitted run (no worker here carries it
+    # out); the job asked for stopped.
+    started = BulkJob.objects.exclude(pk=bulk_job.pk).get()
+    assert list(started.items.values_list("run__status", flat=True)) == [RunStatus.QUEUED]
+    bulk_job.refresh_from_db()
+    assert bulk_job.state == "stopped"
 
 
 def test_a_wrong_method_is_405_in_json(lost_delivery, viewer_api) -> None:

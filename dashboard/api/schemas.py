@@ -8,10 +8,11 @@ import datetime as dt
 from typing import Annotated, Any
 
 from ninja import Field, Schema
-from pydantic import AfterValidator, StringConstraints
+from pydantic import AfterValidator, StringConstraints, model_validator
 
+from runs.bulk import BulkAction
 from runs.decisions import REASON_MAX, REFERENCE_MAX
-from runs.models import UNSTORABLE, OperatorDecision
+from runs.models import UNSTORABLE, DecisionChoice, OperatorDecision, OutcomeKind
 
 TOKEN_MAX = OperatorDecision._meta.get_field("request_token").max_length
 
@@ -23,6 +24,12 @@ def _storable(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_storable)]
+# Stripped as a decision (and a bulk job) keeps it: blank is no reason.
+Reason = Annotated[
+    str,
+    StringConstraints(strip_whitespace=True, min_length=1, max_length=REASON_MAX),
+    AfterValidator(_storable),
+]
 RequestToken = Annotated[
     Text,
     Field(
@@ -220,12 +227,7 @@ class ItemOut(ItemRow):
 
 class DecideIn(Schema):
     choice: str = Field(description="One of the choices offered (the item's or the run's offers)")
-    # Stripped as the decision keeps it: blank is no reason.
-    reason: Annotated[
-        str,
-        StringConstraints(strip_whitespace=True, min_length=1, max_length=REASON_MAX),
-        AfterValidator(_storable),
-    ]
+    reason: Reason
     reference: Annotated[Text, Field(max_length=REFERENCE_MAX)] = ""
     request_token: RequestToken
 
@@ -234,3 +236,127 @@ class DecidedOut(Schema):
     decision: DecisionOut
     repeated: bool = Field(description="True: the decision taken earlier with this token")
     run_resumed: bool = Field(description="True: the run went back to the queue")
+
+
+# -- bulk jobs ---------------------------------------------------------------------------
+
+
+class BulkIn(Schema):
+    """What a bulk action is asked (runs/bulk.py): the runs, by a runs-list
+    filter or by ids (one of the two), and the action."""
+
+    filter: Annotated[Text, Field(max_length=2000)] | None = Field(
+        None,
+        description="A runs-list filter as its query string (status=needs_operator&agent="
+        "research); '' selects every run (drills' aside)",
+    )
+    ids: list[int] | None = Field(None, min_length=1, max_length=100_000, description="Run ids")
+    action: BulkAction = Field(description="cancel, resume or abandon each run, or decide items")
+    choice: DecisionChoice | None = Field(
+        None, description="decide: the choice taken on every open item of `kind`"
+    )
+    kind: OutcomeKind | None = Field(None, description="decide: the kind of items decided")
+
+    @model_validator(mode="after")
+    def _one_selection(self) -> BulkIn:
+        if (self.filter is None) == (self.ids is None):
+            raise ValueError("give the runs as `filter` or as `ids`, one of the two")
+        return self
+
+
+class BulkConfirmIn(BulkIn):
+    reason: Reason
+    request_token: RequestToken
+
+
+class RunPlanOut(Schema):
+    id: int
+    status: str
+    changes: list[str] = Field(description="What the action would change (empty: nothing)")
+    refusals: list[str] = Field(description="What it would refuse, and why")
+
+
+class DryRunOut(Schema):
+    """The keys of `runs bulk --dry-run --json` (runs.bulk.DryRun.json)."""
+
+    action: str
+    choice: str
+    kind: str
+    filter: str | None
+    ids: list[int] | None
+    total: int = Field(description="Runs selected (counted up to one past the cap)")
+    cap: int = Field(description="At most this many runs per job (RUNDESK_BULK_MAX_RUNS)")
+    refused: str | None = Field(description="Why the whole selection is refused (null: it is not)")
+    would_change: int
+    would_refuse: int
+    runs: list[RunPlanOut]
+
+
+class BulkCounts(Schema):
+    pending: int
+    done: int
+    refused: int
+    stopped: int
+
+
+class BulkJobRow(Schema):
+    id: int
+    action: str
+    choice: str
+    kind: str
+    asks: str = Field(description="The action in the pages' words")
+    filter: str | None = Field(description="The runs-list filter it was chosen by; null: by ids")
+    requested_by: str
+    reason: str
+    state: str = Field(description="queued, running, done or stopped")
+    total: int
+    counts: BulkCounts
+    stop_requested_by: str
+    stop_requested_at: dt.datetime | None
+    created_at: dt.datetime
+    started_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    page: str = Field(description="The job's page on the dashboard (its progress, live)")
+
+
+class BulkJobPage(Schema):
+    jobs: list[BulkJobRow]
+    next_cursor: str | None
+
+
+class BulkResultOut(Schema):
+    id: int
+    run_id: int
+    run_status: str
+    result: str = Field(description="pending, done, refused or stopped")
+    detail: str = Field(description="What changed, or why it was refused or not done")
+    decisions: list[int] = Field(description="The decisions it recorded (the audit's rows)")
+    finished_at: dt.datetime | None
+
+
+class BulkResults(Schema):
+    """A page of a job's per-run results, by item id."""
+
+    after: int = Field(0, ge=0, description="The cursor of the page to read: a page's next_after")
+    limit: int = Field(200, ge=1, le=1000, description="Results per page")
+    result: str = Field("", description="pending, done, refused or stopped; all when absent")
+
+
+class BulkJobOut(BulkJobRow):
+    results: list[BulkResultOut]
+    next_after: int | None = Field(description="Pass as `after` for the next results; null: last")
+
+
+class BulkStartedOut(Schema):
+    job: BulkJobOut
+    repeated: bool = Field(description="True: an earlier request with this token started it")
+    handover: str | None = Field(
+        description="Why no worker could be asked yet (it is handed out again within a "
+        "minute); null: a worker has it"
+    )
+
+
+class BulkStoppedOut(Schema):
+    job: BulkJobOut
+    stopped: int = Field(description="The runs this stop left not done")
+    said: str

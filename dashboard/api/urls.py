@@ -13,7 +13,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.urls import URLPattern, path, re_path
 from ninja import NinjaAPI
 
-from dashboard.api import errors, items, runs, tokens
+from dashboard.api import bulk, errors, items, runs, tokens
 from dashboard.api.auth import AUTHENTICATED
 from dashboard.api.errors import ApiError, refusal
 from dashboard.security import nul_parameter
@@ -64,6 +64,7 @@ api = RundeskAPI(
 errors.install(api)
 api.add_router("", runs.router)
 api.add_router("", items.router)
+api.add_router("", bulk.router)
 
 
 def _json_answers(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
