@@ -4,8 +4,8 @@
 # an approval is decided once (pending -> approved or rejected, nothing
 # else ever changes, no row is deleted), and the boundary of a gated action
 # (an action whose run and step have an approval) is written, or armed
-# again, only with the input an "approve" decision sent: its input digest
-# must be the approval's sent_digest.  And the `approvers` group, holding
+# again, only with the input an "approve" decision sent: its input and its
+# digest must be the approval's sent and sent_digest.  And the `approvers` group, holding
 # runs.approve_action, distinct from the operators.
 
 import django.db.models.deletion
@@ -37,11 +37,15 @@ BEGIN
     IF NEW.state <> 'dispatched' THEN
         RETURN NEW;
     END IF;
-    SELECT a.state, a.sent_digest, d.choice INTO gate
-    FROM runs_approval a LEFT JOIN runs_operatordecision d ON d.id = a.decision_id
+    -- runs_approval alone: approved means an approve decision (the
+    -- approval_decided_once constraint), and no boundary reads the
+    -- operators' decisions (a lock someone holds there must not hold a
+    -- delivery: migration 0013).
+    SELECT a.state, a.sent_digest, a.sent INTO gate
+    FROM runs_approval a
     WHERE a.run_id = NEW.run_id AND a.step_key = NEW.step_key;
-    IF FOUND AND NOT (gate.state = 'approved' AND gate.choice IN ('approve', 'approve_edited')
-                      AND gate.sent_digest = NEW.input_digest) THEN
+    IF FOUND AND NOT (gate.state = 'approved' AND gate.sent_digest = NEW.input_digest
+                      AND gate.sent = NEW.input) THEN
         RAISE EXCEPTION 'rundesk: action_approved: % of run % is dispatched only with the '
             'input an approval sent (approval %, its digest %, this boundary''s %)',
             NEW.step_key, NEW.run_id, gate.state, gate.sent_digest, NEW.input_digest
