@@ -248,8 +248,9 @@ class Command(BaseCommand):
                 f"  its ticket updates:       {helpdesk.url}\n"
                 "  operator is also an approver: a support-approved reply waits for approval "
                 "in the inbox\n"
-                "  hold a tool: the Holds page, or  manage.py holds add --tool send_email "
-                "--reason '...' --as operator\n"
+                # The demo runs without DEBUG; a command beside it, with.
+                "  hold a tool: the Holds page, or  DEBUG=1 .venv/bin/python manage.py holds add "
+                "--tool send_email --reason '...' --as operator\n"
                 "  Ctrl-C stops the web server, the executor, the worker, the receivers and "
                 "the database.\n"
             )
