@@ -18,7 +18,15 @@ from dashboard.htmx import HtmxHttpRequest
 from dashboard.security import form_lock_waits, rejects_bad_input
 from runs import tasks
 from runs.decisions import OPERATE
-from runs.drills import QUESTIONS, SCENARIOS, DrillRunning, describe, drillable, start_drill
+from runs.drills import (
+    QUESTIONS,
+    SCENARIOS,
+    DrillRunning,
+    describe,
+    drillable,
+    start_drill,
+    undrilled,
+)
 from runs.models import Drill, DrillResult, DrillState
 from runs.tasks import hand_over
 
@@ -59,6 +67,7 @@ def drills(request: HtmxHttpRequest) -> HttpResponse:
         {
             "scenarios": scenarios,
             "agents": drillable(),
+            "undrilled": undrilled(),
             "drill": Drill.objects.first(),
             "total": len(SCENARIOS),
         },

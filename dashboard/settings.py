@@ -425,6 +425,9 @@ RUNDESK_CHECKPOINT_SECONDS = env_float("RUNDESK_CHECKPOINT_SECONDS", 0.5, minimu
 RUNDESK_AGENTS = {
     "research": "runs.agents.research:ResearchAgent",
     "support": "runs.agents.support:SupportAgent",
+    # The support agent whose replies wait for a person's approval
+    # (runs/approvals.py); it declares no drill input, so drills skip it.
+    "support-approved": "runs.agents.support:ApprovedSupportAgent",
 }
 for _entry in env_list("RUNDESK_AGENTS"):
     _name, _, _path = _entry.partition("=")

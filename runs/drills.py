@@ -152,6 +152,13 @@ def drillable() -> list[str]:
     return [name for name, agent in registry.installed().items() if agent.drill_input is not None]
 
 
+def undrilled() -> list[str]:
+    """The installed agents that declare no drill input (one whose effects
+    wait for a person's approval, say): a drill skips them unless told."""
+    drilled = set(drillable())
+    return [name for name in registry.installed() if name not in drilled]
+
+
 def chosen_agents(names: list[str] | None) -> list[str]:
     """The agents a drill is to run against: `names` (in order, once
     each), or every drillable one.  ValueError says why one cannot be."""

@@ -1,25 +1,39 @@
 """The demo seeds sample runs, each of which submission takes, and one run
 for each row of the decision table: each ends as its row says, through a
 real executor.  Its support runs mail through its SMTP server and update
-its helpdesk, and two of them leave an effect's lost answer in the inbox."""
+its helpdesk, and two of them leave an effect's lost answer in the inbox.
+Its support-approved run's reply waits in the inbox for its operator, an
+approver, to approve."""
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import pytest
+from django.test import Client
 
-from runs.decisions import settle_open_items
+from runs.approvals import APPROVE, decide_approval
+from runs.decisions import Request, Who, settle_open_items
 from runs.executor import Executor
 from runs.management.commands.demo import (
+    APPROVAL_RUN,
     DECISION_TABLE_RUNS,
     HELPDESK_LOSES,
     SAMPLE_RUNS,
     SUPPORT_RUNS,
     TWO_FUNDS,
+    operator_account,
     support_receivers,
 )
-from runs.models import ActionState, CheckpointOutcome, OutcomeItem, OutcomeKind, RunStatus
+from runs.models import (
+    ActionState,
+    CheckpointOutcome,
+    DecisionChoice,
+    OutcomeItem,
+    OutcomeKind,
+    RunStatus,
+)
 from runs.outcomes import xact_status
 from runs.submission import submit
 from tests.faultruns import wait_for
@@ -95,3 +109,40 @@ def test_the_demos_support_runs_leave_a_lost_mail_and_a_lost_ticket_update_in_th
         assert len(mailbox.messages()) == len(SUPPORT_RUNS)
         updated = [update["ticket"] for update in helpdesk.updates()]
         assert sorted(updated) == sorted(["T-1042", HELPDESK_LOSES, "T-1045"])
+
+
+def test_the_demos_approved_support_run_waits_with_its_mail_for_the_demos_operator_to_approve(
+    settings, tmp_path: Path
+):
+    mailbox, helpdesk = support_receivers(tmp_path, "smtp://127.0.0.1:0", "http://127.0.0.1:0/")
+    with mailbox, helpdesk:
+        settings.RUNDESK_SMTP_URL, settings.RUNDESK_HELPDESK_URL = mailbox.url, helpdesk.url
+        operator = operator_account("demo-password")
+        # support-approved is installed by default: the demo's seed is taken.
+        run = submit(agent="support-approved", input=APPROVAL_RUN)
+
+        assert dict(Executor().serve(once=True))[run.pk] == RunStatus.NEEDS_OPERATOR
+        item = OutcomeItem.objects.get(run=run)
+        assert item.kind == OutcomeKind.APPROVAL
+        proposed = item.evidence["input"]
+        assert (proposed["to"], proposed["subject"]) == (
+            "ada.lovelace@example.com",
+            "Re: Refund for a damaged grinder [T-1042]",
+        )
+        assert item.evidence["approvers"]["users"] == ["operator"]
+        assert mailbox.messages() == []
+        # The operator signs in with the printed password and finds it,
+        # the email shown, in the inbox.
+        client = Client()
+        assert client.login(username="operator", password="demo-password")
+        inbox = client.get("/inbox/").content.decode()
+        assert "Re: Refund for a damaged grinder [T-1042]" in inbox
+
+        assert operator.has_perm(APPROVE)
+        request = Request(
+            choice=DecisionChoice.APPROVE, who=Who(user=operator), token=uuid.uuid4().hex
+        )
+        assert decide_approval(item.pk, request).run_resumed
+        assert dict(Executor().serve(once=True))[run.pk] == RunStatus.COMPLETED
+        (mail,) = mailbox.messages()
+        assert (mail["To"], mail["Subject"]) == (proposed["to"], proposed["subject"])

@@ -141,3 +141,5 @@ def test_what_a_killed_drill_left_is_removed_when_the_next_starts_and_said(as_js
         "function rundesk_drill_stall_999998()",
     ):
         assert f"removed {what}" in str(said)
+    if not as_json:  # the installed agents a drill skips are named
+        assert "not drilled (no drill input): support-approved" in said

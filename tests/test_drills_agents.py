@@ -20,7 +20,7 @@ from django.core.management.base import CommandError
 from django.test import Client
 
 from runs import tasks
-from runs.drills import QUESTIONS, SCENARIOS, chosen_agents
+from runs.drills import QUESTIONS, SCENARIOS, chosen_agents, undrilled
 from runs.models import Drill, DrillResult, DrillVerdict, Receipt
 from tests.conftest import ROOT, database_url
 
@@ -52,6 +52,7 @@ def drill(*args: str) -> dict:
 
 def test_a_drill_runs_against_every_agent_with_a_drill_input_unless_told(installed) -> None:
     assert chosen_agents(None) == ["filing", "research"]  # not pages: no drill input
+    assert undrilled() == ["pages"]
     assert chosen_agents(["research", "filing", "research"]) == ["research", "filing"]
     with pytest.raises(CommandError, match=r"not started: no agent 'nope' is installed here "
                        r"\(installed: filing, pages, research\)"):  # fmt: skip
@@ -178,6 +179,7 @@ def test_the_drills_page_shows_each_agents_results_and_starts_a_drill_for_agents
     lease = html[html.index("<code>lease_stolen</code>") :].split("</tbody>")[0]
     assert lease.split("</tr>")[1].count("never run here") == 1
     assert "<td>pages</td>" not in html
+    assert "Not drilled: pages (they declare no drill input" in html
     assert "Done: 2 of 2 scenarios (1 against each of research, filing)" in html
     assert (
         "Run all 19 scenarios against filing, research" in operator.get("/drills/").content.decode()

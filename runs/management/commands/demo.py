@@ -19,6 +19,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
 from runs.agents.receivers import Helpdesk, Mailbox
+from runs.approvals import APPROVERS
 from runs.models import Run
 from runs.submission import submit
 from runs.tasks import execute_run
@@ -129,6 +130,12 @@ SUPPORT_RUNS: list[tuple[dict[str, Any], list[dict[str, Any]]]] = [
 ]
 
 
+# A run of the support agent whose replies a person approves
+# (support-approved): its reply waits in the inbox, the email shown, for the
+# demo's operator, who is an approver too, to approve, edit or reject.
+APPROVAL_RUN: dict[str, Any] = {"ticket": "T-1042", "articles": ["refunds.md"]}
+
+
 def support_receivers(var: Path, smtp_url: str, helpdesk_url: str) -> tuple[Mailbox, Helpdesk]:
     """The demo's SMTP server and helpdesk, at the addresses the support
     agent sends to, keeping what they receive under `var`."""
@@ -142,6 +149,22 @@ def support_receivers(var: Path, smtp_url: str, helpdesk_url: str) -> tuple[Mail
             lose_answers_for={HELPDESK_LOSES},
         ),
     )
+
+
+def operator_account(password: str) -> User:
+    """The demo's `operator`, signing in with `password`: an operator, and
+    an approver too (the demo's approval waits for one)."""
+    with transaction.atomic():
+        operators, _ = Group.objects.get_or_create(name="operators")
+        operators.permissions.add(Permission.objects.get(codename="operate_run"))
+        approvers, _ = Group.objects.get_or_create(name=APPROVERS)
+        approvers.permissions.add(Permission.objects.get(codename="approve_action"))
+        user, _ = User.objects.get_or_create(username="operator")
+        user.is_staff = True
+        user.set_password(password)
+        user.save()
+        user.groups.add(operators, approvers)
+    return user
 
 
 def web_server(port: int) -> list[str]:
@@ -223,6 +246,11 @@ class Command(BaseCommand):
                 f"  sign in as  operator / {password}\n"
                 f"  the support agent's mail: {mailbox.folder}/*.eml  ({mailbox.url})\n"
                 f"  its ticket updates:       {helpdesk.url}\n"
+                "  operator is also an approver: a support-approved reply waits for approval "
+                "in the inbox\n"
+                # The demo runs without DEBUG; a command beside it, with.
+                "  hold a tool: the Holds page, or  DEBUG=1 .venv/bin/python manage.py holds add "
+                "--tool send_email --reason '...' --as operator\n"
                 "  Ctrl-C stops the web server, the executor, the worker, the receivers and "
                 "the database.\n"
             )
@@ -249,14 +277,7 @@ class Command(BaseCommand):
     def _operator_account(self) -> str:
         """The operator account, with a fresh password printed at each start."""
         password = secrets.token_urlsafe(12)
-        with transaction.atomic():
-            operators, _ = Group.objects.get_or_create(name="operators")
-            operators.permissions.add(Permission.objects.get(codename="operate_run"))
-            user, _ = User.objects.get_or_create(username="operator")
-            user.is_staff = True
-            user.set_password(password)
-            user.save()
-            user.groups.add(operators)
+        operator_account(password)
         return password
 
     def _receivers(self, stack: ExitStack) -> tuple[Mailbox, Helpdesk]:
@@ -286,10 +307,12 @@ class Command(BaseCommand):
             submit(question=question, documents=TWO_FUNDS, faults=faults)
         for input, faults in SUPPORT_RUNS:
             submit(agent="support", input=input, faults=faults)
+        submit(agent="support-approved", input=APPROVAL_RUN)
         self.stdout.write(
             f"demo: {len(SAMPLE_RUNS) + len(DECISION_TABLE_RUNS)} research runs queued, "
             f"{len(DECISION_TABLE_RUNS)} of them with a fault plan; {len(SUPPORT_RUNS)} support "
-            "runs, one losing its mail's answer and one its ticket update's"
+            "runs, one losing its mail's answer and one its ticket update's; one support-approved "
+            "run, its reply waiting for approval"
         )
 
     def _start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:

@@ -10,7 +10,15 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from runs.drills import SCENARIOS, DrillRunning, describe, report, run_drill, start_drill
+from runs.drills import (
+    SCENARIOS,
+    DrillRunning,
+    describe,
+    report,
+    run_drill,
+    start_drill,
+    undrilled,
+)
 
 
 class Command(BaseCommand):
@@ -59,6 +67,8 @@ class Command(BaseCommand):
         else:
             for line in drilled.leftovers:
                 self.stdout.write(f"before the drill: {line}")
+            if not agents and (skipped := undrilled()):
+                self.stdout.write(f"not drilled (no drill input): {', '.join(skipped)}")
             width = max((len(result.agent) for result in drilled.results), default=0)
             for result in drilled.results:
                 self.stdout.write(
