@@ -130,6 +130,8 @@ def approval_decide(request: HttpRequest, item_id: int) -> HttpResponse:
             OutcomeItem.objects.select_related("run", "approval"),
             pk=item_id,
             kind=OutcomeKind.APPROVAL,
+            # An imported run's approval item has no gate here to decide.
+            approval__isnull=False,
         )
     tool = declared_tool(item.run, item.approval.tool).tool
     form = ApprovalForm(request.POST, approval=item.approval, tool=tool)

@@ -585,27 +585,34 @@ class Capture(BackgroundWriter[Record, GapKey]):
 
     def _between_batches(self) -> None:
         due = self.retries.due(time.monotonic(), BATCH)
+        saved = True
         for taken, retry in enumerate(due):
-            if self._out_of_time():  # stopping: what is left stays for the shutdown
+            # Stopping, what is left stays for the shutdown; after a try that
+            # failed, for a later pass: the lock that held it most likely
+            # holds the rest, and the writer's new records must not queue
+            # behind a pass of tries that each wait out the lock timeout.
+            if self._out_of_time() or not saved:
                 for left in due[taken:]:
                     self.retries.again(left, time.monotonic())
                 return
-            self._try_again(retry)
+            saved = self._try_again(retry)
 
-    def _try_again(self, retry: Retry) -> None:
-        """One try: saved, or back in the queue for a later one, or, out
-        of tries, given up."""
+    def _try_again(self, retry: Retry) -> bool:
+        """One try: saved (True), or back in the queue for a later one, or,
+        out of tries, given up."""
         retry.attempts += 1
         failure = self._save_again(retry)
         if failure is None:
             self.retries.done(retry)
             self._count("saved_later")
-        elif retry.attempts < settings.RUNDESK_CAPTURE_RETRY_TRIES:
+            return True
+        if retry.attempts < settings.RUNDESK_CAPTURE_RETRY_TRIES:
             self.retries.again(retry, time.monotonic())
         else:
             self.retries.done(retry)
             tries = f"{retry.attempts} {'try' if retry.attempts == 1 else 'tries'}"
             self._give_up(retry, f"not saved after {tries}: {failure}"[:300], "retry_exhausted")
+        return False
 
     def _save_again(self, retry: Retry) -> str | None:
         """Saves the record and marks its gap saved, in one transaction;

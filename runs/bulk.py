@@ -454,12 +454,6 @@ class BulkJob(models.Model):
     def is_finished(self) -> bool:
         return self.state not in UNFINISHED
 
-    @property
-    def selection_words(self) -> str:
-        if self.filter_query:
-            return f"filter {self.filter_query}"
-        return "runs chosen by id" if self.total != 1 else "a run chosen by id"
-
     def counts(self) -> dict[str, int]:
         found = dict(self.items.values_list("result").annotate(n=Count("*")))
         return {result: found.get(result, 0) for result in ItemResult.values}
@@ -709,6 +703,11 @@ def act(job: BulkJob, run_id: int, who: Who) -> Outcome:
     run = Run.objects.filter(pk=run_id).first()
     if run is None:
         return Outcome(False, f"run {run_id} is gone")
+    # Checked again for each run, as a single action checks it: a job goes
+    # on after its operator is removed or loses the permission (a worker, or
+    # beat's redelivery, carries it on), and then acts no more.
+    if not job.user.is_active or not job.user.has_perm(OPERATE):
+        return Outcome(False, f"{job.requested_by} no longer has the operator permission")
     if job.action == BulkAction.CANCEL:
         return _cancel(job, run)
     if job.action in (BulkAction.RESUME, BulkAction.ABANDON):

@@ -55,6 +55,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import DatabaseError, IntegrityError, transaction
+from django.db.models.functions import Now
 from django.utils import timezone
 from psycopg.types.json import Jsonb
 
@@ -68,6 +69,7 @@ from runs.models import (
     Checkpoint,
     CheckpointOutcome,
     DecisionChoice,
+    HoldWait,
     OperatorDecision,
     OutcomeItem,
     OutcomeKind,
@@ -623,6 +625,9 @@ def decide_run(run_id: int, request: Request) -> Decided:
             after = RunStatus.CANCELLED
         if not changed:
             raise DecisionRefused(f"run {run_id} changed meanwhile: nothing was decided")
+        # A run resumed or abandoned while it waited on a hold waits on it no
+        # more: the hold's release must not send it on later (runs/holds.py).
+        HoldWait.objects.filter(run_id=run_id, until__isnull=True).update(until=Now())
         decision = _record(run_id, None, None, request, shown, after, before=run.status)
     _tell(run_id, decision, f"run {run_id}")
     return Decided(decision, run_resumed=after == RunStatus.QUEUED)

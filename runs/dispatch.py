@@ -431,6 +431,9 @@ class Dispatcher:
             # receipts can still go on their own (receipt_kept).
             self.unwritten = awaiting
             raise
+        except (NeedsOperator, LeaseLost):
+            self._copied(awaiting)  # the receipts' fate is the revision's: not ours to say
+            raise
         self._receipts_written(awaiting)
         if published is not False:
             timeline.record(
@@ -550,7 +553,17 @@ class Dispatcher:
                 action_id=each.action_id,
                 result_digest=each.receipt.result_digest,
             )
-            self.capture.completed(each.action_id, each.tool.name, each.input, result, each.sources)
+        self._copied(awaiting)
+
+    def _copied(self, awaiting: Sequence[AwaitingReceipt]) -> None:
+        """Capture saves the actions' copies: the calls completed, whatever
+        became of the write that carried their receipts (an unanswered
+        COMMIT, a lost lease: the copy of what was called is kept all the
+        same; capture keeps one per call)."""
+        for each in awaiting:
+            self.capture.completed(
+                each.action_id, each.tool.name, each.input, each.result, each.sources
+            )
 
     # -- one step --------------------------------------------------------------
 
@@ -602,7 +615,11 @@ class Dispatcher:
             except (CancelRequested, LeaseExpired):
                 self._receipts_written(awaiting)  # the receipts went; the boundaries did not
                 raise
+            except NeedsOperator:
+                self._copied(awaiting)
+                raise
             except LeaseLost as lost:
+                self._copied(awaiting)
                 keys = ", ".join(each.step_key for each in awaiting)
                 said = (
                     f"the receipt of {keys} with it: the next owner reads it again"

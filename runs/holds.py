@@ -66,8 +66,9 @@ from runs.sql import lock_refused, server_cursor, waits_bounded
 from runs.timeline import EventKind, timeline
 
 # How long adding or releasing a hold waits for a lock a stranger holds
-# (the actions table, a run's row) before it is refused, saying so.
-LOCK_WAIT = "3s"
+# (the actions table, a run's row) before it is refused, saying so: short,
+# since every boundary queues behind a LOCK TABLE that waits.
+LOCK_WAIT = "500ms"
 REASON_MAX = 2000
 
 

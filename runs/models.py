@@ -524,6 +524,14 @@ class Action(models.Model):
             # as often as operators' decisions authorise (OperatorDecision,
             # AUTHORISING): a trigger counts them (migration 0008).
         ]
+        indexes = [
+            # A hold's dispatches in flight (holds.in_flight), read while the
+            # hold's short transaction holds every boundary back: the few
+            # actions dispatched now, not the whole table.
+            models.Index(
+                fields=["kind"], condition=Q(state="dispatched"), name="action_dispatched_idx"
+            ),
+        ]
 
     def __str__(self) -> str:
         return self.identity

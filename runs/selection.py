@@ -63,12 +63,6 @@ class RunFilter:
         runs = finding.labelled(runs, self.label)
         return finding.between(runs, self.time, self.since, self.until)
 
-    @property
-    def narrows(self) -> bool:
-        """Whether it selects fewer runs than all of this installation's
-        (drills' runs aside)."""
-        return self != RunFilter()
-
     def query(self) -> str:
         """The filter as the runs list's query string, its defaults left out."""
         given: list[tuple[str, str]] = []
