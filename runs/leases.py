@@ -231,7 +231,8 @@ class Lease:
         return cls(run_id=row[0], owner=owner, epoch=row[1]) if row else None
 
     def renew(self) -> bool:
-        """Heartbeat.  False means the lease is gone: stop."""
+        """Renews this lease alone (an executor renews all its process holds
+        in one statement: runs/renewal.py).  False means it is gone: stop."""
         return self._changes_rows(
             f"UPDATE runs_run SET lease_expires_at = clock_timestamp() + %(ttl)s WHERE {OWNER}",
             ttl=lease_ttl(),
@@ -414,7 +415,7 @@ class Lease:
         """Saves the agent's state (JSON text) in its own statement: never in
         a receipt's transaction.  A recovery write: it checks the lease but
         does not lock the run row, so a checkpoint whose connection is cut
-        while it is in flight cannot hold up the heartbeat or the run's
+        while it is in flight cannot hold up the lease renewal or the run's
         other writes.  Nor can a stranger's lock hold the run: a lock not
         granted within RUNDESK_CAPTURE_LOCK_TIMEOUT_MS fails it before it
         writes (55P03).  A lost connection raises CommitUnanswered."""

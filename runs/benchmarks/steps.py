@@ -12,7 +12,7 @@ A backend reports its counts when idle, at most once a second (an idle
 one that reported less than a second ago waits ten), so each count first
 makes every backend of the bench report: its own (pg_stat_force_next_flush),
 and the timeline's and capture's writers, by ending their connections (a
-backend reports as it exits; the heartbeat's ended with its run).  Then it
+backend reports as it exits).  Then it
 waits STATS_SETTLE seconds for the server's own processes.  The server's
 noise is an idle window counted the same way."""
 
@@ -37,9 +37,9 @@ from runs import lifecycle, registry
 from runs.agents.tools import NOOP
 from runs.benchmarks import ServerCounts, p50
 from runs.dispatch import Dispatcher
-from runs.executor import heartbeat
 from runs.leases import Lease, PendingReceipt, WriteRefused, new_owner_name
 from runs.models import Checkpoint, Run, RunStatus
+from runs.renewal import renewals
 from runs.sql import server_cursor
 from runs.submission import submit
 from runs.timeline import timeline
@@ -154,7 +154,7 @@ def drive_run(run: Run, dispatcher_class: type[Dispatcher]) -> int:
     lease = Lease.claim(run.pk, new_owner_name())
     if lease is None:
         raise CommandError(f"could not claim bench run {run.pk}")
-    with heartbeat(lease) as lost:
+    with renewals.held(lease) as lost:
         dispatcher = dispatcher_class(lease, stop=threading.Event(), lease_lost=lost)
         try:
             dispatcher.run_agent(registry.agent_class(run.agent))

@@ -152,10 +152,12 @@ def actions_per_run() -> int:
 
 
 class ExecutorProcess(GroupProcess):
-    """`manage.py executor --concurrency 1`, its output in `log`."""
+    """`manage.py executor --concurrency 1` (or `concurrency`), its output in `log`."""
 
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        super().__init__([sys.executable, "manage.py", "executor", "--concurrency", "1"], env, log)
+    def __init__(self, env: dict[str, str], log: Path, concurrency: int = 1) -> None:
+        super().__init__(
+            [sys.executable, "manage.py", "executor", "--concurrency", str(concurrency)], env, log
+        )
 
     def tail(self, chars: int = 2000) -> str:
         try:
