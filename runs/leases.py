@@ -40,9 +40,9 @@ from runs.models import (
 )
 from runs.sql import (
     bounded_lock_waits,
+    changes_rows_waits_bounded,
     commit_asynchronously,
     server_cursor,
-    statements_wait_bounded,
     unanswered_as,
 )
 
@@ -419,21 +419,26 @@ class Lease:
         other writes.  Nor can a stranger's lock hold the run: a lock not
         granted within RUNDESK_CAPTURE_LOCK_TIMEOUT_MS fails it before it
         writes (55P03).  A lost connection raises CommitUnanswered."""
-        with (
-            statements_wait_bounded(bounded_lock_waits()["lock_timeout"]),
-            unanswered_as(f"checkpoint {number}"),
-        ):
-            self._require(
+        with unanswered_as(f"checkpoint {number}"):
+            written = changes_rows_waits_bounded(
                 f"""INSERT INTO runs_checkpoint (run_id, after_action_id, number, epoch,
                         outcome, state, state_digest, xid, error, resolution, created_at)
                     SELECT %(run)s, %(action)s, %(number)s, %(epoch)s, 'committed',
                         %(state)s::jsonb, %(state_digest)s, rundesk_xid(true), '', '', now()
                     WHERE EXISTS (SELECT 1 FROM runs_run WHERE {HELD})""",
-                f"checkpoint {number}",
-                action=after_action,
-                number=number,
-                state=state,
-                state_digest=state_digest,
+                self._params(
+                    {
+                        "action": after_action,
+                        "number": number,
+                        "state": state,
+                        "state_digest": state_digest,
+                    }
+                ),
+                bounded_lock_waits()["lock_timeout"],
+            )
+        if not written:
+            raise self._refused(
+                f"checkpoint {number}", f": run {self.run_id} epoch {self.epoch} not held"
             )
 
     def enter_phase(self, phase: Phase, reason: str) -> None:

@@ -73,13 +73,18 @@ def server_cursor() -> Iterator[psycopg.Cursor[Any]]:
     db.ensure_connection()
     cursor = _session.cursor
     if cursor is None or cursor.connection is not db.connection or cursor.closed:
-        with _per_connection_lock:
-            if db.connection not in _heard:
-                db.connection.add_notice_handler(_on_notice)
-                _heard.add(db.connection)
+        _listen(db.connection)
         cursor = _session.cursor = psycopg.Cursor(db.connection)
     with db.wrap_database_errors:
         yield cursor
+
+
+def _listen(raw: psycopg.Connection[Any]) -> None:
+    """Passes the connection's notices (an announced xid) to this module."""
+    with _per_connection_lock:
+        if raw not in _heard:
+            raw.add_notice_handler(_on_notice)
+            _heard.add(raw)
 
 
 def release_connection() -> None:
@@ -155,20 +160,25 @@ def waits_bounded(timeout: str) -> Iterator[None]:
         yield
 
 
-@contextmanager
-def statements_wait_bounded(timeout: str) -> Iterator[None]:
-    """As waits_bounded, for statements each in a transaction of its own
-    (autocommit: a statement's end is its commit, as a fault cuts it): the
-    bound is the session's while they run, then reset.  Not after a lost
-    connection: the next one starts without it."""
-    with server_cursor() as cursor:
-        cursor.execute("SELECT set_config('lock_timeout', %s, false)", [timeout], prepare=True)
-    try:
-        yield
-    finally:
-        if not connection_lost():
-            with server_cursor() as cursor:
-                cursor.execute("RESET lock_timeout", prepare=True)
+def changes_rows_waits_bounded(sql: str, params: dict[str, Any], timeout: str) -> int:
+    """One write statement in a transaction of its own whose lock waits end
+    after `timeout` (LOCK_NOT_AVAILABLE), its row count.  It goes with
+    `set_config('lock_timeout', ..., true)` in one simple query, which the
+    server runs as one implicit transaction, committed at its end as a lone
+    statement is (a fault that cuts it in flight cuts it alike), and which
+    leaves no setting on the session: a pooled connection, or a
+    transaction-mode PgBouncer's server connection, carries none to the
+    next client.  Not prepared: a client-side-binding cursor."""
+    db = connections[DEFAULT_DB_ALIAS]
+    db.ensure_connection()
+    _listen(db.connection)
+    with db.wrap_database_errors, psycopg.ClientCursor(db.connection) as cursor:
+        cursor.execute(
+            "SELECT set_config('lock_timeout', %(lock_timeout)s, true); " + sql,
+            {**params, "lock_timeout": timeout},
+        )
+        cursor.nextset()
+        return cursor.rowcount
 
 
 def unless_locked(work: Callable[[], T], timeout: str | None = None) -> T | None:
