@@ -17,6 +17,10 @@ from runs.models import Action, Run, RunEvent, RunStatus
 from runs.submission import submit
 from runs.timeline import EventKind
 from tests.conftest import manage
+from tests.processes import Worker, enqueue, wait_until
+
+# The filesystem broker's fixture.
+from tests.processes import broker as broker
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -28,9 +32,11 @@ DOCS = ["northwind-clean-energy.md", "meridian-world-equity.md"]
 
 
 class SessionPeak:
-    """The most sessions of the test database seen at once, but this test's."""
+    """The most sessions of the test database seen at once of processes
+    of `role`."""
 
-    def __init__(self) -> None:
+    def __init__(self, role: str = "executor") -> None:
+        self.role = role
         self.peak = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._sample, daemon=True)
@@ -40,7 +46,8 @@ class SessionPeak:
             while not self.stop.wait(0.02):
                 (now,) = side.execute(
                     "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND application_name LIKE 'rundesk:executor%'"
+                    " AND application_name LIKE %s",
+                    (f"rundesk:{self.role}%",),
                 ).fetchone()
                 self.peak = max(self.peak, now)
 
@@ -92,3 +99,56 @@ def test_two_hundred_slow_runs_in_flight_hold_no_more_sessions_than_the_pool(pro
     assert not RunEvent.objects.filter(
         run_id__in=runs, kind__in=[EventKind.LEASE_LOST, EventKind.WRITE_FENCED]
     ).exists()
+
+
+def test_a_celery_worker_holds_many_runs_in_flight_on_its_pool(
+    process_env, journal, tmp_path, broker
+):
+    runs = 40
+    env = {
+        **process_env,
+        "RUNDESK_ROLE": "worker",
+        "RUNDESK_DB_POOL_SIZE": "4",
+        "RUNDESK_LEASE_SECONDS": "6",
+    }
+    sessions = SessionPeak("worker")
+    sessions.thread.start()
+    worker = Worker(env, tmp_path / "worker.log", pool="threads", concurrency=runs)
+    try:
+        worker.wait_ready()
+        submitted = [
+            submit(question=f"q{i}", documents=DOCS, faults=[{"point": "tool_delay", "ms": 300}]).pk
+            for i in range(runs)
+        ]
+        for run_id in submitted:
+            enqueue(run_id)
+        # The worker's threads take them all at once.
+        wait_until(
+            lambda: (
+                Run.objects.filter(pk__in=submitted, status=RunStatus.RUNNING).count() >= runs // 2
+            ),
+            30,
+            "runs not in flight side by side",
+            worker,
+        )
+        wait_until(
+            lambda: (
+                not Run.objects.filter(
+                    pk__in=submitted, status__in=[RunStatus.QUEUED, RunStatus.RUNNING]
+                ).exists()
+            ),
+            90,
+            "runs not done",
+            worker,
+        )
+    finally:
+        worker.stop()
+        sessions.stop.set()
+        sessions.thread.join()
+    assert set(Run.objects.filter(pk__in=submitted).values_list("status", flat=True)) == {
+        "completed"
+    }
+    # The pool's four, and the lease renewal's own.
+    assert 0 < sessions.peak <= 5, sessions.peak
+    reads = journal.counts("read_document")
+    assert len(reads) == runs * len(DOCS) and set(reads.values()) == {1}
