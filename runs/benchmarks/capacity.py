@@ -20,7 +20,9 @@ one such run alone (`one_run_s`, the yardstick), is given each batch of
   VmHWM): the process's, over its life;
 - `completed`, `reads_dispatched_twice` (read actions with more than one
   attempt: a document read twice), `leases_lost` (`lease_lost` or
-  `write_fenced` events, or an epoch above 1).
+  `write_fenced` events, or an epoch above 1); `capture_gaps` and
+  `events_lost` (what the bounded capture and timeline queues could not
+  take: counted as gaps, never waited for).
 
 The peer: DBOS, the same workload as workflows of eight 1-s steps, started
 all at once in a process of its own on a database of its own
@@ -214,7 +216,9 @@ def measure(runs: int, folder: Path) -> dict[str, Any]:
 
 
 def verdicts(batch: list[int]) -> dict[str, int]:
-    """Did every run complete, was any document read twice, any lease lost?"""
+    """Did every run complete, was any document read twice, any lease lost?
+    And what did the timeline and capture drop (their queues are bounded:
+    what does not fit is counted, never waited for)?"""
     lost_events = RunEvent.objects.filter(
         run_id__in=batch, kind__in=[EventKind.LEASE_LOST, EventKind.WRITE_FENCED]
     ).count()
