@@ -88,6 +88,7 @@ class Renewals:
         with self._lock:
             held = dict(self._held)
         if not held:
+            self._close()  # an idle renewal keeps no session
             return 0
         leases = list(held)
         params = {

@@ -255,11 +255,12 @@ def noop_run(steps: int) -> Iterator[Dispatcher]:
     lease = Lease.claim(run.pk, new_owner_name())
     if lease is None:
         raise CommandError(f"could not claim bench run {run.pk}")
-    dispatcher = Dispatcher(
-        lease, stop=threading.Event(), lease_lost=threading.Event(), tools=[NOOP]
-    )
-    yield dispatcher
-    dispatcher.finish(RunStatus.COMPLETED, "bench")
+    # Renewed as an executor's run is: on a busy machine the steps may
+    # outlast the lease.
+    with renewals.held(lease) as lost:
+        dispatcher = Dispatcher(lease, stop=threading.Event(), lease_lost=lost, tools=[NOOP])
+        yield dispatcher
+        dispatcher.finish(RunStatus.COMPLETED, "bench")
     timeline.flush()
 
 
