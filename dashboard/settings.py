@@ -277,8 +277,19 @@ DATABASES["default"].setdefault("OPTIONS", {}).update(
 # takes one for its statements and gives it back (runs.sql.release_connection)
 # before it waits; 0 turns the pool off (a connection per thread, Django's
 # default).  docs/DESIGN.md, "The executor's model", says why it cannot
-# deadlock.
-RUNDESK_DB_POOL_SIZE = int(env_float("RUNDESK_DB_POOL_SIZE", 16, minimum=0, maximum=10_000))
+# deadlock.  The test process itself runs without one by default: the test
+# databases are made, cloned and switched under it, and a pool made for one
+# would go on serving another (the executors and workers it starts have
+# theirs).
+RUNDESK_DB_POOL_SIZE = int(
+    env_float(
+        # pytest's processes, xdist's workers too (whose program is not pytest).
+        "RUNDESK_DB_POOL_SIZE",
+        0 if "pytest" in sys.modules else 16,
+        minimum=0,
+        maximum=10_000,
+    )
+)
 # How long a thread waits for a pooled connection before its statement fails.
 RUNDESK_DB_POOL_TIMEOUT = env_float("RUNDESK_DB_POOL_TIMEOUT", 10.0, minimum=0.1)
 if RUNDESK_DB_POOL_SIZE:

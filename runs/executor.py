@@ -259,7 +259,9 @@ class Executor:
                 self._sweep_if_due()
                 claimed = self._claim_while_free(threads)
                 with self._count:
-                    if once and not claimed and self.running == 0:
+                    # A claim that failed (None) is tried again: the queue
+                    # is not known to be empty.
+                    if once and claimed is False and self.running == 0:
                         break
                     if self.running >= self.concurrency or not claimed:
                         # A run that ends wakes this up: its slot is free.
@@ -274,9 +276,9 @@ class Executor:
             connection.close()
         return self.results
 
-    def _claim_while_free(self, threads: list[threading.Thread]) -> bool:
+    def _claim_while_free(self, threads: list[threading.Thread]) -> bool | None:
         """Claims runs while a slot is free, each driven on a new thread;
-        whether it found any."""
+        whether it found any (None: a claim failed, and it found none)."""
         found = False
         while not self.stop.is_set() and self.running < self.concurrency:
             try:
@@ -284,7 +286,7 @@ class Executor:
             except Exception as error:
                 logger.warning("executor: cannot claim: %r", error)
                 connection.close()
-                return found
+                return found or None
             if lease is None:
                 return found
             found = True

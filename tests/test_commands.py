@@ -198,12 +198,14 @@ def test_bench_refuses_a_database_whose_schema_is_not_the_codes():
         admin.execute(f'DROP DATABASE IF EXISTS "{empty}"')
         admin.execute(f'CREATE DATABASE "{empty}"')
         connection.close()
+        connection.close_pool()  # the pool's connections are the original database's
         settings["NAME"] = empty
         try:
             with pytest.raises(CommandError, match=r"migrations not applied: run `python manage"):
                 call_command("bench", "--steps", "1")
         finally:
             connection.close()
+            connection.close_pool()
             settings["NAME"] = original
             admin.execute(f'DROP DATABASE "{empty}"')
 

@@ -45,8 +45,11 @@ from typing import Any
 
 import psycopg
 from django.db import connection
+from django.db.models import Sum
+from django.db.models.functions import Coalesce
 from psycopg import sql
 
+from evidence.models import CaptureGap, EvidenceCopy
 from runs.benchmarks.peers import connection_params, sqlalchemy_url
 from runs.benchmarks.throughput import (
     DOCUMENTS,
@@ -193,6 +196,7 @@ def measure(runs: int, folder: Path) -> dict[str, Any]:
             wait_done(batch, executor, BATCH_TIMEOUT)
         cpu = executor.cpu_seconds() - cpu_before
         rss = rss_peak_mb(executor.pid)
+        captured_all(batch)
         executor.process.terminate()
         executor.process.wait(timeout=60)
     except BaseException:
@@ -215,6 +219,24 @@ def measure(runs: int, folder: Path) -> dict[str, Any]:
     }
 
 
+def captured_all(batch: list[int], timeout: float = 30.0) -> None:
+    """Waits (up to `timeout`) until capture has saved, or made a gap of,
+    what the batch handed it: a stopping executor turns what is still
+    queued into `shutdown` gaps, which would be the bench's doing."""
+
+    def saved() -> int:
+        return (
+            EvidenceCopy.objects.filter(run_id__in=batch).count()
+            + CaptureGap.objects.filter(run_id__in=batch).count()
+        )
+
+    deadline = time.monotonic() + timeout
+    last = -1
+    while time.monotonic() < deadline and (now := saved()) != last:
+        last = now
+        time.sleep(1.0)
+
+
 def verdicts(batch: list[int]) -> dict[str, int]:
     """Did every run complete, was any document read twice, any lease lost?
     And what did the timeline and capture drop (their queues are bounded:
@@ -228,6 +250,12 @@ def verdicts(batch: list[int]) -> dict[str, int]:
             run_id__in=batch, kind="read_document", attempts__gt=1
         ).count(),
         "leases_lost": lost_events + Run.objects.filter(pk__in=batch, lease_epoch__gt=1).count(),
+        "capture_gaps": CaptureGap.objects.filter(run_id__in=batch).aggregate(
+            lost=Coalesce(Sum("count"), 0)
+        )["lost"],
+        "events_lost": RunEvent.objects.filter(
+            run_id__in=batch, kind=EventKind.EVENTS_LOST
+        ).count(),
     }
 
 
