@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # Browser tests drive Debian's Chromium (never a downloaded browser).
 CHROMIUM := /usr/bin/chromium
+PGBOUNCER := /usr/sbin/pgbouncer
 
 # Tests and tools run with DEBUG; the demo and the benchmarks run as
 # production does (below).
@@ -35,6 +36,11 @@ $(CHROMIUM):
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
+# tests/test_pgbouncer.py runs the executor behind Debian's PgBouncer.
+$(PGBOUNCER):
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer
+
 $(SECRET_KEY_FILE): | $(STAMP)
 	mkdir -p $(@D)
 	umask 077 && $(PY) -c 'import secrets; print(secrets.token_urlsafe(50))' > $@.new
@@ -55,7 +61,7 @@ TEST_WORKERS ?= 3
 
 # The tests' own var/ (their Celery broker folder above all): the tasks the
 # runs they make runnable are handed over with never reach the demo's worker.
-test: install $(CHROMIUM)
+test: install $(CHROMIUM) $(PGBOUNCER)
 	rm -rf var/test
 	RUNDESK_VAR_DIR=$(CURDIR)/var/test $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.core.exceptions import ImproperlyConfigured
 
-from runs.sql import application_name
+from runs.sql import application_name, unnamed
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -271,6 +271,43 @@ DATABASES["default"].setdefault("OPTIONS", {}).update(
     # connection.  A transaction-mode pooler needs PgBouncer >= 1.21.
     prepare_threshold=5,
 )
+# The process's connections (issue 39): one pool per process, shared by all
+# its threads (runs in flight, the lease renewal, the timeline, capture,
+# the lock sampler), RUNDESK_DB_POOL_SIZE connections at most.  A thread
+# takes one for its statements and gives it back (runs.sql.release_connection)
+# before it waits; 0 turns the pool off (a connection per thread, Django's
+# default).  docs/DESIGN.md, "The executor's model", says why it cannot
+# deadlock.  The test process itself runs without one by default: the test
+# databases are made, cloned and switched under it, and a pool made for one
+# would go on serving another (the executors and workers it starts have
+# theirs).
+RUNDESK_DB_POOL_SIZE = int(
+    env_float(
+        # pytest's processes, xdist's workers too (whose program is not pytest).
+        "RUNDESK_DB_POOL_SIZE",
+        0 if "pytest" in sys.modules else 16,
+        minimum=0,
+        maximum=10_000,
+    )
+)
+# How long a thread waits for a pooled connection before its statement fails.
+RUNDESK_DB_POOL_TIMEOUT = env_float("RUNDESK_DB_POOL_TIMEOUT", 10.0, minimum=0.1)
+if RUNDESK_DB_POOL_SIZE:
+    DATABASES["default"]["CONN_MAX_AGE"] = 0  # the pool keeps them instead
+    DATABASES["default"]["OPTIONS"]["pool"] = {
+        "min_size": 1,
+        "max_size": RUNDESK_DB_POOL_SIZE,
+        "timeout": RUNDESK_DB_POOL_TIMEOUT,
+        "name": application_name(PROCESS_ROLE),
+        "reset": unnamed,
+    }
+# Behind PgBouncer in transaction mode (RUNDESK_DB_TRANSACTION_POOLER=1): a
+# transaction may run on any server connection, so nothing may be kept on
+# one between transactions -- no prepared statement (PgBouncer < 1.21
+# cannot route them), no session setting (the code sets none).
+RUNDESK_DB_TRANSACTION_POOLER = env_bool("RUNDESK_DB_TRANSACTION_POOLER", False)
+if RUNDESK_DB_TRANSACTION_POOLER:
+    DATABASES["default"]["OPTIONS"]["prepare_threshold"] = None
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

@@ -95,7 +95,7 @@ from runs.models import (
 )
 from runs.outcomes import NeedsOperator, open_item, write_settled
 from runs.progress import History, Progress
-from runs.sql import transient
+from runs.sql import release_connection, transient
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
@@ -575,7 +575,7 @@ class Dispatcher:
         if self.stop.is_set():
             raise Stopping()
         if self.lease_lost.is_set():
-            raise LeaseLost(f"run {self.lease.run_id}: heartbeat found the lease gone")
+            raise LeaseLost(f"run {self.lease.run_id}: its renewal found the lease gone")
 
     def _new_boundary(self, step_key: str, key: str, tool: Tool, input: dict[str, Any]) -> int:
         ids, held = self._new_boundaries([Boundary(step_key, tool.name, tool.effect, input, key)])
@@ -775,6 +775,9 @@ class Dispatcher:
         (TOOL_THREADS), so that one that outlives its timeout is left
         behind.  A tool run here is told its timeout (ToolCall.timeout) and
         keeps it itself."""
+        # No run holds a connection while its tools run (docs/DESIGN.md,
+        # "The executor's model").
+        release_connection()
         call = ToolCall(
             self.run.pk, step_key, action_identity(self.run.pk, step_key), key, tool.timeout
         )
@@ -895,6 +898,7 @@ class Dispatcher:
                     str(error).strip(),
                     pause,
                 )
+                release_connection()
                 time.sleep(pause)
                 pause = min(2 * pause, 2.0)
 

@@ -1,4 +1,4 @@
-"""The executor: claims runs, keeps their leases alive, runs the agent.
+"""The executor: claims runs, runs the agent.
 
 `claim_and_drive(run_id)` runs one run if it can be claimed (the management
 command's `--run` and the Celery task).  `drive()` runs a claimed run and
@@ -10,12 +10,10 @@ next step boundary and gives the run back to the queue.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from enum import StrEnum
 
 from django.conf import settings
@@ -36,7 +34,8 @@ from runs.leases import (
 )
 from runs.models import Action, Run, RunStatus
 from runs.outcomes import NeedsOperator
-from runs.sql import name_connection
+from runs.renewal import renewals
+from runs.sql import release_connection
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
@@ -57,36 +56,6 @@ class Ending(StrEnum):
     NOT_CLAIMABLE = "not_claimable"  # claim_and_drive: nothing to run
 
 
-@contextmanager
-def heartbeat(lease: Lease) -> Iterator[threading.Event]:
-    """Renews the lease every third of its time to live, on its own
-    connection.  The yielded event is set when the lease is found gone."""
-    lost, done = threading.Event(), threading.Event()
-
-    def beat() -> None:
-        try:
-            while not done.wait(settings.RUNDESK_LEASE_SECONDS / 3):
-                try:
-                    if not lease.renew():
-                        lost.set()
-                        return
-                except DatabaseError as error:
-                    # The next protected write decides: if the lease expires
-                    # meanwhile, it changes 0 rows and the run stops.
-                    logger.warning("run %s: heartbeat failed: %s", lease.run_id, error)
-                    connection.close()
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=beat, name=f"heartbeat-{lease.run_id}", daemon=True)
-    thread.start()
-    try:
-        yield lost
-    finally:
-        done.set()
-        thread.join()
-
-
 def drive(lease: Lease, stop: threading.Event) -> Ending:
     """Runs the agent under `lease` until the run completes, fails, waits for
     an operator, is cancelled, loses its lease, or the executor stops.  Every
@@ -94,12 +63,11 @@ def drive(lease: Lease, stop: threading.Event) -> Ending:
     database error (the lease then expires and the next owner resumes)."""
     run_id = lease.run_id
     timeline.record(run_id, EventKind.LEASE_ACQUIRED, f"{lease.owner}", epoch=lease.epoch)
-    name_connection(settings.PROCESS_ROLE, run_id)
     try:
         if lease.cancel_requested():
             # Its owner died before it could stop: the claim carries it out.
             return _end(lease, RunStatus.CANCELLED, "", "cancelled: nothing new dispatched")
-        with heartbeat(lease) as lost:
+        with renewals.held(lease) as lost:
             declared = installed_agent(lease)
             dispatcher = Dispatcher(lease, stop=stop, lease_lost=lost, tools=declared.tools)
             dispatcher.run_agent(declared)
@@ -124,10 +92,9 @@ def drive(lease: Lease, stop: threading.Event) -> Ending:
         logger.exception("run %s: internal error", run_id)
         return _end(lease, RunStatus.FAILED, f"internal error: {error!r}")
     finally:
+        # Not waited for with a connection in hand.
+        release_connection()
         timeline.flush()
-        with contextlib.suppress(DatabaseError):
-            if connection.connection is not None:
-                name_connection(settings.PROCESS_ROLE)
 
 
 def installed_agent(lease: Lease) -> type[Agent]:
@@ -265,30 +232,20 @@ def claim_and_drive(run_id: int, *, stop: threading.Event | None = None) -> Endi
     return drive(lease, stop or threading.Event())
 
 
-# Connections one executor process holds at most: per worker, its run's
-# and that run's heartbeat's; shared by all, the timeline's, capture's and
-# the lock sampler's.
-SHARED_CONNECTIONS = 3
-
-
-def connections_needed(concurrency: int) -> int:
-    return 2 * concurrency + SHARED_CONNECTIONS
-
-
-def connections_allowed() -> int:
-    """How many sessions the server lets a non-superuser role hold in all:
-    max_connections less the slots it reserves (reserved_connections is
-    PostgreSQL 16's)."""
-    with connection.cursor() as cursor:
-        cursor.execute(
-            """SELECT current_setting('max_connections')::int
-                   - current_setting('superuser_reserved_connections')::int
-                   - coalesce(current_setting('reserved_connections', true), '0')::int"""
-        )
-        return cursor.fetchone()[0]
+# Each run in flight is a thread that mostly waits (on its tools): a small
+# stack, so that thousands fit in one process.
+RUN_STACK_BYTES = 512 * 1024
 
 
 class Executor:
+    """Claims runs and drives each on a thread of its own, up to
+    `concurrency` at once.  One thread (serve's) sweeps when due and
+    claims; a run's thread drives it and ends with it.  No run holds a
+    database connection while it waits: each takes one from the process's
+    pool for its statements and gives it back before its tools run
+    (docs/DESIGN.md, "The executor's model"), so `concurrency` is bounded
+    by memory and CPU, not by the server's connections."""
+
     def __init__(
         self,
         *,
@@ -302,18 +259,17 @@ class Executor:
         self.stop = threading.Event()
         self.results: list[tuple[int, Ending]] = []
         self.running = 0  # runs being driven now (the lock sampler samples while > 0)
-        self._count = threading.Lock()
+        self._count = threading.Condition()
         self._sweep_due = 0.0  # monotonic time of the next sweep
+        self.owner = new_owner_name()
+        self._keeps_results = False
 
     def serve(self, *, once: bool = False) -> list[tuple[int, Ending]]:
         """Claims and runs runs until stopped (or, with once, until the queue
-        is empty).  With once, returns what happened to each run it took; a
-        long-running executor tells `on_ending` and the log instead of
-        keeping them all."""
-        workers = [
-            threading.Thread(target=self._work, args=(once,), name=f"executor-{i}")
-            for i in range(self.concurrency)
-        ]
+        is empty and every run taken has ended).  With once, returns what
+        happened to each run it took; a long-running executor tells
+        `on_ending` and the log instead of keeping them all."""
+        self._keeps_results = once
         sampler_stop = threading.Event()
         sampler = threading.Thread(
             target=LockSampler(lambda: self.running > 0).serve,
@@ -321,80 +277,95 @@ class Executor:
             name="lock-sampler",
         )
         sampler.start()
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-        sampler_stop.set()
-        sampler.join()
+        threads: list[threading.Thread] = []
+        try:
+            while not self.stop.is_set():
+                self._sweep_if_due()
+                claimed = self._claim_while_free(threads)
+                with self._count:
+                    # A claim that failed (None) is tried again: the queue
+                    # is not known to be empty.
+                    if once and claimed is False and self.running == 0:
+                        break
+                    if self.running >= self.concurrency or not claimed:
+                        # A run that ends wakes this up: its slot is free.
+                        self._count.wait(self.poll_seconds)
+                threads = [thread for thread in threads if thread.is_alive()]
+        finally:
+            release_connection()
+            for thread in threads:
+                thread.join()
+            sampler_stop.set()
+            sampler.join()
+            connection.close()
         return self.results
 
-    @contextmanager
-    def _counted(self) -> Iterator[None]:
-        with self._count:
-            self.running += 1
-        try:
-            yield
-        finally:
+    def _claim_while_free(self, threads: list[threading.Thread]) -> bool | None:
+        """Claims runs while a slot is free, each driven on a new thread;
+        whether it found any (None: a claim failed, and it found none)."""
+        found = False
+        while not self.stop.is_set() and self.running < self.concurrency:
+            try:
+                lease = Lease.claim_next(self.owner)
+            except Exception as error:
+                logger.warning("executor: cannot claim: %r", error)
+                connection.close()
+                return found or None
+            if lease is None:
+                return found
+            found = True
             with self._count:
-                self.running -= 1
+                self.running += 1
+            previous = threading.stack_size(RUN_STACK_BYTES)
+            try:
+                thread = threading.Thread(
+                    target=self._drive, args=(lease,), name=f"run-{lease.run_id}"
+                )
+                thread.start()
+            finally:
+                threading.stack_size(previous)
+            threads.append(thread)
+        return found
 
     def _sweep_if_due(self) -> None:
-        """The sweep (runs/sweep.py), by one worker at a time, at most every
-        RUNDESK_SWEEP_SECONDS, busy or idle: a backlog of runs never keeps
-        settled runs waiting.  Runs it requeues are claimed by the next
-        claim, here or elsewhere.  A sweep that fails is logged; the
-        worker goes on."""
-        with self._count:
-            if time.monotonic() < self._sweep_due:
-                return
-            self._sweep_due = time.monotonic() + settings.RUNDESK_SWEEP_SECONDS
+        """The sweep (runs/sweep.py), at most every RUNDESK_SWEEP_SECONDS,
+        busy or idle: a backlog of runs never keeps settled runs waiting.
+        Runs it requeues are claimed by the next claim, here or elsewhere.
+        A sweep that fails is logged; the executor goes on."""
+        if time.monotonic() < self._sweep_due:
+            return
+        self._sweep_due = time.monotonic() + settings.RUNDESK_SWEEP_SECONDS
         try:
             swept = sweep.sweep()
         except Exception as error:
             logger.warning("executor: sweep failed: %r", error)
             connection.close()
             return
+        finally:
+            release_connection()
         if swept.settled or swept.cancelled or swept.requeued:
             logger.info("executor: sweep: %s", swept)
 
-    def _work(self, once: bool) -> None:
-        owner = new_owner_name()
+    def _drive(self, lease: Lease) -> None:
+        """A run's thread: drives it, says how it ended, frees its slot."""
+        ending: Ending | None = None
         try:
-            while not self.stop.is_set():
-                self._sweep_if_due()
-                try:
-                    lease = Lease.claim_next(owner)
-                except Exception as error:
-                    logger.warning("executor: cannot claim: %r", error)
-                    connection.close()
-                    self.stop.wait(self.poll_seconds)
-                    continue
-                if lease is None:
-                    if once:
-                        return
-                    self.stop.wait(self.poll_seconds)
-                    continue
-                try:
-                    with self._counted():
-                        ending = drive(lease, self.stop)
-                except DatabaseError as error:
-                    logger.warning(
-                        "run %s: database error, left to its lease: %s", lease.run_id, error
-                    )
-                    connection.close()
-                    continue
-                except Exception:
-                    # What one run raised stays with that run: this worker
-                    # goes on with the next (the run's lease expires and the
-                    # sweep or a claim takes it from there).
-                    logger.exception("run %s: left to its lease", lease.run_id)
-                    connection.close()
-                    continue
-                logger.info("run %s: %s", lease.run_id, ending)
-                if self.on_ending is not None:
-                    self.on_ending(lease.run_id, ending)
-                if once:
-                    self.results.append((lease.run_id, ending))
+            ending = drive(lease, self.stop)
+        except DatabaseError as error:
+            logger.warning("run %s: database error, left to its lease: %s", lease.run_id, error)
+        except Exception:
+            # What one run raised stays with that run: the executor goes on
+            # with the next (the run's lease expires and the sweep or a
+            # claim takes it from there).
+            logger.exception("run %s: left to its lease", lease.run_id)
         finally:
             connection.close()
+            with self._count:
+                self.running -= 1
+                if ending is not None and self._keeps_results:
+                    self.results.append((lease.run_id, ending))
+                self._count.notify_all()
+        if ending is not None:
+            logger.info("run %s: %s", lease.run_id, ending)
+            if self.on_ending is not None:
+                self.on_ending(lease.run_id, ending)

@@ -41,9 +41,9 @@ from runs.models import (
 from runs.outcomes import NeedsOperator
 from runs.sql import (
     bounded_lock_waits,
+    changes_rows_waits_bounded,
     commit_asynchronously,
     server_cursor,
-    statements_wait_bounded,
     unanswered_as,
 )
 
@@ -265,7 +265,8 @@ class Lease:
         return cls(run_id=row[0], owner=owner, epoch=row[1]) if row else None
 
     def renew(self) -> bool:
-        """Heartbeat.  False means the lease is gone: stop."""
+        """Renews this lease alone (an executor renews all its process holds
+        in one statement: runs/renewal.py).  False means it is gone: stop."""
         return self._changes_rows(
             f"UPDATE runs_run SET lease_expires_at = clock_timestamp() + %(ttl)s WHERE {OWNER}",
             ttl=lease_ttl(),
@@ -494,25 +495,30 @@ class Lease:
         """Saves the agent's state (JSON text) in its own statement: never in
         a receipt's transaction.  A recovery write: it checks the lease but
         does not lock the run row, so a checkpoint whose connection is cut
-        while it is in flight cannot hold up the heartbeat or the run's
+        while it is in flight cannot hold up the lease renewal or the run's
         other writes.  Nor can a stranger's lock hold the run: a lock not
         granted within RUNDESK_CAPTURE_LOCK_TIMEOUT_MS fails it before it
         writes (55P03).  A lost connection raises CommitUnanswered."""
-        with (
-            statements_wait_bounded(bounded_lock_waits()["lock_timeout"]),
-            unanswered_as(f"checkpoint {number}"),
-        ):
-            self._require(
+        with unanswered_as(f"checkpoint {number}"):
+            written = changes_rows_waits_bounded(
                 f"""INSERT INTO runs_checkpoint (run_id, after_action_id, number, epoch,
                         outcome, state, state_digest, xid, error, resolution, created_at)
                     SELECT %(run)s, %(action)s, %(number)s, %(epoch)s, 'committed',
                         %(state)s::jsonb, %(state_digest)s, rundesk_xid(true), '', '', now()
                     WHERE EXISTS (SELECT 1 FROM runs_run WHERE {HELD})""",
-                f"checkpoint {number}",
-                action=after_action,
-                number=number,
-                state=state,
-                state_digest=state_digest,
+                self._params(
+                    {
+                        "action": after_action,
+                        "number": number,
+                        "state": state,
+                        "state_digest": state_digest,
+                    }
+                ),
+                bounded_lock_waits()["lock_timeout"],
+            )
+        if not written:
+            raise self._refused(
+                f"checkpoint {number}", f": run {self.run_id} epoch {self.epoch} not held"
             )
 
     def enter_phase(self, phase: Phase, reason: str) -> None:

@@ -54,7 +54,7 @@ from runs.models import (
     Run,
     RunStatus,
 )
-from runs.sql import Backend, CommitUnanswered
+from runs.sql import Backend, CommitUnanswered, release_connection
 from runs.timeline import EventKind, timeline
 
 T = TypeVar("T")
@@ -224,6 +224,7 @@ def settle(
                 return Settlement("unknown", evidence)
         if time.monotonic() >= deadline:
             return Settlement("unknown", evidence)
+        release_connection()  # not held while it waits (docs/DESIGN.md)
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
 

@@ -8,6 +8,7 @@ settles it)."""
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,12 +43,16 @@ class Backend:
 class _Session(threading.local):
     cursor: psycopg.Cursor[Any] | None = None
     announced_xid: int | None = None
-    # The connection the backend below belongs to, and that backend.
-    backend_of: psycopg.Connection[Any] | None = None
-    backend: Backend | None = None
 
 
 _session = _Session()
+# Connections that pass their notices to _on_notice (a pooled connection
+# serves many threads, and is told once).
+_heard: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
+_per_connection_lock = threading.Lock()
+# Each connection's backend, asked once per connection (a pooled one serves
+# many threads, one after another).
+_backends: weakref.WeakKeyDictionary[psycopg.Connection[Any], Backend] = weakref.WeakKeyDictionary()
 
 
 def _on_notice(diagnostic: psycopg.errors.Diagnostic) -> None:
@@ -68,10 +73,30 @@ def server_cursor() -> Iterator[psycopg.Cursor[Any]]:
     db.ensure_connection()
     cursor = _session.cursor
     if cursor is None or cursor.connection is not db.connection or cursor.closed:
-        db.connection.add_notice_handler(_on_notice)
+        _listen(db.connection)
         cursor = _session.cursor = psycopg.Cursor(db.connection)
     with db.wrap_database_errors:
         yield cursor
+
+
+def _listen(raw: psycopg.Connection[Any]) -> None:
+    """Passes the connection's notices (an announced xid) to this module."""
+    with _per_connection_lock:
+        if raw not in _heard:
+            raw.add_notice_handler(_on_notice)
+            _heard.add(raw)
+
+
+def release_connection() -> None:
+    """Gives this thread's connection back to the process's pool
+    (dashboard/settings.py, RUNDESK_DB_POOL_SIZE), outside a transaction:
+    the next statement takes one again.  A run calls it before it waits (a
+    tool call, a pause), so that no run holds a connection while it waits.
+    Without a pool the connection stays: closing it would cost a new one
+    per step."""
+    db = connections[DEFAULT_DB_ALIAS]
+    if db.connection is not None and db.pool is not None and not db.in_atomic_block:
+        db.close()
 
 
 def application_name(role: str, run_id: int | None = None) -> str:
@@ -135,20 +160,25 @@ def waits_bounded(timeout: str) -> Iterator[None]:
         yield
 
 
-@contextmanager
-def statements_wait_bounded(timeout: str) -> Iterator[None]:
-    """As waits_bounded, for statements each in a transaction of its own
-    (autocommit: a statement's end is its commit, as a fault cuts it): the
-    bound is the session's while they run, then reset.  Not after a lost
-    connection: the next one starts without it."""
-    with server_cursor() as cursor:
-        cursor.execute("SELECT set_config('lock_timeout', %s, false)", [timeout], prepare=True)
-    try:
-        yield
-    finally:
-        if not connection_lost():
-            with server_cursor() as cursor:
-                cursor.execute("RESET lock_timeout", prepare=True)
+def changes_rows_waits_bounded(sql: str, params: dict[str, Any], timeout: str) -> int:
+    """One write statement in a transaction of its own whose lock waits end
+    after `timeout` (LOCK_NOT_AVAILABLE), its row count.  It goes with
+    `set_config('lock_timeout', ..., true)` in one simple query, which the
+    server runs as one implicit transaction, committed at its end as a lone
+    statement is (a fault that cuts it in flight cuts it alike), and which
+    leaves no setting on the session: a pooled connection, or a
+    transaction-mode PgBouncer's server connection, carries none to the
+    next client.  Not prepared: a client-side-binding cursor."""
+    db = connections[DEFAULT_DB_ALIAS]
+    db.ensure_connection()
+    _listen(db.connection)
+    with db.wrap_database_errors, psycopg.ClientCursor(db.connection) as cursor:
+        cursor.execute(
+            "SELECT set_config('lock_timeout', %(lock_timeout)s, true); " + sql,
+            {**params, "lock_timeout": timeout},
+        )
+        cursor.nextset()
+        return cursor.rowcount
 
 
 def unless_locked(work: Callable[[], T], timeout: str | None = None) -> T | None:
@@ -167,11 +197,23 @@ def unless_locked(work: Callable[[], T], timeout: str | None = None) -> T | None
 
 def name_connection(role: str, run_id: int | None = None) -> None:
     """Says in pg_stat_activity what this thread's connection serves, so a
-    lock graph can name it."""
+    lock graph can name it.  Given back to the pool, the connection takes
+    the process's name again (`unnamed`)."""
     with connections[DEFAULT_DB_ALIAS].cursor() as cursor:
         cursor.execute(
             "SELECT set_config('application_name', %s, false)", [application_name(role, run_id)]
         )
+
+
+def unnamed(raw: psycopg.Connection[Any]) -> None:
+    """The pool's reset of a connection given back (dashboard/settings.py):
+    a name a thread gave it (`name_connection`) goes, so the next thread
+    is not taken for another.  The name is the server's report, known
+    without a round trip; only a renamed connection costs one."""
+    if raw.info.parameter_status("application_name") != settings.DATABASES["default"][
+        "OPTIONS"
+    ].get("application_name"):
+        raw.execute("RESET application_name")
 
 
 def this_backend() -> Backend:
@@ -179,14 +221,18 @@ def this_backend() -> Backend:
     needed).  Asked once per connection."""
     db = connections[DEFAULT_DB_ALIAS]
     db.ensure_connection()
-    if _session.backend_of is not db.connection or _session.backend is None:
+    with _per_connection_lock:
+        backend = _backends.get(db.connection)
+    if backend is None:
         with db.cursor() as cursor:
             cursor.execute(
                 "SELECT pid, backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
             )
             pid, started = cursor.fetchone()
-        _session.backend_of, _session.backend = db.connection, Backend(pid, started.isoformat())
-    return _session.backend
+        backend = Backend(pid, started.isoformat())
+        with _per_connection_lock:
+            _backends[db.connection] = backend
+    return backend
 
 
 def socket_fd() -> int:

@@ -16,7 +16,7 @@ from typing import Any
 
 from celery import shared_task
 from celery.beat import PersistentScheduler, ScheduleEntry
-from celery.signals import worker_process_shutdown
+from celery.signals import worker_process_shutdown, worker_shutdown
 from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
@@ -108,7 +108,8 @@ class SweepingScheduler(PersistentScheduler):
         return None
 
 
-@worker_process_shutdown.connect
+@worker_process_shutdown.connect  # a prefork pool's process
+@worker_shutdown.connect  # the worker itself: its threads pool's runs ran in it
 def _write_what_is_left(**kwargs: Any) -> None:
     """A worker process that stops writes its queued events, and turns the
     records capture could not save into `shutdown` gaps."""

@@ -125,6 +125,26 @@ SAMPLE: dict[str, Any] = {
         "versions": {"dbos": "3.4.0"},
         "server": {"postgresql": "16.2"},
     },
+    "capacity": {
+        "tool_s": 1.0,
+        "rundesk": [
+            {
+                "runs": 1000,
+                "one_run_s": 8.3,
+                "seconds": 15.1,
+                "over_one_run": 1.82,
+                "runs_s": 66.2,
+                "peak_sessions": 17,
+                "executor_cpu_s": 12.5,
+                "executor_cpu_ms_per_action": 1.56,
+                "executor_rss_mb": 180.5,
+                "completed": 1000,
+                "reads_dispatched_twice": 0,
+                "leases_lost": 0,
+            }
+        ],
+        "dbos": {"error": "bench --capacity's peer needs the bench extra"},
+    },
     "throughput": {
         "batch": 100,
         "documents_per_run": 3,
@@ -207,6 +227,8 @@ def test_the_document_is_one_table_with_the_machine_date_and_command():
         "20 reads of 200 ms",
         "evidence locked (2 rounds, 5 documents a run)",
         "peers, 500 no-op steps \N{MULTIPLICATION SIGN} 3 rounds (commit p50 0.32 ms)",
+        "1,000 runs in flight, 1-s tools, one executor process",
+        "runs in flight, DBOS",
         "throughput, 100-run batches of 3 documents (8 actions)",
         "failover (lease 2 s)",
         "Celery scale-out, filesystem broker, 100-run batches",
@@ -227,6 +249,9 @@ def test_the_document_is_one_table_with_the_machine_date_and_command():
         "5 of 6 runs completed with their final answer"
         in rows["evidence locked (2 rounds, 5 documents a run)"]
     )
+    capacity = rows["1,000 runs in flight, 1-s tools, one executor process"]
+    assert capacity.startswith("15.1 s (1.82 \N{MULTIPLICATION SIGN} one run's 8.3 s)")
+    assert "17 sessions at most" in capacity and "0 leases lost" in capacity
     throughput = rows["throughput, 100-run batches of 3 documents (8 actions)"]
     assert throughput.startswith("1 / 4 executors: 34.9 / 36.2 runs/s (279 / 290 actions/s)")
     assert "against 3,651 / 5,536 single-row commits/s" in throughput
@@ -260,7 +285,7 @@ def test_a_benchmark_that_failed_says_why_in_its_row_and_the_others_are_shown():
     assert rows["agent path and no-op step"] == (
         "failed: bench --steps: could not claim bench run 7"
     )
-    assert len(rows) == 12  # the two rows of steps became one
+    assert len(rows) == 14  # the two rows of steps became one
     assert "dashboard at 100,000 runs" in rows
     assert rows["20 reads of 200 ms"].startswith("side by side 208.5 ms (bound")
 

@@ -27,6 +27,7 @@ TITLES = {
     "evidence_locked": "evidence locked",
     "peers": "peers",
     "throughput": "throughput and failover",
+    "capacity": "runs in flight",
     "scale": "Celery scale-out",
     "bundle": "investigation bundles",
     "dashboard": "dashboard pages",
@@ -316,6 +317,38 @@ def _parallel(figures: dict[str, Any]) -> list[Row]:
     ]
 
 
+def _capacity(figures: dict[str, Any]) -> list[Row]:
+    rows = []
+    for ours in figures["rundesk"]:
+        rows.append(
+            (
+                f"{_n(ours['runs'])} runs in flight, {_n(figures['tool_s'])}-s tools, "
+                "one executor process",
+                f"{_n(ours['seconds'])} s ({_n(ours['over_one_run'])} {TIMES} one run's "
+                f"{_n(ours['one_run_s'])} s), {_n(ours['runs_s'])} runs/s, "
+                f"{_n(ours['peak_sessions'])} sessions at most, {_n(ours['executor_cpu_s'])} s "
+                f"of CPU ({_n(ours['executor_cpu_ms_per_action'])} ms per action), "
+                f"{_n(ours['executor_rss_mb'])} MB; {_n(ours['completed'])} completed, "
+                f"{_n(ours['reads_dispatched_twice'])} reads sent twice, "
+                f"{_n(ours['leases_lost'])} leases lost",
+            )
+        )
+    peer = figures["dbos"]
+    if "error" in peer:
+        rows.append(("runs in flight, DBOS", f"not measured: {peer['error']}"))
+        return rows
+    for theirs in peer:
+        rows.append(
+            (
+                f"{_n(theirs['runs'])} workflows in flight, DBOS",
+                f"{_n(theirs['seconds'])} s ({_n(theirs['over_one_run'])} {TIMES} one "
+                f"workflow's {_n(theirs['one_run_s'])} s), {_n(theirs['peak_sessions'])} "
+                f"sessions at most, {_n(theirs['cpu_s'])} s of CPU, {_n(theirs['rss_mb'])} MB",
+            )
+        )
+    return rows
+
+
 # Each benchmark's rows, by its key in `bench --all --json`.
 ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "steps": _steps,
@@ -325,6 +358,7 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "evidence_locked": _evidence_locked,
     "peers": _peers,
     "throughput": _throughput,
+    "capacity": _capacity,
     "scale": _scale,
     "bundle": _bundle,
     "dashboard": _dashboard,

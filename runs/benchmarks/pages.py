@@ -44,12 +44,16 @@ def bench_database(name: str) -> Iterator[None]:
         if not admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
             admin.execute(f'CREATE DATABASE "{name}"')
     connection.close()
+    # The process's pool (RUNDESK_DB_POOL_SIZE) holds connections to the
+    # database it was made for: a new one is made for the new name.
+    connection.close_pool()
     settings["NAME"] = name
     try:
         call_command("migrate", verbosity=0)
         yield
     finally:
         connection.close()
+        connection.close_pool()
         settings["NAME"] = original
 
 

@@ -19,6 +19,7 @@ from runs.benchmarks.steps import commit_table, counts_now
 from runs.dispatch import Dispatcher
 from runs.leases import Lease, new_owner_name
 from runs.models import RunStatus
+from runs.sql import server_cursor
 from runs.submission import submit
 from runs.timeline import timeline
 
@@ -85,7 +86,7 @@ def _one_after_another() -> float:
 
 
 def _commit_ms() -> float:
-    with commit_table() as cursor:
+    with commit_table(), server_cursor() as cursor:
         samples = []
         for _ in range(50):
             started = time.perf_counter()

@@ -228,6 +228,26 @@ def connection_params(database: str) -> dict[str, Any]:
 URL_PARTS = ("user", "password", "host", "port", "dbname")  # the rest goes in the query
 
 
+def sqlalchemy_url(database: str) -> str:
+    """A database of the server of Django's as a URL, for SQLAlchemy (DBOS)."""
+    from sqlalchemy.engine import URL
+
+    params = connection_params(database)
+    host = str(params.pop("host", "")) or None
+    query = {key: str(value) for key, value in params.items() if key not in URL_PARTS}
+    if host and host.startswith("/"):  # a socket directory
+        host, query["host"] = None, host
+    return URL.create(
+        "postgresql",
+        username=params.get("user"),
+        password=params.get("password"),
+        host=host,
+        port=int(params["port"]) if params.get("port") else None,
+        database=params["dbname"],
+        query=query,
+    ).render_as_string(hide_password=False)
+
+
 class PeerServer:
     """The bench's databases (peer_databases): how to reach them, the
     observer of the server's counters and the bare commit."""
@@ -239,23 +259,7 @@ class PeerServer:
         return make_conninfo(**connection_params(BENCH_DATABASES[name]))
 
     def url(self, name: str) -> str:
-        """The database as a URL, for SQLAlchemy (DBOS)."""
-        from sqlalchemy.engine import URL
-
-        params = connection_params(BENCH_DATABASES[name])
-        host = str(params.pop("host", "")) or None
-        query = {key: str(value) for key, value in params.items() if key not in URL_PARTS}
-        if host and host.startswith("/"):  # a socket directory
-            host, query["host"] = None, host
-        return URL.create(
-            "postgresql",
-            username=params.get("user"),
-            password=params.get("password"),
-            host=host,
-            port=int(params["port"]) if params.get("port") else None,
-            database=params["dbname"],
-            query=query,
-        ).render_as_string(hide_password=False)
+        return sqlalchemy_url(BENCH_DATABASES[name])
 
     @contextlib.contextmanager
     def observer(self) -> Iterator[Observer]:

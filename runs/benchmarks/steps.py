@@ -12,7 +12,7 @@ A backend reports its counts when idle, at most once a second (an idle
 one that reported less than a second ago waits ten), so each count first
 makes every backend of the bench report: its own (pg_stat_force_next_flush),
 and the timeline's and capture's writers, by ending their connections (a
-backend reports as it exits; the heartbeat's ended with its run).  Then it
+backend reports as it exits).  Then it
 waits STATS_SETTLE seconds for the server's own processes.  The server's
 noise is an idle window counted the same way."""
 
@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import psycopg
 from django.conf import settings
 from django.core.management.base import CommandError
 from django.db import DatabaseError
@@ -37,9 +36,9 @@ from runs import lifecycle, registry
 from runs.agents.tools import NOOP
 from runs.benchmarks import ServerCounts, p50
 from runs.dispatch import Dispatcher
-from runs.executor import heartbeat
 from runs.leases import Lease, PendingReceipt, WriteRefused, new_owner_name
 from runs.models import Checkpoint, Run, RunStatus
+from runs.renewal import renewals
 from runs.sql import server_cursor
 from runs.submission import submit
 from runs.timeline import timeline
@@ -154,7 +153,7 @@ def drive_run(run: Run, dispatcher_class: type[Dispatcher]) -> int:
     lease = Lease.claim(run.pk, new_owner_name())
     if lease is None:
         raise CommandError(f"could not claim bench run {run.pk}")
-    with heartbeat(lease) as lost:
+    with renewals.held(lease) as lost:
         dispatcher = dispatcher_class(lease, stop=threading.Event(), lease_lost=lost)
         try:
             dispatcher.run_agent(registry.agent_class(run.agent))
@@ -256,11 +255,12 @@ def noop_run(steps: int) -> Iterator[Dispatcher]:
     lease = Lease.claim(run.pk, new_owner_name())
     if lease is None:
         raise CommandError(f"could not claim bench run {run.pk}")
-    dispatcher = Dispatcher(
-        lease, stop=threading.Event(), lease_lost=threading.Event(), tools=[NOOP]
-    )
-    yield dispatcher
-    dispatcher.finish(RunStatus.COMPLETED, "bench")
+    # Renewed as an executor's run is: on a busy machine the steps may
+    # outlast the lease.
+    with renewals.held(lease) as lost:
+        dispatcher = Dispatcher(lease, stop=threading.Event(), lease_lost=lost, tools=[NOOP])
+        yield dispatcher
+        dispatcher.finish(RunStatus.COMPLETED, "bench")
     timeline.flush()
 
 
@@ -286,6 +286,13 @@ def measure(steps: int) -> dict[str, list[float]]:
         work(*args)
         samples[name].append((time.perf_counter() - start) * 1000)
 
+    def bare(name: str, sql: str) -> None:
+        # The thread's connection of the moment: a step gives its own back
+        # to the pool before its tool runs (runs.sql.release_connection),
+        # so no cursor is kept across one.
+        with server_cursor() as cursor:
+            timed(name, cursor.execute, sql)
+
     def writes(lease: Lease, i: int) -> None:
         receipts = [] if previous[0] is None else [PendingReceipt(previous[0], {"ok": True})]
         previous[0] = lease.record_boundary(
@@ -296,25 +303,26 @@ def measure(steps: int) -> dict[str, list[float]]:
             receipts=receipts,
         )
 
-    with noop_run(steps) as dispatcher, commit_table() as cursor:
+    with noop_run(steps) as dispatcher, commit_table():
         for i in range(steps):
             timed("step", noop_step, dispatcher, i)
-            timed("commit", cursor.execute, "INSERT INTO rundesk_bench_commit DEFAULT VALUES")
+            bare("commit", "INSERT INTO rundesk_bench_commit DEFAULT VALUES")
             timed("writes", writes, dispatcher.lease, i)
-            timed("roundtrip", cursor.execute, "SELECT 1")
+            bare("roundtrip", "SELECT 1")
         dispatcher.lease.record_receipt(previous[0], {"ok": True})
     return samples
 
 
 @contextlib.contextmanager
-def commit_table() -> Iterator[psycopg.Cursor[Any]]:
+def commit_table() -> Iterator[None]:
     """The logged table the bare commit inserts into, for the bench's life."""
     with server_cursor() as cursor:
         cursor.execute(
             "CREATE TABLE IF NOT EXISTS rundesk_bench_commit "
             "(id bigserial PRIMARY KEY, at timestamptz NOT NULL DEFAULT now())"
         )
-        try:
-            yield cursor
-        finally:
+    try:
+        yield
+    finally:
+        with server_cursor() as cursor:
             cursor.execute("DROP TABLE rundesk_bench_commit")

@@ -32,8 +32,9 @@ Beside each figure, measured in the same run:
   between the two readings (the submission and its polling) are taken off.
   `commits_per_s` is that count over the batch's time, `commits_of_ceiling`
   its share of the ceiling;
-- `executor_cpu_ms_per_run`: CPU time (user + system, /proc) of the
-  executor processes over the batch, per run.
+- `executor_cpu_ms_per_run` and `executor_cpu_ms_per_action`: CPU time
+  (user + system, /proc) of the executor processes over the batch, per run
+  and per action (tool latency none: the offline provider).
 
 Failover.  Two executors with a short lease (RUNDESK_LEASE_SECONDS=2,
 RUNDESK_POLL_SECONDS=0.2); a slow run (three documents, every tool call
@@ -152,10 +153,12 @@ def actions_per_run() -> int:
 
 
 class ExecutorProcess(GroupProcess):
-    """`manage.py executor --concurrency 1`, its output in `log`."""
+    """`manage.py executor --concurrency 1` (or `concurrency`), its output in `log`."""
 
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        super().__init__([sys.executable, "manage.py", "executor", "--concurrency", "1"], env, log)
+    def __init__(self, env: dict[str, str], log: Path, concurrency: int = 1) -> None:
+        super().__init__(
+            [sys.executable, "manage.py", "executor", "--concurrency", str(concurrency)], env, log
+        )
 
     def tail(self, chars: int = 2000) -> str:
         try:
@@ -486,6 +489,9 @@ def measure(
     known = cpu_before >= 0 and cpu_after >= 0
     figures["executor_cpu_ms_per_run"] = (
         round(1000 * (cpu_after - cpu_before) / runs, 1) if known else None
+    )
+    figures["executor_cpu_ms_per_action"] = (
+        round(1000 * (cpu_after - cpu_before) / figures["actions"], 2) if known else None
     )
     return figures
 

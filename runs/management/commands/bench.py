@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from runs.benchmarks import (
     bundle,
+    capacity,
     capture,
     document,
     evidence_locked,
@@ -112,6 +113,12 @@ class Command(BaseCommand):
             help="runs/s and actions/s of 100-run batches with 1, 2 and 4 executor processes "
             "against the commits/s ceiling, and the time from an executor's death to another "
             "owner resuming its run",
+        )
+        parser.add_argument(
+            "--capacity",
+            action="store_true",
+            help="10, 100 and 1,000 runs of 1-s tools in flight in one executor process: peak "
+            "sessions, time against one run's, CPU and memory; DBOS on the same workload",
         )
         parser.add_argument(
             "--parallel",
@@ -222,6 +229,7 @@ BENCHMARKS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "evidence_locked": lambda options: evidence_locked.report(options["rounds"]),
     "peers": lambda options: peers.report(options["steps"], options["rounds"]),
     "throughput": lambda options: throughput.report(),
+    "capacity": lambda options: capacity.report(),
     "scale": lambda options: scale.report(options["broker"]),
     "bundle": lambda options: bundle.report([10_000, 200_000]),
     "dashboard": lambda options: {

@@ -6,17 +6,9 @@ import threading
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
-from django.db import DatabaseError, connection
 
 from evidence.capture import capture
-from runs.executor import (
-    SHARED_CONNECTIONS,
-    Ending,
-    Executor,
-    claim_and_drive,
-    connections_allowed,
-    connections_needed,
-)
+from runs.executor import Ending, Executor, claim_and_drive
 from runs.models import Run
 from runs.timeline import timeline
 
@@ -27,29 +19,18 @@ class Command(BaseCommand):
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--run", type=int, help="execute this run, then exit")
         parser.add_argument("--once", action="store_true", help="drain the queue, then exit")
-        parser.add_argument("--concurrency", type=int, default=1, help="runs at once")
+        parser.add_argument(
+            "--concurrency",
+            type=int,
+            default=1,
+            help="runs in flight at once (threads; they share RUNDESK_DB_POOL_SIZE connections)",
+        )
         parser.add_argument("--json", action="store_true", help="print the outcome of each run")
 
     def handle(self, *args: Any, **options: Any) -> None:
         concurrency = options["concurrency"]
         if concurrency < 1:
             raise CommandError("--concurrency must be at least 1")
-        # Past what the server allows, workers and heartbeats fail to connect
-        # one by one: runs would start and lose their leases.  (A server not
-        # up yet is waited for as before: the workers try again.)
-        try:
-            allowed = connections_allowed()
-        except DatabaseError as error:
-            self.stderr.write(f"executor: connections not checked: {str(error).strip()}")
-            allowed = connections_needed(concurrency)
-        finally:
-            connection.close()  # this thread's: the workers hold their own
-        if connections_needed(concurrency) > allowed:
-            raise CommandError(
-                f"--concurrency {concurrency} needs {connections_needed(concurrency)} database "
-                f"connections (two per run, {SHARED_CONNECTIONS} shared); the server allows "
-                f"{allowed} in all (max_connections less its reserved slots)"
-            )
         printing = threading.Lock()
 
         def say(run_id: int, ending: Ending) -> None:

@@ -1,0 +1,154 @@
+"""Capacity (issue 39): many slow runs in flight through one executor
+process, on a bounded number of PostgreSQL sessions.  A run waiting on its
+tool holds no connection; the process's pool bounds what its runs, its
+writers and its sampler hold, and the lease renewal adds one."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import psycopg
+import pytest
+
+from runs.harness import database_url, wait_for
+from runs.models import Action, Run, RunEvent, RunStatus
+from runs.submission import submit
+from runs.timeline import EventKind
+from tests.conftest import manage
+from tests.processes import Worker, enqueue, wait_until
+
+# The filesystem broker's fixture.
+from tests.processes import broker as broker
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+RUNS = 200
+POOL = 6
+# The pool, and the lease renewal's own connection.
+SESSIONS = POOL + 1
+DOCS = ["northwind-clean-energy.md", "meridian-world-equity.md"]
+
+
+class SessionPeak:
+    """The most sessions of the test database seen at once of processes
+    of `role`."""
+
+    def __init__(self, role: str = "executor") -> None:
+        self.role = role
+        self.peak = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        with psycopg.connect(database_url(), autocommit=True) as side:
+            while not self.stop.wait(0.02):
+                (now,) = side.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND application_name LIKE %s",
+                    (f"rundesk:{self.role}%",),
+                ).fetchone()
+                self.peak = max(self.peak, now)
+
+
+def test_two_hundred_slow_runs_in_flight_hold_no_more_sessions_than_the_pool(process_env, journal):
+    runs = [
+        submit(question=f"q{i}", documents=DOCS, faults=[{"point": "tool_delay", "ms": 300}]).pk
+        for i in range(RUNS)
+    ]
+    env = {
+        **process_env,
+        "RUNDESK_ROLE": "executor",
+        "RUNDESK_DB_POOL_SIZE": str(POOL),
+        "RUNDESK_LEASE_SECONDS": "6",
+        "DEBUG": "0",
+        "SECRET_KEY": "test",
+    }
+    sessions = SessionPeak()
+    sessions.thread.start()
+    executor = manage("executor", "--concurrency", str(RUNS), "--json", env=env)
+    try:
+        # All of them in flight at once: far more runs than sessions.
+        wait_for(
+            lambda: Run.objects.filter(pk__in=runs, status=RunStatus.RUNNING).count() >= RUNS // 2,
+            timeout=30,
+        )
+        wait_for(
+            lambda: (
+                not Run.objects.filter(
+                    pk__in=runs, status__in=[RunStatus.QUEUED, RunStatus.RUNNING]
+                ).exists()
+            ),
+            timeout=90,
+        )
+    finally:
+        executor.send_signal(signal.SIGTERM)
+        out, err = executor.communicate(timeout=60)
+        sessions.stop.set()
+        sessions.thread.join()
+    endings = [json.loads(line)["outcome"] for line in out.splitlines()]
+    assert endings.count("completed") == RUNS, err[-2000:]
+    assert set(Run.objects.filter(pk__in=runs).values_list("status", flat=True)) == {"completed"}
+    assert 0 < sessions.peak <= SESSIONS, sessions.peak
+    # Each document read once, each lease kept from claim to finish.
+    reads = journal.counts("read_document")
+    assert len(reads) == RUNS * len(DOCS) and set(reads.values()) == {1}
+    assert not Action.objects.filter(run_id__in=runs, attempts__gt=1).exists()
+    assert set(Run.objects.filter(pk__in=runs).values_list("lease_epoch", flat=True)) == {1}
+    assert not RunEvent.objects.filter(
+        run_id__in=runs, kind__in=[EventKind.LEASE_LOST, EventKind.WRITE_FENCED]
+    ).exists()
+
+
+def test_a_celery_worker_holds_many_runs_in_flight_on_its_pool(
+    process_env, journal, tmp_path, broker
+):
+    runs = 40
+    env = {
+        **process_env,
+        "RUNDESK_ROLE": "worker",
+        "RUNDESK_DB_POOL_SIZE": "4",
+        "RUNDESK_LEASE_SECONDS": "6",
+    }
+    sessions = SessionPeak("worker")
+    sessions.thread.start()
+    worker = Worker(env, tmp_path / "worker.log", pool="threads", concurrency=runs)
+    try:
+        worker.wait_ready()
+        submitted = [
+            submit(question=f"q{i}", documents=DOCS, faults=[{"point": "tool_delay", "ms": 300}]).pk
+            for i in range(runs)
+        ]
+        for run_id in submitted:
+            enqueue(run_id)
+        # The worker's threads take them all at once.
+        wait_until(
+            lambda: (
+                Run.objects.filter(pk__in=submitted, status=RunStatus.RUNNING).count() >= runs // 2
+            ),
+            30,
+            "runs not in flight side by side",
+            worker,
+        )
+        wait_until(
+            lambda: (
+                not Run.objects.filter(
+                    pk__in=submitted, status__in=[RunStatus.QUEUED, RunStatus.RUNNING]
+                ).exists()
+            ),
+            90,
+            "runs not done",
+            worker,
+        )
+    finally:
+        worker.stop()
+        sessions.stop.set()
+        sessions.thread.join()
+    assert set(Run.objects.filter(pk__in=submitted).values_list("status", flat=True)) == {
+        "completed"
+    }
+    # The pool's four, and the lease renewal's own.
+    assert 0 < sessions.peak <= 5, sessions.peak
+    reads = journal.counts("read_document")
+    assert len(reads) == runs * len(DOCS) and set(reads.values()) == {1}
