@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from dashboard import drills, inbox, views
+from dashboard import drills, inbox, metrics, views
 
 urlpatterns = [
     path("", views.runs_list, name="runs-list"),
@@ -30,4 +30,5 @@ urlpatterns = [
     path("login/", views.SignIn.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
+    path("metrics", metrics.metrics, name="metrics"),
 ]

@@ -186,6 +186,24 @@ class RunQuerySet(models.QuerySet["Run"]):
     def with_capture_gaps(self) -> RunQuerySet:
         return self.filter(capture_stats__lost__gt=0)
 
+    def purgeable(self, older_than: dt.timedelta, statuses: list[str] | None = None) -> RunQuerySet:
+        """Runs retention may remove (runs/retention.py): of this
+        installation (an imported run was opened on purpose: an operator
+        removes it), ended (TERMINAL_STATUSES, or those of them in
+        `statuses`) longer than `older_than` ago (run_finished_idx), with no
+        open item (an operator may still decide it) and no bundle export
+        under way (it reads the run).  A run queued, running or waiting for
+        an operator has not ended: never."""
+        ended = [s for s in TERMINAL_STATUSES if statuses is None or s in statuses]
+        return (
+            self.local()
+            .filter(status__in=ended, finished_at__lt=Now() - older_than)
+            .exclude(
+                Exists(OutcomeItem.objects.filter(run=OuterRef("pk"), state=OutcomeState.OPEN))
+            )
+            .exclude(bundle_exports__state__in=["queued", "running"])
+        )
+
     def claimable(self) -> RunQuerySet:
         """Queued runs, and running runs whose owner stopped renewing its lease
         (a cancel asked of one of these is carried out by whoever claims it:
@@ -402,6 +420,13 @@ class Run(models.Model):
                 fields=["lease_expires_at"],
                 name="run_running_lease_idx",
                 condition=Q(status=RunStatus.RUNNING),
+            ),
+            # Serves purgeable() (runs ended before a time) and /metrics'
+            # durations of the runs ended lately: only ended runs are in it.
+            models.Index(
+                fields=["finished_at"],
+                name="run_finished_idx",
+                condition=Q(finished_at__isnull=False),
             ),
         ]
 
@@ -923,6 +948,11 @@ class RunEvent(models.Model):
         indexes = [
             # Serves a run's timeline, in order, from a cursor.
             models.Index(fields=["run", "created_at", "id"], name="event_timeline_idx"),
+            # Serves /metrics' lease takeovers: an owner resumed a run another
+            # owner had (few rows of a large table).
+            models.Index(
+                fields=["id"], name="event_resumed_idx", condition=Q(kind=EventKind.RESUMED)
+            ),
         ]
 
     def __str__(self) -> str:
@@ -1001,3 +1031,21 @@ class DrillResult(models.Model):
 
     def __str__(self) -> str:
         return f"{self.scenario} ({self.agent}): {self.verdict}"
+
+
+class PurgedCount(models.Model):
+    """What retention removed that /metrics counts (runs/retention.py): a
+    counter read from the rows still kept plus this, so it never goes down
+    when a purge removes the rows it was counted from."""
+
+    counter = models.CharField(max_length=60)
+    label = models.CharField(max_length=60, blank=True)  # e.g. an alert's channel
+    value = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["counter", "label"], name="purged_count_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.counter}{{{self.label}}} += {self.value}"
