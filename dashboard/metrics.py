@@ -48,13 +48,16 @@ from django.contrib.auth.decorators import login_not_required
 from django.db import DatabaseError, connection, transaction
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_GET
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeHistogramMetricFamily,
     GaugeMetricFamily,
     Metric,
 )
+
+# The text format every Prometheus reads (2.x and 3.x): what generate_latest writes.
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4 as TEXT_FORMAT
 
 from runs.lifecycle import TERMINAL_STATUSES, RunStatus
 from runs.models import HOLDING_KINDS
@@ -83,7 +86,7 @@ def metrics(request: HttpRequest) -> HttpResponse:
         return refused
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RundeskCollector())
-    return HttpResponse(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+    return HttpResponse(generate_latest(registry), content_type=TEXT_FORMAT)
 
 
 def _refused(request: HttpRequest) -> HttpResponse | None:
