@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.db import OperationalError, connection, transaction
+from django.db import OperationalError, transaction
 from django.db.models import Exists, OuterRef, Q
 from django.db.models.functions import Now
 
@@ -43,7 +43,7 @@ from evidence import bundles
 from evidence.models import ACTIVE_BUNDLE_STATES, BundleExport
 from runs.lifecycle import TERMINAL_STATUSES
 from runs.models import OutcomeItem, OutcomeState, Run
-from runs.sql import lock_refused, waits_bounded
+from runs.sql import commit_asynchronously, lock_refused, server_cursor, waits_bounded
 
 # Runs removed per transaction: a batch's rows (a few dozen a run) are gone
 # in well under a second, so no lock it takes is held for long.
@@ -100,6 +100,9 @@ REMOVALS: list[tuple[str, str]] = [
     ("runs_action", "DELETE FROM runs_action WHERE run_id = ANY(%(runs)s)"),
     ("runs_run", "DELETE FROM runs_run WHERE id = ANY(%(runs)s)"),
 ]
+
+# After each batch the purge rests this many times as long as the batch took.
+REST = 1.0
 
 # What /metrics counts of the rows removed, kept in runs_purgedcount so its
 # counters never go down (dashboard/metrics.py adds it back).
@@ -208,7 +211,11 @@ def purge(
         if bundle_to is not None:
             ids = _bundled(ids, bundle_to, include_evidence, purged)
         if ids:
+            batch_started = time.monotonic()
             _remove(ids, older_than, chosen, purged)
+            # Rest as long as the batch took: the purge takes at most half of
+            # a core (and of the database's time) from the runs executing.
+            time.sleep((time.monotonic() - batch_started) * REST)
     purged.seconds = time.monotonic() - started
     return purged
 
@@ -269,8 +276,10 @@ def _remove(ids: list[int], older_than: dt.timedelta, statuses: list[str], purge
     """One batch, one transaction: locks those of `ids` still purgeable and
     that nobody holds, and removes them with all their rows."""
     try:
-        with waits_bounded(LOCK_WAIT), connection.cursor() as cursor:
-            cursor.execute("SELECT set_config('rundesk.purge', 'on', true)")
+        with waits_bounded(LOCK_WAIT), server_cursor() as cursor:
+            # Asynchronous commit: a purge a crash loses is done again by the
+            # next one, and the runs' own commits do not queue behind its WAL.
+            commit_asynchronously(cursor, **{"rundesk.purge": "on"})
             locked = dict(
                 Run.objects.purgeable(older_than, statuses)
                 .filter(pk__in=ids)

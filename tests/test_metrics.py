@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import re
 import subprocess
 import uuid
 from collections import Counter
@@ -33,7 +34,7 @@ from runs.models import (
     RunEvent,
     RunStatus,
 )
-from tests.conftest import make_user, signed_in
+from tests.conftest import ROOT, make_user, signed_in
 
 TOKEN = "scrape-token-" + "k" * 24
 HOST = {"HTTP_HOST": "127.0.0.1"}
@@ -327,3 +328,22 @@ def test_counters_do_not_go_down_when_retention_removes_their_rows(token):
     ]:
         assert figure(after, name, **labels) == figure(before, name, **labels) > 0
     assert figure(after, "rundesk_alerts_failing", channel="webhook") == 0  # a gauge: now
+
+
+def test_the_readmes_alert_rules_and_scrape_config_are_valid(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Metrics for Prometheus") :]
+    blocks = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    rules = next(block for block in blocks if "groups:" in block)
+    scrape = next(block for block in blocks if "scrape_configs:" in block)
+    (tmp_path / "rules.yml").write_text(rules)
+    (tmp_path / "rundesk-token").write_text(TOKEN)
+    scrape = scrape.replace("/etc/prometheus/rundesk-token", str(tmp_path / "rundesk-token"))
+    (tmp_path / "prometheus.yml").write_text(scrape)
+    for what, path in [("rules", "rules.yml"), ("config", "prometheus.yml")]:
+        checked = subprocess.run(
+            ["/usr/bin/promtool", "check", what, str(tmp_path / path)],
+            capture_output=True,
+            text=True,
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
