@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -146,20 +147,25 @@ def drive_while_purging() -> tuple[list[float], dict[str, Any]]:
     """Runs driven for as long as the purge of every seeded run takes."""
     env = {**os.environ, "DATABASE_URL": database_url(), "RUNDESK_ROLE": "purge"}
     root = Path(settings.BASE_DIR)
-    purge = subprocess.Popen(
-        [sys.executable, str(root / "manage.py"), "purge_runs", "--older-than", AGE, "--json"],
-        env=env,
-        cwd=root,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    samples: list[float] = []
-    try:
-        while purge.poll() is None:
-            samples.append(drive_once())
-    finally:
-        out, err = purge.communicate()
-    if purge.returncode != 0:
-        raise RuntimeError(f"bench --purge: purge_runs failed: {err.strip()[-500:]}")
-    return samples, json.loads(out)
+    # Its report (every run id) goes to a file: a pipe nobody reads until
+    # it ends would fill and hold the purge at its last line.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        purge = subprocess.Popen(
+            [sys.executable, str(root / "manage.py"), "purge_runs", "--older-than", AGE, "--json"],
+            env=env,
+            cwd=root,
+            stdout=out,
+            stderr=err,
+            text=True,
+        )
+        samples: list[float] = []
+        try:
+            while purge.poll() is None:
+                samples.append(drive_once())
+        finally:
+            purge.wait()
+        out.seek(0)
+        err.seek(0)
+        if purge.returncode != 0:
+            raise RuntimeError(f"bench --purge: purge_runs failed: {err.read().strip()[-500:]}")
+        return samples, json.loads(out.read())
