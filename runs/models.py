@@ -201,6 +201,7 @@ class RunQuerySet(models.QuerySet["Run"]):
             .exclude(
                 Exists(OutcomeItem.objects.filter(run=OuterRef("pk"), state=OutcomeState.OPEN))
             )
+            # evidence.models.ACTIVE_BUNDLE_STATES (evidence sits above this module).
             .exclude(bundle_exports__state__in=["queued", "running"])
         )
 

@@ -29,6 +29,7 @@ from evidence import bundles
 from evidence.capture import capture, record_gaps
 from evidence.models import BundleExport, LockIncident, LockWait
 from runs import retention
+from runs.benchmarks import purge as purge_bench
 from runs.decisions import Request, Who, decide
 from runs.executor import claim_and_drive
 from runs.leases import Lease
@@ -421,3 +422,19 @@ def test_beat_schedules_the_daily_purge_only_when_an_age_is_set():
     assert on.stdout.strip() == "('runs.tasks.purge_runs', [4])"
     bad = beat_schedule(RUNDESK_PURGE_AFTER="ninety days")
     assert bad.returncode != 0 and "RUNDESK_PURGE_AFTER" in bad.stderr
+
+
+def test_the_purge_benchmarks_runs_are_whole_runs_the_purge_removes():
+    purge_bench.seed(3)
+    purged = retention.purge(dt.timedelta(days=300))
+    assert len(purged.run_ids) == 3
+    assert purged.rows == Counter(
+        {
+            "runs_run": 3,
+            "runs_action": 6,
+            "runs_receipt": 6,
+            "runs_checkpoint": 3,
+            "runs_answerrevision": 3,
+            "runs_runevent": 30,
+        }
+    )  # and 0 of every other kind: Counters compare missing as 0

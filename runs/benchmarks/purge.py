@@ -3,22 +3,24 @@ meanwhile.
 
 A database of its own (`rundesk_bench_purge`, made and migrated if
 missing) is seeded with `runs` ended runs (each with two actions and their
-receipts, a checkpoint, an answer revision and ten events: some 17 rows a
-run), ended a year ago.  Then research runs of the sample corpus (offline
-model provider) are driven one after another in this process, as an
-executor drives them, and each run's time over its actions is a sample of
-the step time: first with nothing else going on (the baseline), then
-while `manage.py purge_runs --older-than 300d` removes every seeded run in
-a process of its own, then with nothing again (the two quiet stretches
-make the baseline together, so a drift of the machine is not put on the
-purge).  The figure is the step time's p50 while purging over the
-baseline's: the target is at most 1.10.
+receipts, a checkpoint, an answer revision and ten events: 17 rows a run),
+ended a year ago.  Then `manage.py purge_runs --older-than 300d` removes
+every seeded run in a process of its own, while research runs of the
+sample corpus (offline model provider) are driven here one after another,
+as an executor drives them; each run's time over its actions is a sample
+of the step time.  The purge is paused (SIGSTOP) and let go on (SIGCONT)
+in turns of WINDOW seconds, between two runs, so each run is driven wholly
+with the purge going on or wholly without it, and both kinds of sample
+share the machine's other load as it comes and goes.  The figure is the
+step time's p50 with the purge going on over the one without: the target
+is at most 1.10.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,16 +42,15 @@ DATABASE = "rundesk_bench_purge"
 AGE = "300d"
 # The seeded runs' question starts so.
 OLD_RUN = "bench --purge: an old run "
-QUIET_SECONDS = 15.0  # each quiet stretch
+WINDOW = 3.0  # seconds of each turn, the purge going on or paused
 DOCUMENTS = 3  # a run: 3 reads, 3 summaries, compose, deliver
 
 
 def report(runs: int) -> dict[str, Any]:
     with bench_database(DATABASE):
         seed(runs)
-        quiet = drive_for(QUIET_SECONDS)
-        purging, purged = drive_while_purging()
-        quiet += drive_for(QUIET_SECONDS)
+        samples, purged = drive_while_purging()
+    quiet, purging = samples[False], samples[True]
     baseline, during = p50(quiet), p50(purging)
     return {
         "runs_purged": purged["runs"],
@@ -135,18 +136,12 @@ def drive_once() -> float:
     return seconds * 1000 / Action.objects.filter(run=run).count()
 
 
-def drive_for(seconds: float) -> list[float]:
-    samples: list[float] = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        samples.append(drive_once())
-    return samples
-
-
-def drive_while_purging() -> tuple[list[float], dict[str, Any]]:
-    """Runs driven for as long as the purge of every seeded run takes."""
+def drive_while_purging() -> tuple[dict[bool, list[float]], dict[str, Any]]:
+    """Runs driven until the purge of every seeded run has ended, the purge
+    going on and paused in turns: the samples by whether it went on."""
     env = {**os.environ, "DATABASE_URL": database_url(), "RUNDESK_ROLE": "purge"}
     root = Path(settings.BASE_DIR)
+    samples: dict[bool, list[float]] = {True: [], False: []}
     # Its report (every run id) goes to a file: a pipe nobody reads until
     # it ends would fill and hold the purge at its last line.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -158,11 +153,15 @@ def drive_while_purging() -> tuple[list[float], dict[str, Any]]:
             stderr=err,
             text=True,
         )
-        samples: list[float] = []
+        going, turned = True, time.monotonic()
         try:
             while purge.poll() is None:
-                samples.append(drive_once())
+                if time.monotonic() - turned >= WINDOW:
+                    going, turned = not going, time.monotonic()
+                    purge.send_signal(signal.SIGCONT if going else signal.SIGSTOP)
+                samples[going].append(drive_once())
         finally:
+            purge.send_signal(signal.SIGCONT)
             purge.wait()
         out.seek(0)
         err.seek(0)
