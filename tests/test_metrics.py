@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import os
 import re
 import subprocess
+import sys
 import uuid
 from collections import Counter
 from typing import Any
@@ -347,3 +349,29 @@ def test_the_readmes_alert_rules_and_scrape_config_are_valid(tmp_path):
             text=True,
         )
         assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("RUNDESK_METRICS_TOKEN", "short", "at least 16 characters"),
+        ("RUNDESK_METRICS_ALLOW", "10.0.0.0/8,the office", "'the office' is not an address"),
+        ("RUNDESK_METRICS_WINDOW_SECONDS", "1", "must be from 10"),
+    ],
+)
+def test_a_bad_metrics_setting_stops_the_process_naming_it(variable, value, said):
+    started = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()"],
+        env={
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "dashboard.settings",
+            "DEBUG": "1",
+            variable: value,
+        },
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert started.returncode != 0
+    assert variable in started.stderr and said in started.stderr
