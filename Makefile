@@ -9,6 +9,8 @@ STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 # Browser tests drive Debian's Chromium (never a downloaded browser).
 CHROMIUM := /usr/bin/chromium
 PGBOUNCER := /usr/sbin/pgbouncer
+# tests/test_metrics.py checks /metrics with Debian's promtool (package prometheus).
+PROMTOOL := /usr/bin/promtool
 
 # Tests and tools run with DEBUG; the demo and the benchmarks run as
 # production does (below).
@@ -41,6 +43,11 @@ $(PGBOUNCER):
 	apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq pgbouncer
 
+# tests/test_metrics.py checks /metrics with promtool.
+$(PROMTOOL):
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+
 $(SECRET_KEY_FILE): | $(STAMP)
 	mkdir -p $(@D)
 	umask 077 && $(PY) -c 'import secrets; print(secrets.token_urlsafe(50))' > $@.new
@@ -61,7 +68,7 @@ TEST_WORKERS ?= 3
 
 # The tests' own var/ (their Celery broker folder above all): the tasks the
 # runs they make runnable are handed over with never reach the demo's worker.
-test: install $(CHROMIUM) $(PGBOUNCER)
+test: install $(CHROMIUM) $(PGBOUNCER) $(PROMTOOL)
 	rm -rf var/test
 	RUNDESK_VAR_DIR=$(CURDIR)/var/test $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 

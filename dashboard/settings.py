@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import base64
 import binascii
+import datetime as dt
+import ipaddress
 import os
 import sys
 import urllib.parse
 from pathlib import Path
 
 import dj_database_url
+from celery.schedules import crontab
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.core.exceptions import ImproperlyConfigured
 
+from runs import durations
 from runs.sql import application_name, unnamed
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -81,6 +85,30 @@ def var_folder(*parts: str) -> Path:
             f"RUNDESK_VAR_DIR: cannot make {folder}: {error.strerror or error}"
         ) from None
     return folder
+
+
+def env_networks(name: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """A comma-separated list of addresses or networks (10.0.0.5, 10.0.0.0/8, ::1)."""
+    networks = []
+    for item in env_list(name):
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            raise ImproperlyConfigured(
+                f"{name}: {item!r} is not an address or a network (10.0.0.0/8)"
+            ) from None
+    return networks
+
+
+def env_duration(name: str) -> dt.timedelta | None:
+    """A duration (runs/durations.py: 90d, 12h, P30D); None when unset."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return durations.parse(raw)
+    except ValueError as error:
+        raise ImproperlyConfigured(f"{name}: {error}") from None
 
 
 def env_choice(name: str, default: str, choices: set[str]) -> str:
@@ -592,3 +620,32 @@ CELERY_BEAT_SCHEDULE["rundesk-bulk"] = {
     "task": "runs.tasks.redeliver_bulk_jobs",
     "schedule": RUNDESK_BULK_SWEEP_SECONDS,
 }
+# Retention (runs/retention.py, `manage.py purge_runs`): beat removes, once a
+# day at RUNDESK_PURGE_HOUR (UTC), the runs that ended longer than
+# RUNDESK_PURGE_AFTER ago (90d, 12h, P30D) with every row of theirs, but
+# those with an open item; unset (the default), nothing is ever removed.
+# With RUNDESK_PURGE_BUNDLE_DIR, each run's bundle is written there first,
+# and a run whose bundle fails is kept.
+RUNDESK_PURGE_AFTER = env_duration("RUNDESK_PURGE_AFTER")
+RUNDESK_PURGE_HOUR = int(env_float("RUNDESK_PURGE_HOUR", 3, minimum=0, maximum=23))
+_purge_bundles = os.environ.get("RUNDESK_PURGE_BUNDLE_DIR", "").strip()
+RUNDESK_PURGE_BUNDLE_DIR = Path(_purge_bundles) if _purge_bundles else None
+if RUNDESK_PURGE_AFTER is not None:
+    CELERY_BEAT_SCHEDULE["rundesk-purge"] = {
+        "task": "runs.tasks.purge_runs",
+        "schedule": crontab(minute=0, hour=RUNDESK_PURGE_HOUR),
+    }
+
+# /metrics for Prometheus (dashboard/metrics.py): a scrape sends
+# `Authorization: Bearer RUNDESK_METRICS_TOKEN` and/or comes from an address
+# of RUNDESK_METRICS_ALLOW (IPs or networks, comma-separated; the address
+# the server sees: a proxy's, behind one).  Neither set: no /metrics (404).
+# Durations are of the runs ended in the last RUNDESK_METRICS_WINDOW_SECONDS.
+RUNDESK_METRICS_TOKEN = env_str("RUNDESK_METRICS_TOKEN", "").strip()
+if RUNDESK_METRICS_TOKEN and len(RUNDESK_METRICS_TOKEN) < 16:
+    # A scraper's password, sent on every scrape: short ones are guessed.
+    raise ImproperlyConfigured("RUNDESK_METRICS_TOKEN must be at least 16 characters")
+RUNDESK_METRICS_ALLOW = env_networks("RUNDESK_METRICS_ALLOW")
+RUNDESK_METRICS_WINDOW_SECONDS = env_float(
+    "RUNDESK_METRICS_WINDOW_SECONDS", 300.0, minimum=10.0, maximum=86400.0
+)

@@ -4,7 +4,7 @@ from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path
 
-from dashboard import bulk, drills, holds, inbox, overview, saved_views, views
+from dashboard import bulk, drills, holds, inbox, metrics, overview, saved_views, views
 from dashboard.approvals import approval_decide
 
 urlpatterns = [
@@ -47,4 +47,5 @@ urlpatterns = [
     path("admin/", admin.site.urls),
     path("api/", include("dashboard.api.urls")),
     path("inbox/<int:item_id>/approve/", approval_decide, name="inbox-approve"),
+    path("metrics", metrics.metrics, name="metrics"),
 ]

@@ -191,6 +191,25 @@ class RunQuerySet(models.QuerySet["Run"]):
     def with_capture_gaps(self) -> RunQuerySet:
         return self.filter(capture_stats__lost__gt=0)
 
+    def purgeable(self, older_than: dt.timedelta, statuses: list[str] | None = None) -> RunQuerySet:
+        """Runs retention may remove (runs/retention.py): of this
+        installation (an imported run was opened on purpose: an operator
+        removes it), ended (TERMINAL_STATUSES, or those of them in
+        `statuses`) longer than `older_than` ago (run_finished_idx), with no
+        open item (an operator may still decide it) and no bundle export
+        under way (it reads the run).  A run queued, running or waiting for
+        an operator has not ended: never."""
+        ended = [s for s in TERMINAL_STATUSES if statuses is None or s in statuses]
+        return (
+            self.local()
+            .filter(status__in=ended, finished_at__lt=Now() - older_than)
+            .exclude(
+                Exists(OutcomeItem.objects.filter(run=OuterRef("pk"), state=OutcomeState.OPEN))
+            )
+            # evidence.models.ACTIVE_BUNDLE_STATES (evidence sits above this module).
+            .exclude(bundle_exports__state__in=["queued", "running"])
+        )
+
     def claimable(self) -> RunQuerySet:
         """Queued runs, and running runs whose owner stopped renewing its lease
         (a cancel asked of one of these is carried out by whoever claims it:
@@ -413,6 +432,9 @@ class Run(models.Model):
                 condition=Q(status=RunStatus.RUNNING),
             ),
             *FINDING_INDEXES,
+            # purgeable() (runs ended before a time) and /metrics' durations
+            # of the runs ended lately are served by FINDING_INDEXES'
+            # run_finished_idx (finished_at, id): only ended runs are in it.
         ]
 
     def __str__(self) -> str:
@@ -953,6 +975,11 @@ class RunEvent(models.Model):
         indexes = [
             # Serves a run's timeline, in order, from a cursor.
             models.Index(fields=["run", "created_at", "id"], name="event_timeline_idx"),
+            # Serves /metrics' lease takeovers: an owner resumed a run another
+            # owner had (few rows of a large table).
+            models.Index(
+                fields=["id"], name="event_resumed_idx", condition=Q(kind=EventKind.RESUMED)
+            ),
         ]
 
     def __str__(self) -> str:
@@ -1281,3 +1308,21 @@ class SummaryCursor(models.Model):
 
     def __str__(self) -> str:
         return f"{self.source} up to {self.at.isoformat()} #{self.last_id}"
+
+
+class PurgedCount(models.Model):
+    """What retention removed that /metrics counts (runs/retention.py): a
+    counter read from the rows still kept plus this, so it never goes down
+    when a purge removes the rows it was counted from."""
+
+    counter = models.CharField(max_length=60)
+    label = models.CharField(max_length=60, blank=True)  # e.g. an alert's channel
+    value = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["counter", "label"], name="purged_count_unique")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.counter}{{{self.label}}} += {self.value}"

@@ -22,7 +22,7 @@ from django.db import close_old_connections
 from django.utils import timezone
 
 from evidence.capture import capture
-from runs import bulk
+from runs import bulk, retention
 from runs import sweep as sweeping
 from runs.drills import report, run_drill
 from runs.executor import Ending, claim_and_drive
@@ -146,3 +146,23 @@ def redeliver_bulk_jobs() -> int:
         if failed := hand_over(bulk_job, job_id):
             logger.warning("bulk job %s not handed out again (%s)", job_id, failed)
     return len(stalled)
+
+
+@shared_task
+def purge_runs() -> dict[str, Any]:
+    """Beat's daily retention (runs/retention.py), when RUNDESK_PURGE_AFTER
+    is set: the runs ended longer ago go, each bundle written first into
+    RUNDESK_PURGE_BUNDLE_DIR when that is set.  Idempotent: a second run
+    finds nothing more to remove."""
+    if settings.RUNDESK_PURGE_AFTER is None:
+        return {"off": "RUNDESK_PURGE_AFTER is not set: nothing is removed"}
+    purged = retention.purge(
+        settings.RUNDESK_PURGE_AFTER, bundle_to=settings.RUNDESK_PURGE_BUNDLE_DIR
+    )
+    for refused in purged.refused:
+        logger.warning("purge: run %s kept: %s", refused.run_id, refused.why)
+    if purged.stopped:
+        logger.warning("purge: stopped early: %s", purged.stopped)
+    summary = purged.json()
+    del summary["run_ids"]  # a day's worth of ids is no task result
+    return summary

@@ -194,6 +194,21 @@ SAMPLE: dict[str, Any] = {
             {"page": "lock incident page", "loads": 10, "p50_ms": 400.0, "max_ms": 580.2},
         ]
     },
+    "purge": {
+        "runs_purged": 100000,
+        "rows_purged": 1700000,
+        "purge_s": 95.2,
+        "purged_runs_per_s": 1050.4,
+        "batches": 200,
+        "skipped": 0,
+        "step_ms_p50_quiet": 3.1,
+        "step_ms_p50_purging": 3.3,
+        "step_ms_p95_quiet": 4.0,
+        "step_ms_p95_purging": 4.6,
+        "step_time_ratio": 1.065,
+        "within_target": True,
+        "runs_driven": {"quiet": 400, "purging": 900},
+    },
 }
 
 
@@ -235,6 +250,7 @@ def test_the_document_is_one_table_with_the_machine_date_and_command():
         "investigation bundles (`export_bundle`)",
         "dashboard at 100,000 runs",
         "cold page to chart (Chromium)",
+        "purge of 100,000 ended runs while runs execute",
     ]
     assert (
         "step p50 1.21 ms against a commit p50 of 0.45 ms: 2.69 \N{MULTIPLICATION SIGN}"
@@ -270,6 +286,10 @@ def test_the_document_is_one_table_with_the_machine_date_and_command():
         "DBOS 2.55 ms (8.6 \N{MULTIPLICATION SIGN}), 4.09 commits and 1.004 WAL syncs per step;"
     )
     assert peers.endswith("(dbos 3.4.0)")
+    assert rows["purge of 100,000 ended runs while runs execute"] == (
+        "1,700,000 rows in 95.2 s (1,050.4 runs/s, 200 batches); step p50 3.3 ms against "
+        "3.1 ms quiet: 1.065 \N{MULTIPLICATION SIGN} (target 1.1: met)"
+    )
 
 
 def test_a_benchmark_that_failed_says_why_in_its_row_and_the_others_are_shown():
@@ -285,7 +305,7 @@ def test_a_benchmark_that_failed_says_why_in_its_row_and_the_others_are_shown():
     assert rows["agent path and no-op step"] == (
         "failed: bench --steps: could not claim bench run 7"
     )
-    assert len(rows) == 14  # the two rows of steps became one
+    assert len(rows) == 15  # the two rows of steps became one
     assert "dashboard at 100,000 runs" in rows
     assert rows["20 reads of 200 ms"].startswith("side by side 208.5 ms (bound")
 

@@ -32,6 +32,7 @@ TITLES = {
     "bundle": "investigation bundles",
     "dashboard": "dashboard pages",
     "page_load": "page to chart",
+    "purge": "retention's purge",
 }
 TIMES = "\N{MULTIPLICATION SIGN}"  # after a ratio: so many times a commit
 PEER_NAMES = {"dbos": "DBOS", "langgraph": "LangGraph", "rundesk": "Rundesk"}
@@ -349,6 +350,20 @@ def _capacity(figures: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def _purge(figures: dict[str, Any]) -> list[Row]:
+    return [
+        (
+            f"purge of {_n(figures['runs_purged'])} ended runs while runs execute",
+            f"{_n(figures['rows_purged'])} rows in {_n(figures['purge_s'])} s "
+            f"({_n(figures['purged_runs_per_s'])} runs/s, {_n(figures['batches'])} batches); "
+            f"step p50 {_n(figures['step_ms_p50_purging'])} ms against "
+            f"{_n(figures['step_ms_p50_quiet'])} ms quiet: "
+            f"{_n(figures['step_time_ratio'])} {TIMES} (target 1.1: "
+            f"{'met' if figures['within_target'] else 'not met'})",
+        )
+    ]
+
+
 # Each benchmark's rows, by its key in `bench --all --json`.
 ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "steps": _steps,
@@ -363,4 +378,5 @@ ROWS: dict[str, Callable[[dict[str, Any]], list[Row]]] = {
     "bundle": _bundle,
     "dashboard": _dashboard,
     "page_load": _page_load,
+    "purge": _purge,
 }

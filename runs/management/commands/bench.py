@@ -26,6 +26,7 @@ from runs.benchmarks import (
     pages,
     parallel,
     peers,
+    purge,
     scale,
     steps,
     support_path,
@@ -126,6 +127,15 @@ class Command(BaseCommand):
             help="20 reads of 200 ms side by side and one after another, with the commits each "
             "read costs",
         )
+        parser.add_argument(
+            "--purge",
+            action="store_true",
+            help="the step time of runs executing while purge_runs removes --purge-runs ended "
+            "runs, against their step time with nothing else going on (own database)",
+        )
+        parser.add_argument(
+            "--purge-runs", type=int, default=100_000, help="with --purge: ended runs removed"
+        )
         parser.add_argument("--all", action="store_true", help="every benchmark, in one JSON")
         parser.add_argument("--json", action="store_true")
         parser.add_argument(
@@ -142,6 +152,8 @@ class Command(BaseCommand):
             raise CommandError("--rounds must be at least 1")
         if options["dashboard_runs"] < 1:
             raise CommandError("--dashboard-runs must be at least 1")
+        if options["purge_runs"] < 1:
+            raise CommandError("--purge-runs must be at least 1")
         if markdown := options["markdown"]:
             # Said before the benchmarks' minutes, not after.
             if not options["all"]:
@@ -237,4 +249,5 @@ BENCHMARKS: dict[str, Callable[[dict[str, Any]], Any]] = {
         "overview": overview.measure(options["dashboard_runs"]),
     },
     "page_load": lambda options: {"pages": page_load.measure()},
+    "purge": lambda options: purge.report(options["purge_runs"]),
 }
