@@ -113,7 +113,10 @@ HOLDING_ACTION = HOLDING.format(kind="kind", effect_class="effect_class")
 # writes and locks nothing of the evidence tables (the model calls it used
 # are named on its own row): no lock anyone holds there can hold an answer
 # back.
-PUBLISH = f"""WITH {RECEIPT_CTES},
+# It says what it writes first: pg_stat_activity keeps only a statement's
+# first kilobyte, and a lock graph tells a publication by its table
+# (evidence.locks.STATEMENT_ROLES), which comes after the receipts' CTEs.
+PUBLISH = f"""/* runs_answerrevision */ WITH {RECEIPT_CTES},
     published AS (
         INSERT INTO runs_answerrevision (run_id, number, content, content_digest,
             model_call_actions, is_final, epoch, xid, committed_at)

@@ -37,7 +37,7 @@ def test_filter_dry_run_confirm_and_follow_a_bulk_settlement_by_evidence(
     run_in(RunStatus.QUEUED, "A queued run the filter leaves out")
 
     page.goto("/")
-    page.get_by_label("Status").select_option("needs_operator")
+    page.locator('select[name="status"]').select_option("needs_operator")
     page.get_by_role("button", name="Filter").click()
     act = page.locator("#bulk-act a")
     expect(act).to_have_text("Act on these 3 runs…")
