@@ -64,7 +64,13 @@ REMOVALS: list[tuple[str, str]] = [
         " (SELECT id FROM runs_outcomeitem WHERE run_id = ANY(%(runs)s))"
         " RETURNING channel, state, attempts",
     ),
+    # A decided approval names its item and its decision: it goes first.
+    ("runs_approval", "DELETE FROM runs_approval WHERE run_id = ANY(%(runs)s)"),
     ("runs_operatordecision", "DELETE FROM runs_operatordecision WHERE run_id = ANY(%(runs)s)"),
+    # A run's waits on holds (the holds stay, their figures without it) and
+    # the bulk jobs' results for it (the jobs stay, as their audit).
+    ("runs_holdwait", "DELETE FROM runs_holdwait WHERE run_id = ANY(%(runs)s)"),
+    ("runs_bulkjobitem", "DELETE FROM runs_bulkjobitem WHERE run_id = ANY(%(runs)s)"),
     ("runs_runevent", "DELETE FROM runs_runevent WHERE run_id = ANY(%(runs)s) RETURNING kind"),
     (
         "evidence_evidencecopy_sources",
@@ -100,6 +106,16 @@ REMOVALS: list[tuple[str, str]] = [
     ("runs_action", "DELETE FROM runs_action WHERE run_id = ANY(%(runs)s)"),
     ("runs_run", "DELETE FROM runs_run WHERE id = ANY(%(runs)s)"),
 ]
+
+
+def also_remove(table: str, statement: str) -> None:
+    """A table of a layer above (the dashboard's: its API's submissions)
+    whose rows name a run: removed with the run, before it, by `statement`
+    (on %(runs)s).  Called from that layer's AppConfig.ready(): this layer
+    never names it."""
+    if all(name != table for name, _ in REMOVALS):
+        REMOVALS.insert(len(REMOVALS) - 1, (table, statement))
+
 
 # After each batch the purge rests this many times as long as the batch
 # took: it takes at most a quarter of a core (and of its database backend)

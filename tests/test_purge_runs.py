@@ -25,15 +25,29 @@ from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from dashboard.models import ApiSubmission
 from evidence import bundles
 from evidence.capture import capture, record_gaps
 from evidence.models import BundleExport, LockIncident, LockWait
 from runs import retention
 from runs.benchmarks import purge as purge_bench
+from runs.bulk import BulkAction, BulkJob, BulkJobItem
 from runs.decisions import Request, Who, decide
 from runs.executor import claim_and_drive
 from runs.leases import Lease
-from runs.models import Alert, AlertState, DecisionChoice, OutcomeItem, PurgedCount, Run, RunStatus
+from runs.models import (
+    Alert,
+    AlertState,
+    Approval,
+    ApprovalState,
+    DecisionChoice,
+    Hold,
+    HoldWait,
+    OutcomeItem,
+    PurgedCount,
+    Run,
+    RunStatus,
+)
 from runs.submission import submit
 from runs.tasks import purge_runs
 from runs.timeline import timeline
@@ -89,11 +103,56 @@ def settled_and_completed(settings) -> Run:
     export.path.parent.mkdir(parents=True, exist_ok=True)
     export.path.write_bytes(b"a bundle")
     assert export.finish(rows=1, size=8, seal="0" * 64, now=now)
+    rows_above(run, user)
     timeline.flush()
     capture.flush()
     run.refresh_from_db()
     assert run.status == RunStatus.COMPLETED
     return run
+
+
+def rows_above(run: Run, user: User) -> None:
+    """The rows approvals, holds, bulk jobs and the API keep of a run (their
+    own tests make them the long way): a decided approval, a wait on a
+    released hold, a bulk job's result, an API submission."""
+    now = timezone.now()
+    later = now + dt.timedelta(seconds=1)
+    item = OutcomeItem.objects.get(run=run)
+    Approval.objects.create(
+        run=run,
+        item=item,
+        step_key="send",
+        tool="send_reply",
+        proposed={"to": "a@example.com"},
+        proposed_digest="0" * 64,
+        approvers="approvers",
+        expires_at=later,
+        state=ApprovalState.REJECTED,
+        decision=item.decisions.get(),
+        decided_at=later,
+    )
+    hold = Hold.objects.create(
+        tool="deliver_report",
+        reason="a receiver down",
+        added_by="olga",
+        released_by="olga",
+        released_at=later,
+        release_reason="it is back",
+    )
+    HoldWait.objects.create(hold=hold, run=run, step_key="deliver", until=later)
+    job = BulkJob.objects.create(
+        request_token=uuid.uuid4().hex,
+        user=user,
+        requested_by="olga",
+        action=BulkAction.CANCEL,
+        reason="tidying",
+        cap=1000,
+        total=1,
+    )
+    BulkJobItem.objects.create(job=job, run=run)
+    ApiSubmission.objects.create(
+        user=user, request_token=uuid.uuid4().hex, request_digest="0" * 64, run=run
+    )
 
 
 def rows_of(run_id: int) -> dict[str, int]:

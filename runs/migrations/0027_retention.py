@@ -31,6 +31,28 @@ END
 $$;
 """
 
+# An approval is decided once and never deleted (migration 0023), but with
+# its ended run, by the purge.
+APPROVAL_RULE = """
+CREATE OR REPLACE FUNCTION rundesk_approval_decided_once() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF TG_OP = 'DELETE' AND OLD.state <> 'pending' AND rundesk_purging(OLD.run_id) THEN
+        RETURN OLD;
+    END IF;
+    IF TG_OP = 'DELETE' OR OLD.state <> 'pending'
+        OR (NEW.run_id, NEW.item_id, NEW.step_key, NEW.tool, NEW.proposed,
+            NEW.proposed_digest, NEW.approvers, NEW.expires_at, NEW.created_at)
+        IS DISTINCT FROM (OLD.run_id, OLD.item_id, OLD.step_key, OLD.tool, OLD.proposed,
+            OLD.proposed_digest, OLD.approvers, OLD.expires_at, OLD.created_at)
+    THEN
+        RAISE EXCEPTION 'rundesk: approval % is decided once: % refused', OLD.id, TG_OP
+            USING ERRCODE = 'restrict_violation';
+    END IF;
+    RETURN NEW;
+END
+$$;
+"""
+
 CHECKPOINT_RULES = """
 CREATE OR REPLACE FUNCTION rundesk_checkpoint_change() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -125,5 +147,5 @@ class Migration(migrations.Migration):
             model_name="runevent",
             index=models.Index(condition=models.Q(("kind", "resumed")), fields=["id"], name="event_resumed_idx"),
         ),
-        migrations.RunSQL(PURGING + CHECKPOINT_RULES, UNDO),
+        migrations.RunSQL(PURGING + APPROVAL_RULE + CHECKPOINT_RULES, UNDO),
     ]
