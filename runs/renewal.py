@@ -82,6 +82,13 @@ class Renewals:
             with self._lock:
                 self._held.pop(lease, None)
 
+    @property
+    def idle(self) -> bool:
+        """No lease held and no renewal thread: the next lease held starts
+        one, whose first beat is a third of a lease away."""
+        with self._lock:
+            return self._thread is None
+
     def renew(self) -> int:
         """Renews every lease held now, in one statement; sets `lost` for
         those it could not renew.  How many it renewed."""

@@ -20,6 +20,7 @@ from runs.models import (
     Run,
     RunStatus,
 )
+from runs.renewal import renewals
 from runs.submission import submit
 from tests.faultruns import wait_for
 
@@ -53,6 +54,10 @@ def slow_summary_under_way(owner: str):
     run = submit(
         question="q", documents=DOCS, faults=[{"point": "tool_delay", "action": 2, "ms": 1500}]
     )
+    # The process's renewal thread, left beating by an earlier test's lease
+    # (a shorter one), would renew this lease within its beat: start once it
+    # has ended, so the next renewal is a third of this test's lease away.
+    wait_for(lambda: renewals.idle, "the renewal thread of earlier leases to end")
     thread, out = in_thread(drive, Lease.claim(run.pk, owner), threading.Event())
     wait_for(lambda: Action.objects.filter(run=run, step_key="summarize:0").exists())
     return run, thread, out
