@@ -150,11 +150,13 @@ class Dispatcher:
         stop: threading.Event,
         lease_lost: threading.Event,
         tools: Sequence[Tool] | None = None,
+        run: Run | None = None,
     ):
         self.lease = lease
         self.stop = stop
         self.lease_lost = lease_lost
-        self.run = Run.objects.get(pk=lease.run_id)
+        # The run's row as its driver read it after the claim, or read here.
+        self.run = Run.objects.get(pk=lease.run_id) if run is None else run
         # The tools its steps may dispatch: its agent's (a benchmark's own).
         declared = registry.agent_class(self.run.agent).tools if tools is None else tools
         self.tools: Mapping[str, Tool] = {tool.name: tool for tool in declared}
