@@ -22,7 +22,7 @@ from django.db import DatabaseError, connection
 from evidence.locks import LockSampler
 from runs import decisions, holds, registry, sweep
 from runs.agent import ActionFailed, Agent
-from runs.dispatch import Dispatcher, Stopping
+from runs.dispatch import Dispatcher, Stopping, run_to_drive
 from runs.leases import (
     CancelRequested,
     Held,
@@ -66,7 +66,7 @@ def drive(lease: Lease, stop: threading.Event) -> Ending:
     try:
         # One read of the run serves the cancel check, the agent's and the
         # dispatcher's (a read per use cost more CPU than the run's steps).
-        run = Run.objects.get(pk=run_id)
+        run = run_to_drive(run_id)
         if run.cancel_requested_at is not None:
             # Its owner died before it could stop: the claim carries it out.
             return _end(lease, RunStatus.CANCELLED, "", "cancelled: nothing new dispatched")
