@@ -212,8 +212,8 @@ def unless_locked(work: Callable[[], T], timeout: str | None = None) -> T | None
 
 def name_connection(role: str, run_id: int | None = None) -> None:
     """Says in pg_stat_activity what this thread's connection serves, so a
-    lock graph can name it.  Given back to the pool, the connection takes
-    the process's name again (`unnamed`)."""
+    lock graph can name it.  The thread gives it back with `close_named`,
+    which restores the process's name."""
     with connections[DEFAULT_DB_ALIAS].cursor() as cursor:
         cursor.execute(
             "SELECT set_config('application_name', %s, false)", [application_name(role, run_id)]
@@ -221,14 +221,30 @@ def name_connection(role: str, run_id: int | None = None) -> None:
 
 
 def unnamed(raw: psycopg.Connection[Any]) -> None:
-    """The pool's reset of a connection given back (dashboard/settings.py):
-    a name a thread gave it (`name_connection`) goes, so the next thread
-    is not taken for another.  The name is the server's report, known
-    without a round trip; only a renamed connection costs one."""
+    """A name a thread gave the connection (`name_connection`) goes, so the
+    next thread is not taken for another.  The name is the server's
+    report, known without a round trip; only a renamed connection costs
+    one."""
     if raw.info.parameter_status("application_name") != settings.DATABASES["default"][
         "OPTIONS"
     ].get("application_name"):
         raw.execute("RESET application_name")
+
+
+def close_named() -> None:
+    """Closes this thread's connection, which `name_connection` named: given
+    back to the pool, it takes the process's name again first (`unnamed`).
+    Only a thread that named its connection calls it: the pool has no
+    reset of its own, which would send every connection given back, one
+    per step of every run, through one of its worker threads."""
+    db = connections[DEFAULT_DB_ALIAS]
+    raw = db.connection
+    if raw is not None and not raw.closed and not raw.broken and not db.in_atomic_block:
+        try:
+            unnamed(raw)
+        except psycopg.Error:
+            raw.close()  # broken after all: the pool discards a closed one
+    db.close()
 
 
 def this_backend() -> Backend:
