@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from django.core.exceptions import ImproperlyConfigured
 
 from runs import durations
-from runs.sql import application_name, unnamed
+from runs.sql import application_name
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -327,7 +327,6 @@ if RUNDESK_DB_POOL_SIZE:
         "max_size": RUNDESK_DB_POOL_SIZE,
         "timeout": RUNDESK_DB_POOL_TIMEOUT,
         "name": application_name(PROCESS_ROLE),
-        "reset": unnamed,
     }
 # Behind PgBouncer in transaction mode (RUNDESK_DB_TRANSACTION_POOLER=1): a
 # transaction may run on any server connection, so nothing may be kept on

@@ -72,7 +72,7 @@ from runs.models import (
     RunEvent,
     canonical_json,
 )
-from runs.sql import name_connection
+from runs.sql import close_named, name_connection
 
 FORMAT = "rundesk-bundle/1"
 MANIFEST = "manifest.json"
@@ -315,7 +315,7 @@ def _in_snapshot(
         except BaseException as error:  # handed to the caller, raised there
             outcome.append(error)
         finally:
-            connection.close()
+            close_named()
             reports.put(_FINISHED)
 
     thread = threading.Thread(target=read, name=f"bundle-export-run-{run_id}", daemon=True)

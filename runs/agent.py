@@ -29,6 +29,7 @@ docs/AGENTS.md is the tutorial and the reference.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -106,9 +107,15 @@ class ToolCall:
 def input_refusal(schema: Mapping[str, Any], value: Any, what: str = "input") -> str:
     """Why `value` does not have the shape `schema` (a JSON Schema) says,
     naming the field; "" when it has."""
-    error = jsonschema.exceptions.best_match(
-        jsonschema.Draft202012Validator(schema).iter_errors(value)
-    )
+    return refusal_by(jsonschema.Draft202012Validator(schema), value, what)
+
+
+def refusal_by(validator: jsonschema.protocols.Validator, value: Any, what: str = "input") -> str:
+    """input_refusal with the schema's validator already built (a tool
+    builds its own once: building one costs more than most checks)."""
+    if validator.is_valid(value):
+        return ""  # the usual case: no error is built to be ranked
+    error = jsonschema.exceptions.best_match(validator.iter_errors(value))
     if error is None:
         return ""
     where = "".join(f"[{part!r}]" if isinstance(part, int) else f".{part}" for part in error.path)
@@ -151,7 +158,12 @@ class Tool:
 
     def refusal(self, input: Any) -> str:
         """Why this tool refuses `input` before its boundary ("" if not)."""
-        return input_refusal(self.input_schema, input)
+        return refusal_by(self._validator, input)
+
+    @functools.cached_property
+    def _validator(self) -> jsonschema.protocols.Validator:
+        # Built once per tool, not once per step.
+        return jsonschema.Draft202012Validator(self.input_schema)
 
 
 @dataclass(frozen=True)

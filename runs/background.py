@@ -45,7 +45,7 @@ from typing import Generic, TypeVar
 
 from django.db import DatabaseError, connection
 
-from runs.sql import name_connection
+from runs.sql import close_named, name_connection
 
 GAP_INTERVAL = 0.5  # seconds: how soon a counted loss is written, busy or idle
 STOP_WAIT = 5.0  # seconds stop() waits, after its grace, for a writer stuck in a statement
@@ -184,7 +184,7 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
         try:
             self._drain(stopping)
         finally:
-            connection.close()
+            close_named()
 
     def _out_of_time(self) -> bool:
         """In the writer thread: whether it was told to stop and its grace
@@ -202,7 +202,7 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
             name_connection(self.role)
         except DatabaseError as error:
             self._logger.warning("%s: cannot name its connection: %s", self.role, error)
-            connection.close()
+            close_named()
             return None
         return connection.connection
 

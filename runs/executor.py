@@ -22,7 +22,7 @@ from django.db import DatabaseError, connection
 from evidence.locks import LockSampler
 from runs import decisions, holds, registry, sweep
 from runs.agent import ActionFailed, Agent
-from runs.dispatch import Dispatcher, Stopping
+from runs.dispatch import Dispatcher, Stopping, run_to_drive
 from runs.leases import (
     CancelRequested,
     Held,
@@ -64,12 +64,17 @@ def drive(lease: Lease, stop: threading.Event) -> Ending:
     run_id = lease.run_id
     timeline.record(run_id, EventKind.LEASE_ACQUIRED, f"{lease.owner}", epoch=lease.epoch)
     try:
-        if lease.cancel_requested():
+        # One read of the run serves the cancel check, the agent's and the
+        # dispatcher's (a read per use cost more CPU than the run's steps).
+        run = run_to_drive(run_id)
+        if run.cancel_requested_at is not None:
             # Its owner died before it could stop: the claim carries it out.
             return _end(lease, RunStatus.CANCELLED, "", "cancelled: nothing new dispatched")
         with renewals.held(lease) as lost:
-            declared = installed_agent(lease)
-            dispatcher = Dispatcher(lease, stop=stop, lease_lost=lost, tools=declared.tools)
+            declared = installed_agent(run)
+            dispatcher = Dispatcher(
+                lease, stop=stop, lease_lost=lost, tools=declared.tools, run=run
+            )
             dispatcher.run_agent(declared)
             steps = dispatcher.progress.steps
             return _end(lease, RunStatus.COMPLETED, "", f"{steps} steps", finish=dispatcher.finish)
@@ -97,13 +102,12 @@ def drive(lease: Lease, stop: threading.Event) -> Ending:
         timeline.flush()
 
 
-def installed_agent(lease: Lease) -> type[Agent]:
+def installed_agent(run: Run) -> type[Agent]:
     """The agent installed to drive the run, or NeedsOperator saying why
     none may: its agent is not installed here (nothing else's code ever
     runs it), or its version changed and does not declare it continues
     the run's version.  A run that has dispatched nothing yet takes the
-    installed version."""
-    run = Run.objects.only("agent", "agent_version").get(pk=lease.run_id)
+    installed version (`run` says so too)."""
     try:
         declared = registry.agent_class(run.agent)
     except registry.NotInstalled as error:
@@ -114,6 +118,7 @@ def installed_agent(lease: Lease) -> type[Agent]:
         return declared
     if not Action.objects.filter(run_id=run.pk).exists():
         Run.objects.filter(pk=run.pk).update(agent_version=declared.version)
+        run.agent_version = declared.version
         return declared
     raise NeedsOperator(
         f"agent {run.agent} is version {declared.version} here, which does not declare it "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -106,6 +106,21 @@ def application_name(role: str, run_id: int | None = None) -> str:
     return f"rundesk:{role}" + (f":run-{run_id}" if run_id is not None else "")
 
 
+def array_literal(items: Iterable[str | int | None]) -> str:
+    """`items` as a PostgreSQL array literal ('{"a","b"}'), for a parameter
+    the statement casts (`%(x)s::text[]`, `::jsonb[]`, `::bigint[]`).
+    psycopg adapts a list by looking through its elements for their type
+    on every call: a step's write passes nine lists, and that looking cost
+    more CPU than the statement's round trip."""
+    return "{" + ",".join(_array_element(item) for item in items) + "}"
+
+
+def _array_element(item: str | int | None) -> str:
+    if item is None:
+        return "NULL"
+    return '"' + str(item).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def commit_asynchronously(cursor: Any, **also: str) -> None:
     """For the rest of this transaction, its COMMIT does not wait for its
     WAL to be flushed: the server flushes it with its other writes within a
@@ -197,8 +212,8 @@ def unless_locked(work: Callable[[], T], timeout: str | None = None) -> T | None
 
 def name_connection(role: str, run_id: int | None = None) -> None:
     """Says in pg_stat_activity what this thread's connection serves, so a
-    lock graph can name it.  Given back to the pool, the connection takes
-    the process's name again (`unnamed`)."""
+    lock graph can name it.  The thread gives it back with `close_named`,
+    which restores the process's name."""
     with connections[DEFAULT_DB_ALIAS].cursor() as cursor:
         cursor.execute(
             "SELECT set_config('application_name', %s, false)", [application_name(role, run_id)]
@@ -206,14 +221,30 @@ def name_connection(role: str, run_id: int | None = None) -> None:
 
 
 def unnamed(raw: psycopg.Connection[Any]) -> None:
-    """The pool's reset of a connection given back (dashboard/settings.py):
-    a name a thread gave it (`name_connection`) goes, so the next thread
-    is not taken for another.  The name is the server's report, known
-    without a round trip; only a renamed connection costs one."""
+    """A name a thread gave the connection (`name_connection`) goes, so the
+    next thread is not taken for another.  The name is the server's
+    report, known without a round trip; only a renamed connection costs
+    one."""
     if raw.info.parameter_status("application_name") != settings.DATABASES["default"][
         "OPTIONS"
     ].get("application_name"):
         raw.execute("RESET application_name")
+
+
+def close_named() -> None:
+    """Closes this thread's connection, which `name_connection` named: given
+    back to the pool, it takes the process's name again first (`unnamed`).
+    Only a thread that named its connection calls it: the pool has no
+    reset of its own, which would send every connection given back, one
+    per step of every run, through one of its worker threads."""
+    db = connections[DEFAULT_DB_ALIAS]
+    raw = db.connection
+    if raw is not None and not raw.closed and not raw.broken and not db.in_atomic_block:
+        try:
+            unnamed(raw)
+        except psycopg.Error:
+            raw.close()  # broken after all: the pool discards a closed one
+    db.close()
 
 
 def this_backend() -> Backend:

@@ -12,6 +12,7 @@ reply quotes the knowledge-base articles that answer it (`support_reply`).
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import math
@@ -685,6 +686,14 @@ def _article_sentences(text: str, name: str) -> tuple[str, list[str]]:
     return title or name, sentences
 
 
+# Parsed once per document, not once per prompt: a run's summaries and its
+# report give the provider the same documents again.  The sheets are only
+# read (a qualified one is a copy, `replace`), so one serves every caller.
+@functools.lru_cache(maxsize=256)
+def _parsed(text: str, name: str) -> FactSheet:
+    return FactSheet.parse(text, name)
+
+
 class OfflineProvider:
     """Deterministic and extractive: it only repeats what the documents say."""
 
@@ -695,7 +704,7 @@ class OfflineProvider:
         prompt = "\n".join(m["content"] for m in messages if m["role"] == "user")
         if system == SUPPORT_INSTRUCTIONS:
             return support_reply(prompt)
-        sheets = [FactSheet.parse(text, name) for name, text in document_blocks(prompt)]
+        sheets = [_parsed(text, name) for name, text in document_blocks(prompt)]
         if not sheets:
             raise ProviderError("the prompt holds no <document> block")
         if system == COMPARE_INSTRUCTIONS:
