@@ -107,7 +107,9 @@ def test_the_guides_agent_runs_survives_a_sigkill_and_its_lost_effect_is_resolve
             )
             reads = Action.objects.filter(run=run, kind="read_note")
             assert sorted(reads.values_list("attempts", flat=True)) == [1, 1]
-            assert len(events(run, EventKind.ACTION_REUSED)) == 2
+            # The timeline's writer saves its events after the run's own
+            # writes (off the main path): they come, not necessarily first.
+            wait_for(lambda: len(events(run, EventKind.ACTION_REUSED)) == 2, "the two reads reused")
             post = Action.objects.get(run=run, step_key="post")
             assert post.state == ActionState.UNKNOWN
             item = OutcomeItem.objects.get(run=run, action=post)
