@@ -20,13 +20,11 @@ import sys
 import time
 from typing import Any
 
-from django.contrib.auth.models import User
 from django.db import connection, transaction
-from django.test import Client
 
 from runs import finding, summaries
 from runs.benchmarks import percentile
-from runs.benchmarks.pages import bench_database
+from runs.benchmarks.pages import bench_database, time_pages
 from runs.models import Run
 
 DATABASE = "rundesk_bench_overview"
@@ -110,25 +108,6 @@ def seed(runs: int, events_per_run: int) -> float:
     return time.perf_counter() - start
 
 
-def time_pages(pages: dict[str, str]) -> dict[str, list[float]]:
-    user, _ = User.objects.get_or_create(username="bench-viewer")
-    client = Client(HTTP_HOST="127.0.0.1")
-    client.force_login(user)
-    timings: dict[str, list[float]] = {}
-    for name, url in pages.items():
-        for _ in range(2):  # warm caches
-            client.get(url)
-        samples = []
-        for _ in range(REQUESTS):
-            start = time.perf_counter()
-            response = client.get(url)
-            samples.append((time.perf_counter() - start) * 1000)
-            if response.status_code != 200:
-                raise RuntimeError(f"{url} answered {response.status_code}")
-        timings[name] = samples
-    return timings
-
-
 PAGES = {
     "overview, last hour": "/overview/",
     "overview, last day": "/overview/?window=day",
@@ -181,7 +160,7 @@ def measure(runs: int = RUNS) -> dict[str, Any]:
         again_ms = (time.perf_counter() - start) * 1000
         timings: dict[str, list[float]] = {}
         for _ in range(2):
-            for name, samples in time_pages({**PAGES, **LIST, **SEARCHES}).items():
+            for name, samples in time_pages({**PAGES, **LIST, **SEARCHES}, REQUESTS).items():
                 timings.setdefault(name, []).extend(samples)
         statements = time_statements()
         with connection.cursor() as cursor:

@@ -133,22 +133,19 @@ def seed(runs: int, events_per_run: int) -> int:
     return big.pk
 
 
-def time_pages(big_run: int) -> dict[str, list[float]]:
+def time_pages(pages: dict[str, str], requests: int = REQUESTS) -> dict[str, list[float]]:
+    """Server times (ms) of each page (name -> URL), `requests` times after
+    warming its caches, as a signed-in viewer; RuntimeError for a page that
+    does not answer 200.  The overview's bench times its pages with it too."""
     user, _ = User.objects.get_or_create(username="bench-viewer")
     client = Client(HTTP_HOST="127.0.0.1")  # a host ALLOWED_HOSTS accepts
     client.force_login(user)
-    pages = {
-        "runs list": "/",
-        f"run page ({BIG_RUN_EVENTS} events)": f"/runs/{big_run}/",
-        "lock incidents": "/locks/",
-        "capture gaps": "/gaps/",
-    }
     timings: dict[str, list[float]] = {}
     for name, url in pages.items():
         for _ in range(3):  # warm caches
             client.get(url)
         samples = []
-        for _ in range(REQUESTS):
+        for _ in range(requests):
             start = time.perf_counter()
             response = client.get(url)
             samples.append((time.perf_counter() - start) * 1000)
@@ -156,6 +153,15 @@ def time_pages(big_run: int) -> dict[str, list[float]]:
                 raise RuntimeError(f"{url} answered {response.status_code}")
         timings[name] = samples
     return timings
+
+
+def seeded_pages(big_run: int) -> dict[str, str]:
+    return {
+        "runs list": "/",
+        f"run page ({BIG_RUN_EVENTS} events)": f"/runs/{big_run}/",
+        "lock incidents": "/locks/",
+        "capture gaps": "/gaps/",
+    }
 
 
 def p95(samples: list[float]) -> float:
@@ -168,7 +174,7 @@ def measure() -> list[dict[str, Any]]:
     for scale in [*SCALES, *SCALES]:
         runs, events = SCALES[scale]
         with bench_database(f"rundesk_bench_{scale}"):
-            for page, samples in time_pages(seed(runs, events)).items():
+            for page, samples in time_pages(seeded_pages(seed(runs, events))).items():
                 timings[scale].setdefault(page, []).extend(samples)
     return [
         {
