@@ -8,10 +8,15 @@ a bounded in-process queue and never waits: no statement of the main path
 reads, writes or locks an evidence table.  A background writer
 (runs/background.py) drains the queue on its own connection
 (application_name `rundesk:capture`): what was queued while it wrote the
-last records, a run's records in one short transaction (one commit, not
-one a record; new records join it for half the lock timeout at most),
-each record in savepoints of its own, its statements
-prepared once per connection, every lock bounded by `SET LOCAL
+last records and what came in the next LINGER seconds.  What a live run
+hands over (documents read, model calls whose model record is new) is
+saved in one short transaction of two statements for the whole batch
+(`Capture._save_new`).  What that does not save (a resumed run's model
+call, whose model record exists; or everything, when the batch's
+transaction failed) is saved the careful way: a run's records in one
+short transaction (new records join it for half the lock timeout at
+most), each record in savepoints of its own.  Statements are prepared
+once per connection, and every lock is bounded by `SET LOCAL
 lock_timeout`.  A copy takes its locks in one fixed order: the copy's
 sources, then its model record, the second with NOWAIT under the `nowait`
 policy (the one production uses; NOWAIT alone would still wait behind a
@@ -47,7 +52,7 @@ from django.conf import settings
 from django.db import DatabaseError, OperationalError, connection, transaction
 
 from evidence.models import GapReason
-from evidence.records import bounded, record_model_call, record_source
+from evidence.records import bounded, record_model_call, record_new, record_source
 from evidence.retries import Retries, Retry
 from evidence.sources import SourceRefresh
 from runs.background import GAP_INTERVAL as GAP_INTERVAL  # how soon a gap is written
@@ -71,10 +76,13 @@ POLICIES = ("nowait", "wait")
 # keys, then per (run, reason); what does not fit either is only counted.
 PENDING_GAP_KEYS = 10_000
 # Records the writer takes at a time (and tries again at a time): what was
-# queued while it wrote the last ones.  A run's records of a batch share a
-# commit (one a step, not two: the commits a shared server runs out of
-# first).
-BATCH = 100
+# queued while it wrote the last ones, and what comes in LINGER seconds
+# (unless someone waits for them: a flush).  The batch's new records share
+# a transaction of two statements (Capture._save_new): per record, the
+# writer then costs a small share of a step, and the commits a shared
+# server runs out of first are one a batch.
+BATCH = 500
+LINGER = 0.2
 # A transaction of them takes no new record once this share of the lock
 # timeout is gone: another writer waiting for its rows (a run handed over,
 # its evidence handed again) is answered before it gives up.
@@ -124,6 +132,16 @@ class SourceRecord:
     def describe(self) -> str:
         return f"source {self.path}"
 
+    def row(self) -> dict[str, Any]:
+        """As records.record_new takes it."""
+        return {
+            "run": self.run_id,
+            "path": self.path,
+            "action": self.action_id,
+            "digest": self.sha256,
+            "bytes": self.bytes,
+        }
+
     def save(self) -> None:
         record_source(self.run_id, self.action_id, self.path, self.sha256, self.bytes)
 
@@ -172,6 +190,19 @@ class ModelCallRecord:
     def describe(self) -> str:
         return f"model call of action {self.action_id}"
 
+    def row(self) -> dict[str, Any]:
+        """As records.record_new takes it: the copy bounded as
+        CopyTransaction bounds it."""
+        return {
+            "run": self.run_id,
+            "action": self.action_id,
+            "provider": self.provider,
+            "input_digest": self.input_digest,
+            "output_digest": self.output_digest,
+            "paths": self.paths,
+            **bounded_copy(self.input, self.output),
+        }
+
     def save(self) -> None:
         model_call_id = record_model_call(
             self.run_id,
@@ -218,6 +249,22 @@ def _cap(text: str, limit: int) -> tuple[str, int, bool]:
     return raw[:limit].decode(errors="ignore"), len(raw), True
 
 
+def bounded_copy(input: str, output: str) -> dict[str, Any]:
+    """A copy's columns: its input and output cut to
+    RUNDESK_CAPTURE_MAX_BYTES each, their sizes before, and whether either
+    was cut."""
+    limit = settings.RUNDESK_CAPTURE_MAX_BYTES
+    input, input_bytes, cut_input = _cap(input, limit)
+    output, output_bytes, cut_output = _cap(output, limit)
+    return {
+        "input": input,
+        "output": output,
+        "input_bytes": input_bytes,
+        "output_bytes": output_bytes,
+        "truncated": cut_input or cut_output,
+    }
+
+
 # -- one copy, one transaction: the storage entry point ---------------------------
 
 
@@ -258,9 +305,6 @@ class CopyTransaction:
         )
 
     def insert(self, cursor: Any) -> None:
-        limit = settings.RUNDESK_CAPTURE_MAX_BYTES
-        input, input_bytes, cut_input = _cap(self.copy.input, limit)
-        output, output_bytes, cut_output = _cap(self.copy.output, limit)
         # A model call has one copy: handed over again (a resumed run
         # re-submits what an owner that died may not have saved), it is
         # saved only if it is not there yet, and counted only then.
@@ -284,11 +328,7 @@ class CopyTransaction:
             {
                 "run": self.copy.run_id,
                 "call": self.copy.model_call_id,
-                "input": input,
-                "output": output,
-                "input_bytes": input_bytes,
-                "output_bytes": output_bytes,
-                "truncated": cut_input or cut_output,
+                **bounded_copy(self.copy.input, self.copy.output),
             },
             prepare=True,
         )
@@ -390,8 +430,8 @@ class Capture(BackgroundWriter[Record, GapKey]):
 
     role = "capture"
 
-    def __init__(self, capacity: int | None = None) -> None:
-        super().__init__(capacity or settings.RUNDESK_CAPTURE_QUEUE, batch=BATCH)
+    def __init__(self, capacity: int | None = None, linger: float = LINGER) -> None:
+        super().__init__(capacity or settings.RUNDESK_CAPTURE_QUEUE, batch=BATCH, linger=linger)
         # Gaps that fitted nowhere while they could not be written (and how
         # many of those the log has told of).
         self.dropped = 0
@@ -479,11 +519,13 @@ class Capture(BackgroundWriter[Record, GapKey]):
                 self._lost[key] += count
 
     def _write(self, batch: list[Record]) -> None:
-        """Each run's records of the batch in order, in as few transactions
-        as their failures and TRANSACTION_SHARE allow; what is left when
-        the writer's grace to stop is over is lost to the shutdown."""
+        """The batch's new records in one transaction (`_save_new`); each
+        run's records left (or all, when that failed) in order, in as few
+        transactions as their failures and TRANSACTION_SHARE allow; what is
+        left when the writer's grace to stop is over is lost to the
+        shutdown."""
         runs: dict[int, deque[Record]] = {}
-        for record in batch:
+        for record in self._save_new(batch):
             runs.setdefault(record.run_id, deque()).append(record)
         for pending in runs.values():
             while pending and not self._out_of_time():
@@ -492,6 +534,44 @@ class Capture(BackgroundWriter[Record, GapKey]):
                 else:
                     self._save_some(pending)
             self._lose(pending, SHUTDOWN, "stopping")
+
+    def _save_new(self, batch: list[Record]) -> list[Record]:
+        """Saves the batch's documents read and its model calls whose model
+        record is new (what a live run hands over) in one short
+        transaction of two statements (records.record_new), and returns
+        the rest: the model calls whose record was there already (a resumed
+        run's: they take their locks one by one), the checks of sources,
+        and, when the transaction failed (a lock not granted within the
+        lock timeout, an error, a record the database refuses), all of
+        them, which then go one by one, so that what failed is the gap of
+        that record alone.  Nothing here is lost."""
+        sources = [each for each in batch if isinstance(each, SourceRecord)]
+        calls = {each.action_id: each for each in batch if isinstance(each, ModelCallRecord)}
+        if not sources and not calls:
+            return batch
+        try:
+            with transaction.atomic(), server_cursor() as cursor:
+                commit_asynchronously(
+                    cursor, application_name=application_name(self.role), **bounded_lock_waits()
+                )
+                saved = record_new(
+                    cursor,
+                    [each.row() for each in sources],
+                    [each.row() for each in calls.values()],
+                )
+        except Exception as error:
+            if not isinstance(error, DatabaseError):
+                logger.exception("capture: saving %s records at once failed", len(batch))
+            logger.info("capture: %s records go one by one: %s", len(batch), error)
+            if isinstance(error, OperationalError):
+                connection.close_if_unusable_or_obsolete()
+            return batch
+        return [
+            each
+            for each in batch
+            if not isinstance(each, SourceRecord)
+            and not (isinstance(each, ModelCallRecord) and each.action_id in saved)
+        ]
 
     def _save_alone(self, record: Record) -> None:
         try:

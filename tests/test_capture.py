@@ -14,7 +14,14 @@ import pytest
 from django.db import DatabaseError, connection
 
 from evidence import capture as capture_module
-from evidence.capture import Capture, Copy, CopyTransaction, SourceCheck, SourceRecord
+from evidence.capture import (
+    Capture,
+    Copy,
+    CopyTransaction,
+    ModelCallRecord,
+    SourceCheck,
+    SourceRecord,
+)
 from evidence.capture import capture as process_capture
 from evidence.models import CaptureGap, CaptureStats, EvidenceCopy, GapReason, ModelCall, Source
 from evidence.records import record_model_call, record_source
@@ -461,3 +468,133 @@ def test_evidence_statements_are_planned_once_per_connection(evidence):
         assert cursor.fetchall() == [(2,)]
     assert Source.objects.filter(run=run).count() == 3
     assert EvidenceCopy.objects.filter(run=run).count() == 1
+
+
+def _records(
+    lease: Lease, run: Run, first: int, count: int
+) -> list[SourceRecord | ModelCallRecord]:
+    """A document read and its model call, for `count` documents from
+    `first`: what a live run hands to capture, in its order."""
+    records: list[SourceRecord | ModelCallRecord] = []
+    for index in range(first, first + count):
+        path = DOCS[index % len(DOCS)] if index < len(DOCS) else f"doc-{index}.md"
+        read = lease.record_boundary(
+            step_key=f"read:{index}", kind="read_document", effect_class="read", input={"i": index}
+        )
+        lease.record_receipt(read, {"ok": index})
+        call = lease.record_boundary(
+            step_key=f"summarize:{index}",
+            kind="model_call",
+            effect_class="read",
+            input={"messages": [index]},
+        )
+        lease.record_receipt(call, {"text": f"summary {index}"})
+        records.append(SourceRecord(run.pk, read, path, "cd" * 32, 3))
+        records.append(
+            ModelCallRecord.of(
+                run.pk, call, {"messages": [index]}, {"text": f"summary {index}"}, [path]
+            )
+        )
+    return records
+
+
+def _transactions(run: Run) -> int:
+    """How many transactions wrote the run's evidence rows."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """SELECT count(DISTINCT x) FROM (
+                   SELECT xmin::text AS x FROM evidence_source WHERE run_id = %(run)s
+                   UNION ALL SELECT xmin::text FROM evidence_modelcall WHERE run_id = %(run)s
+                   UNION ALL SELECT xmin::text FROM evidence_evidencecopy WHERE run_id = %(run)s
+               ) written""",
+            {"run": run.pk},
+        )
+        return cursor.fetchone()[0]
+
+
+@pytest.fixture
+def gathering():
+    """A writer that waits for a flush to take what was handed to it: one
+    batch."""
+    capture = Capture(capacity=50, linger=30)
+    yield capture
+    capture.stop()
+
+
+def write(capture: Capture, records: list[SourceRecord | ModelCallRecord]) -> None:
+    for record in records:
+        assert capture.submit(record)
+    assert capture.flush()
+
+
+def test_a_batch_of_new_records_is_saved_in_one_transaction_with_its_links(gathering):
+    run = submission.submit(question="q", documents=DOCS[:1])
+    lease = Lease.claim(run.pk, "owner")
+    records = _records(lease, run, 0, 3)
+    write(gathering, records)
+    assert _transactions(run) == 1
+    assert Source.objects.filter(run=run).count() == 3
+    for call in ModelCall.objects.filter(run=run):
+        copy = EvidenceCopy.objects.get(model_call=call)
+        path = call.sources.get().path
+        assert list(copy.sources.values_list("path", flat=True)) == [path]
+        assert copy.output.startswith("summary")
+    assert CaptureStats.objects.get(run=run).captured == 3
+    # Handed over again (a resumed run): nothing is saved twice.
+    write(gathering, records)
+    assert EvidenceCopy.objects.filter(run=run).count() == 3
+    assert CaptureStats.objects.get(run=run).captured == 3
+    assert not CaptureGap.objects.filter(run=run).exists()
+
+
+def test_a_model_call_whose_record_exists_takes_its_locks_on_its_own(gathering):
+    """A resumed run's model call whose model record an owner that died
+    had saved, without its copy: the batch leaves it to the path that takes
+    its locks in order (so a publication's lock on it is a gap, as ever)."""
+    run = submission.submit(question="q", documents=DOCS[:1])
+    lease = Lease.claim(run.pk, "owner")
+    source, call = _records(lease, run, 0, 1)
+    record_source(run.pk, source.action_id, source.path, source.sha256, source.bytes)
+    model_call = record_model_call(
+        run.pk, call.action_id, "", call.input_digest, call.output_digest, list(call.paths)
+    )
+    with holding("SELECT 1 FROM evidence_modelcall WHERE id = %s FOR NO KEY UPDATE", model_call):
+        write(gathering, [source, call])
+        assert not EvidenceCopy.objects.filter(run=run).exists()
+    assert gaps(run) == [(GapReason.LOCK_NOT_AVAILABLE, 1)]
+    write(gathering, [call])
+    assert EvidenceCopy.objects.get(run=run).model_call_id == model_call
+
+
+def test_a_batch_that_cannot_take_a_lock_goes_one_by_one_and_loses_nothing_else(
+    gathering, settings
+):
+    """The batch's transaction waits out the lock timeout and rolls back;
+    its records are then saved one by one, as capture saved each before:
+    what the lock holds up fails alone (here the link of a model call to
+    the locked document: its model record and copy stand without it)."""
+    settings.RUNDESK_CAPTURE_LOCK_TIMEOUT_MS = 200
+    run = submission.submit(question="q", documents=DOCS[:1])
+    lease = Lease.claim(run.pk, "owner")
+    first = _records(lease, run, 0, 1)
+    write(gathering, first)
+    later = _records(lease, run, 1, 2)
+    compare = lease.record_boundary(
+        step_key="compare", kind="model_call", effect_class="read", input={"c": 1}
+    )
+    lease.record_receipt(compare, {"text": "compared"})
+    uses_first = ModelCallRecord.of(run.pk, compare, {"c": 1}, {"text": "compared"}, [DOCS[0]])
+    # A stranger about to delete the first document's row: linking a new
+    # model call to it waits for its lock.
+    locked = Source.objects.get(run=run, path=DOCS[0]).pk
+    with holding("SELECT 1 FROM evidence_source WHERE id = %s FOR UPDATE", locked):
+        write(gathering, [*later, uses_first])
+    assert _transactions(run) > 2  # one by one
+    copies = EvidenceCopy.objects.filter(run=run)
+    assert copies.count() == 4
+    assert not copies.get(model_call__action_id=compare).sources.exists()
+    for record in later[1::2]:
+        copy = copies.get(model_call__action_id=record.action_id)
+        assert list(copy.sources.values_list("path", flat=True)) == list(record.paths)
+    assert Source.objects.filter(run=run).count() == 3
+    assert CaptureStats.objects.get(run=run).captured == 4
