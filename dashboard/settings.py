@@ -475,11 +475,15 @@ CELERY_BEAT_SCHEDULER = "runs.tasks:SweepingScheduler"
 
 # How often a run saves a checkpoint: every this many steps or seconds,
 # whichever comes first (runs/checkpoints.py).  The receipts are the facts; a
-# checkpoint spares a resumed run recomputing its agent's state.  At 0.5 s it
-# costs under 1% of a run's commits however fast its steps (bench --json);
-# with model calls that take seconds, that is one after every action.
+# checkpoint spares a resumed run recomputing its agent's state, and costs
+# two writes (the last read's receipt on its own, then the state).  Every 5 s
+# it costs a fast run under 1% of its commits (bench --json), and a run whose
+# model calls take seconds one checkpoint every few actions: at one after
+# every action (0.5 s), such a run made three writes a step instead of one,
+# and a thousand of them in flight spent a third of the executor's CPU on
+# checkpoints (bench --capacity).
 RUNDESK_CHECKPOINT_EVERY = int(env_float("RUNDESK_CHECKPOINT_EVERY", 100, minimum=1))
-RUNDESK_CHECKPOINT_SECONDS = env_float("RUNDESK_CHECKPOINT_SECONDS", 0.5, minimum=0.0)
+RUNDESK_CHECKPOINT_SECONDS = env_float("RUNDESK_CHECKPOINT_SECONDS", 5.0, minimum=0.0)
 
 # The installed agents, by name: the import path of each one's Agent class
 # (runs/registry.py, docs/AGENTS.md).  RUNDESK_AGENTS in the environment

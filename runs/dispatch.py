@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
-from django.db import DatabaseError, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, transaction
 from django.utils import timezone
 
 from evidence.capture import RunCapture
@@ -95,7 +95,7 @@ from runs.models import (
 )
 from runs.outcomes import NeedsOperator, open_item, write_settled
 from runs.progress import History, Progress
-from runs.sql import release_connection, transient
+from runs.sql import release_connection, server_cursor, transient
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
@@ -142,9 +142,10 @@ TOOL_THREADS = concurrent.futures.ThreadPoolExecutor(
 )
 
 
-RUN_TO_DRIVE = """SELECT run.*,
-        EXISTS (SELECT 1 FROM runs_action WHERE run_id = run.id) AS has_actions,
-        EXISTS (SELECT 1 FROM runs_approval WHERE run_id = run.id) AS has_approvals
+_RUN_FIELDS = Run._meta.concrete_fields
+RUN_TO_DRIVE = f"""SELECT {", ".join(f"run.{field.column}" for field in _RUN_FIELDS)},
+        EXISTS (SELECT 1 FROM runs_action WHERE run_id = run.id),
+        EXISTS (SELECT 1 FROM runs_approval WHERE run_id = run.id)
     FROM runs_run AS run WHERE run.id = %s"""
 
 
@@ -152,12 +153,27 @@ def run_to_drive(run_id: int) -> Run:
     """The run's row for its owner, read once after the claim, with whether
     it has actions (`has_actions`) and approvals (`has_approvals`): a new
     run has neither, and its dispatcher then reads neither (each read cost
-    more CPU than one of its steps).  Raw SQL: the ORM's compiling of the
-    same query cost more than its round trip."""
-    found = list(Run.objects.raw(RUN_TO_DRIVE, [run_id]))
-    if not found:
+    more CPU than one of its steps).  Raw SQL, and the row made a Run
+    directly: the ORM's compiling of the same query cost more than its
+    round trip."""
+    with server_cursor() as cursor:
+        cursor.execute(RUN_TO_DRIVE, [run_id], prepare=True)
+        row = cursor.fetchone()
+    if row is None:
         raise Run.DoesNotExist(f"run {run_id} does not exist")
-    return found[0]
+    *values, has_actions, has_approvals = row
+    run = Run.from_db(
+        DEFAULT_DB_ALIAS,
+        [field.attname for field in _RUN_FIELDS],
+        [
+            field.from_db_value(value, None, connection)
+            if hasattr(field, "from_db_value")
+            else value
+            for field, value in zip(_RUN_FIELDS, values, strict=True)
+        ],
+    )
+    run.has_actions, run.has_approvals = has_actions, has_approvals
+    return run
 
 
 class Dispatcher:
