@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import fastjsonschema
 import jsonschema
 
 from runs.checkpoints import Disagreement
@@ -122,6 +123,68 @@ def refusal_by(validator: jsonschema.protocols.Validator, value: Any, what: str 
     return f"{what}{where}: {error.message}"
 
 
+# What draft 7, which fastjsonschema compiles, lacks or reads otherwise than
+# 2020-12, which schemas here are: a schema naming any of them (as a
+# keyword, or, to be safe, as a property) is checked by jsonschema alone.
+NOT_IN_DRAFT_7 = frozenset(
+    {
+        "$schema",
+        "$id",
+        "$ref",
+        "$defs",
+        "definitions",
+        "$anchor",
+        "$dynamicRef",
+        "$dynamicAnchor",
+        "$recursiveRef",
+        "$recursiveAnchor",
+        "$vocabulary",
+        "prefixItems",
+        "unevaluatedItems",
+        "unevaluatedProperties",
+        "dependentRequired",
+        "dependentSchemas",
+        "dependencies",
+        "minContains",
+        "maxContains",
+        "contentSchema",
+    }
+)
+
+
+def compiled_check(schema: Mapping[str, Any]) -> Callable[[Any], bool] | None:
+    """Whether a value has the shape `schema` says, as code compiled from
+    it: about twenty times as fast as jsonschema on a model call's
+    messages, which a run checks on every step.  Formats are not checked
+    and defaults not filled in, as jsonschema does neither.  None for a
+    schema it cannot be trusted with (NOT_IN_DRAFT_7) or cannot compile.
+    It only says yes: a no is asked of jsonschema again, which says why."""
+    if _names(schema) & NOT_IN_DRAFT_7:
+        return None
+    try:
+        check = fastjsonschema.compile(dict(schema), use_default=False, use_formats=False)
+    except Exception:  # a schema jsonschema takes and it does not: jsonschema alone
+        return None
+
+    def valid(value: Any) -> bool:
+        try:
+            check(value)
+        except Exception:
+            return False
+        return True
+
+    return valid
+
+
+def _names(schema: Any) -> set[str]:
+    """Every key of every object in `schema`."""
+    if isinstance(schema, Mapping):
+        return set(schema).union(*(_names(value) for value in schema.values()))
+    if isinstance(schema, list):
+        return set().union(*(_names(value) for value in schema))
+    return set()
+
+
 @dataclass(frozen=True)
 class Tool:
     """A tool an agent's steps dispatch.  `receiver(input, idempotency_key)`
@@ -158,12 +221,18 @@ class Tool:
 
     def refusal(self, input: Any) -> str:
         """Why this tool refuses `input` before its boundary ("" if not)."""
+        if self._check is not None and self._check(input):
+            return ""
         return refusal_by(self._validator, input)
 
+    # Built once per tool, not once per step.
     @functools.cached_property
     def _validator(self) -> jsonschema.protocols.Validator:
-        # Built once per tool, not once per step.
         return jsonschema.Draft202012Validator(self.input_schema)
+
+    @functools.cached_property
+    def _check(self) -> Callable[[Any], bool] | None:
+        return compiled_check(self.input_schema)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import jsonschema
 import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError, SystemCheckError
@@ -21,7 +22,7 @@ from django.db import connection
 from django.utils import timezone
 
 from runs import registry
-from runs.agent import ActionFailed, Step
+from runs.agent import READ, ActionFailed, Step, Tool, compiled_check
 from runs.agents.research import ResearchAgent
 from runs.dispatch import Dispatcher
 from runs.executor import claim_and_drive
@@ -104,6 +105,67 @@ def test_a_tool_input_its_schema_refuses_is_refused_before_any_boundary(journal)
     assert run.events.filter(kind=EventKind.ACTION_REFUSED).count() == 1
     with pytest.raises(ValueError, match="declares no tool 'send_fax'"):
         dispatcher.step("fax", "send_fax", {})
+
+
+SCHEMAS_AND_VALUES = [
+    (
+        {
+            "type": "object",
+            "required": ["n", "tags"],
+            "additionalProperties": False,
+            "properties": {
+                "n": {"type": "integer", "minimum": 1, "exclusiveMaximum": 10},
+                "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "uniqueItems": True},
+                "to": {"type": "string", "format": "email", "pattern": "^[a-z]+@", "default": "x"},
+            },
+        },
+        [
+            {"n": 1, "tags": []},
+            {"n": True, "tags": []},  # a bool is no integer
+            {"n": 1.0, "tags": ["a"]},
+            {"n": 10, "tags": []},
+            {"n": 2, "tags": ["a", "a"]},
+            {"n": 2, "tags": ["c"]},
+            {"n": 2, "tags": [], "to": "not an address"},  # formats are not checked
+            {"n": 2, "tags": [], "to": "Bob@x"},
+            {"n": 2, "tags": [], "extra": 1},
+            {"tags": []},
+            [],
+            None,
+        ],
+    ),
+    # 2020-12's own keywords: jsonschema alone (a compiled draft-7 check
+    # would let these through).
+    (
+        {
+            "type": "array",
+            "prefixItems": [{"type": "string"}],
+            "minContains": 2,
+            "contains": {"const": 1},
+        },
+        [["a", 1, 1], [1, 1, 1], ["a", 1]],
+    ),
+    (
+        {"$defs": {"n": {"type": "integer"}}, "properties": {"n": {"$ref": "#/$defs/n"}}},
+        [{"n": 1}, {"n": "1"}],
+    ),
+]
+
+
+@pytest.mark.parametrize(("schema", "values"), SCHEMAS_AND_VALUES)
+def test_a_tools_compiled_check_refuses_what_jsonschema_refuses(schema, values):
+    """A tool checks each input with code compiled from its schema, and
+    asks jsonschema only of an input that check refuses (to say why): the
+    two must never disagree on an input jsonschema refuses."""
+    tool = Tool("t", READ, lambda input, call: {}, input_schema=schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    for value in values:
+        assert (tool.refusal(value) == "") == validator.is_valid(value), value
+    check = compiled_check(schema)
+    assert (check is None) == (schema is not SCHEMAS_AND_VALUES[0][0])
+    original = {"n": 2, "tags": []}
+    assert tool.refusal(original) == "" or check is None
+    assert original == {"n": 2, "tags": []}  # no default filled in
 
 
 def test_a_sigkill_mid_batch_sends_each_read_again_under_its_identity_once(
