@@ -252,21 +252,30 @@ class Lease:
         """Claims the oldest claimable run, skipping runs other executors are
         claiming at this moment; of a drill's runs only in its lab's
         processes, and only those (RUNDESK_DRILL_LAB)."""
-        return cls._claim(owner, None)
+        return next(iter(cls.claim_oldest(owner, 1)), None)
+
+    @classmethod
+    def claim_oldest(cls, owner: str, most: int) -> list[Lease]:
+        """claim_next for the `most` oldest claimable runs (fewer if fewer
+        are), in one statement: an executor given a thousand runs takes
+        them in twenty claims, not a thousand."""
+        return cls._claim(owner, None, most)
 
     @classmethod
     def claim(cls, run_id: int, owner: str) -> Lease | None:
         """Claims one run if it is claimable: queued, or its owner's lease
         expired.  A run another owner holds, or a finished run, gives None;
         so does a drill's run outside its lab, and any other inside it."""
-        return cls._claim(owner, run_id)
+        return next(iter(cls._claim(owner, run_id, 1)), None)
 
     @classmethod
-    def _claim(cls, owner: str, run_id: int | None) -> Lease | None:
+    def _claim(cls, owner: str, run_id: int | None, most: int) -> list[Lease]:
         """lifecycle.CLAIM, in its own transaction (`claiming`)."""
         with claiming():
-            row = lifecycle.claim(owner, lease_ttl(), lab=settings.RUNDESK_DRILL_LAB, run_id=run_id)
-        return cls(run_id=row[0], owner=owner, epoch=row[1]) if row else None
+            rows = lifecycle.claim(
+                owner, lease_ttl(), lab=settings.RUNDESK_DRILL_LAB, run_id=run_id, most=most
+            )
+        return [cls(run_id=run_id, owner=owner, epoch=epoch) for run_id, epoch in rows]
 
     def renew(self) -> bool:
         """Renews this lease alone (an executor renews all its process holds

@@ -221,10 +221,10 @@ _CLAIM = (
     """UPDATE runs_run SET status = 'running', lease_owner = %(owner)s,
         lease_epoch = lease_epoch + 1, lease_expires_at = statement_timestamp() + %(ttl)s,
         started_at = coalesce(started_at, statement_timestamp())
-    WHERE id = (SELECT id FROM runs_run WHERE {which} AND """
+    WHERE id IN (SELECT id FROM runs_run WHERE {which} AND """
     + CLAIMABLE
     + """
-                {order} LIMIT 1 FOR NO KEY UPDATE SKIP LOCKED)
+                {order} LIMIT %(most)s FOR NO KEY UPDATE SKIP LOCKED)
     RETURNING id, lease_epoch"""
 )
 # An executor's loop takes only runs of the agents installed in its process
@@ -307,17 +307,16 @@ CANCEL_SQL = """UPDATE runs_run SET
 
 
 def claim(
-    owner: str, ttl: dt.timedelta, *, lab: bool, run_id: int | None = None
-) -> tuple[int, int] | None:
-    """CLAIM: the oldest claimable run of an installed agent (or `run_id`, if
-    claimable, whatever its agent: its driver says why it cannot run it), for
-    `owner`: (run id, new epoch), or None.  The caller's transaction
-    (leases.claiming) commits it."""
+    owner: str, ttl: dt.timedelta, *, lab: bool, run_id: int | None = None, most: int = 1
+) -> list[tuple[int, int]]:
+    """CLAIM: the `most` oldest claimable runs of an installed agent (or
+    `run_id`, if claimable, whatever its agent: its driver says why it
+    cannot run it), for `owner`: (run id, new epoch) each, oldest first.
+    The caller's transaction (leases.claiming) commits it."""
     sql = CLAIM_NEXT_SQL if run_id is None else CLAIM_ONE_SQL
     agents = list(settings.RUNDESK_AGENTS)
-    return _fetch_one(
-        sql, {"owner": owner, "ttl": ttl, "lab": lab, "run": run_id, "agents": agents}
-    )
+    params = {"owner": owner, "ttl": ttl, "lab": lab, "run": run_id, "agents": agents}
+    return sorted(_fetch_all(sql, {**params, "most": most}))
 
 
 def release(fence: Mapping[str, Any]) -> RunStatus | None:
