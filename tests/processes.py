@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 
-from runs.benchmarks.scale import CeleryWorker
+from runs.benchmarks.scale import FILESYSTEM, Broker, CeleryWorker
 from runs.harness import wait_for
 from runs.tasks import execute_run
 
@@ -38,6 +39,17 @@ def broker(tmp_path: Path, settings: object) -> Iterator[Path]:
         yield folder
     finally:
         conf.broker_transport_options = previous
+
+
+def polled_often() -> Broker:
+    """The project's filesystem queue (the `broker` fixture's folder, once
+    it has set it) for a `Worker` that looks at it every 50 ms, not every
+    second (kombu's default): a task sent waits that long for it."""
+    return Broker(
+        FILESYSTEM,
+        settings.CELERY_TASK_DEFAULT_QUEUE,
+        {**settings.CELERY_BROKER_TRANSPORT_OPTIONS, "polling_interval": 0.05},
+    )
 
 
 def enqueue(run_id: int) -> None:

@@ -5,6 +5,10 @@ dead owner's lease is still valid retries until it expires, a task for a run
 a live owner holds is dropped, and beat's sweep requeues a run whose worker
 was killed (kombu's filesystem broker has no acks: the killed worker's task
 is gone with it).
+
+The workers look at the broker's folder every 50 ms (`polled_often`), and
+are killed once what a test asserts is written: Celery notices a SIGTERM
+only when its loop next wakes, 3 s later on this broker.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from runs.leases import Lease
 from runs.models import Action, AnswerRevision, Receipt, Run, RunEvent, RunStatus
 from runs.submission import submit
 from runs.timeline import EventKind
-from tests.processes import Worker, enqueue, wait_until
+from tests.processes import Worker, enqueue, polled_often, wait_until
 
 # The filesystem broker's fixture (tests/test_bundle_export_flow.py takes it from here).
 from tests.processes import broker as broker
@@ -41,14 +45,14 @@ def test_real_worker_executes_a_run_and_a_redelivered_task_changes_nothing(
     # The same task twice: as after a redelivery (acks_late).
     enqueue(run.pk)
     enqueue(run.pk)
-    worker = Worker(process_env, tmp_path / "worker.log", beat=False)
+    worker = Worker(process_env, tmp_path / "worker.log", broker=polled_often())
     try:
         wait_until(lambda: status(run) == RunStatus.COMPLETED, 60, "run not completed", worker)
         # The second task is consumed too.
         wait_until(lambda: not any(broker.iterdir()), 60, "second task not consumed", worker)
         wait_until(lambda: "'not_claimable'" in worker.output(), 10, "no second task", worker)
     finally:
-        worker.stop()
+        worker.kill()
     output = worker.output()
     run.refresh_from_db()
     assert run.lease_epoch == 1  # claimed once
@@ -61,10 +65,10 @@ def test_a_worker_killed_mid_run_is_recovered_by_beat_with_no_executor(
 ):
     env = {**process_env, "RUNDESK_SWEEP_SECONDS": "0.5"}
     run = submit(
-        question="Compare these funds", documents=DOCS, faults=[{"point": "tool_delay", "ms": 600}]
+        question="Compare these funds", documents=DOCS, faults=[{"point": "tool_delay", "ms": 200}]
     )
     enqueue(run.pk)
-    a = Worker(env, tmp_path / "worker-a.log", beat=True)
+    a = Worker(env, tmp_path / "worker-a.log", broker=polled_often(), beat=True)
     b = None
     try:
         # Killed mid-run: running, at least one action completed, more to come.
@@ -79,7 +83,7 @@ def test_a_worker_killed_mid_run_is_recovered_by_beat_with_no_executor(
         assert status(run) == RunStatus.RUNNING and "deliver" not in completed_before
 
         # Another worker with beat, and no `manage.py executor` anywhere.
-        b = Worker(env, tmp_path / "worker-b.log", beat=True)
+        b = Worker(env, tmp_path / "worker-b.log", broker=polled_often(), beat=True)
         wait_until(lambda: status(run) == RunStatus.COMPLETED, 40, "run not recovered", b)
         # Its timeline says why it moved again (written off the main path).
         wait_until(
@@ -94,7 +98,7 @@ def test_a_worker_killed_mid_run_is_recovered_by_beat_with_no_executor(
     finally:
         a.kill()
         if b is not None:
-            b.stop()
+            b.kill()
 
     run.refresh_from_db()
     # A held epoch 1; the sweep requeued the run, B claimed it with epoch 2.
@@ -128,19 +132,20 @@ def test_a_task_redelivered_while_the_dead_owners_lease_is_still_valid_retries_u
     process_env, journal, tmp_path, broker, settings
 ):
     run = submit(question="q", documents=DOCS[:1])
-    worker = Worker(process_env, tmp_path / "worker.log", beat=False)
+    worker = Worker(process_env, tmp_path / "worker.log", broker=polled_often())
     try:
         worker.wait_ready()
         # An owner that claimed the run and died at once: its lease stays
-        # valid for 4 s (the task comes within about 1 s), and nobody renews it.
-        settings.RUNDESK_LEASE_SECONDS = 4
+        # valid for 2.5 s (the task comes within 0.1 s), and nobody renews it.
+        settings.RUNDESK_LEASE_SECONDS = 2.5
         dead = Lease.claim(run.pk, "dead-owner")
         assert dead is not None and dead.epoch == 1
         expired_at = Run.objects.values_list("lease_expires_at", flat=True).get(pk=run.pk)
         enqueue(run.pk)
         wait_until(lambda: status(run) == RunStatus.COMPLETED, 30, "run not completed", worker)
+        wait_until(lambda: "'completed'" in worker.output(), 10, "task not logged", worker)
     finally:
-        worker.stop()
+        worker.kill()
     output = worker.output()
 
     # The task came while the lease was valid, was not consumed as
@@ -160,8 +165,9 @@ def test_a_task_for_a_run_a_live_owner_holds_is_dropped_not_retried_forever(
     process_env, journal, tmp_path, broker, settings
 ):
     run = submit(question="q", documents=DOCS[:1])
-    worker = Worker(process_env, tmp_path / "worker.log", beat=False)
-    settings.RUNDESK_LEASE_SECONDS = 3
+    worker = Worker(process_env, tmp_path / "worker.log", broker=polled_often())
+    # Renewed every 0.5 s: 1.5 s of slack for the renewing thread.
+    settings.RUNDESK_LEASE_SECONDS = 2
     live = Lease.claim(run.pk, "live-owner")
     assert live is not None
     stop, lost = threading.Event(), threading.Event()
@@ -181,7 +187,7 @@ def test_a_task_for_a_run_a_live_owner_holds_is_dropped_not_retried_forever(
         worker.wait_ready()
         enqueue(run.pk)
         wait_until(lambda: "'not_claimable'" in worker.output(), 30, "task not dropped", worker)
-        worker.stop()
+        worker.kill()
         output = worker.output()
 
         # It looked again once the lease could have expired, saw it renewed,
@@ -197,7 +203,7 @@ def test_a_task_for_a_run_a_live_owner_holds_is_dropped_not_retried_forever(
     finally:
         stop.set()
         renewer.join()
-        worker.stop()
+        worker.kill()
 
     # The live owner finishes the run through its lease (its heartbeat takes
     # over from the renewing thread).

@@ -6,6 +6,10 @@ decision or resume, a settlement, an owner whose item was settled while it
 stopped, an owner that gives the run back, the sweep.  With only Celery
 workers (and beat), the run no longer waits for the sweep's redelivery
 (RUNDESK_REDELIVER_SECONDS, 60 s by default: left as it is here).
+
+The workers look at the broker's folder every 50 ms (`polled_often`), and
+are killed once what a test asserts is written: Celery notices a SIGTERM
+only when its loop next wakes, 3 s later on this broker.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from runs.submission import submit
 from runs.tasks import execute_run
 from runs.timeline import EventKind
 from tests.conftest import manage
-from tests.processes import Worker, wait_until
+from tests.processes import Worker, polled_often, wait_until
 from tests.processes import broker as broker
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
@@ -94,7 +98,7 @@ def test_an_operators_decision_on_a_waiting_run_completes_it_within_seconds_with
 ):
     env = celery_only(process_env)
     run = waiting_run()
-    worker = Worker(env, tmp_path / "worker.log", beat=True)
+    worker = Worker(env, tmp_path / "worker.log", broker=polled_often(), beat=True)
     try:
         worker.wait_ready()
         decided = manage(
@@ -106,8 +110,9 @@ def test_an_operators_decision_on_a_waiting_run_completes_it_within_seconds_with
         assert decided.returncode == 0, err
         assert json.loads(out)["run"]["status"] == RunStatus.QUEUED
         wait_until(lambda: status(run) == RunStatus.COMPLETED, 30, "run not completed", worker)
+        wait_until(lambda: "'completed'" in worker.output(), 10, "task not logged", worker)
     finally:
-        worker.stop()
+        worker.kill()
     run.refresh_from_db()
     decision = OperatorDecision.objects.get(run=run)
     elapsed = (run.finished_at - decision.created_at).total_seconds()
@@ -120,9 +125,9 @@ def test_a_run_an_executor_gives_back_as_it_stops_completes_within_seconds_on_ce
 ):
     env = celery_only(process_env)
     run = submit(
-        question="Compare these funds", documents=DOCS, faults=[{"point": "tool_delay", "ms": 300}]
+        question="Compare these funds", documents=DOCS, faults=[{"point": "tool_delay", "ms": 150}]
     )
-    worker = Worker(env, tmp_path / "worker.log", beat=True)
+    worker = Worker(env, tmp_path / "worker.log", broker=polled_often(), beat=True)
     executor = None
     try:
         worker.wait_ready()
@@ -135,12 +140,14 @@ def test_a_run_an_executor_gives_back_as_it_stops_completes_within_seconds_on_ce
         released = RunEvent.objects.filter(run=run, kind=EventKind.LEASE_RELEASED)
         wait_until(released.exists, 10, "the executor did not give the run back")
         wait_until(lambda: status(run) == RunStatus.COMPLETED, 30, "run not completed", worker)
+        claims = RunEvent.objects.filter(run=run, kind=EventKind.LEASE_ACQUIRED, data__epoch=2)
+        wait_until(claims.exists, 10, "the worker's claim not on the timeline", worker)
     finally:
         if executor is not None and executor.poll() is None:
             os.killpg(executor.pid, signal.SIGKILL)
-        worker.stop()
+        worker.kill()
     # The worker claimed it (epoch 2) at once, not a redelivery interval later.
-    claimed = RunEvent.objects.get(run=run, kind=EventKind.LEASE_ACQUIRED, data__epoch=2)
+    claimed = claims.get()
     elapsed = (claimed.created_at - released.get().created_at).total_seconds()
     assert elapsed <= AT_ONCE, f"claimed by the worker {elapsed:.1f} s after it was given back"
     assert Run.objects.get(pk=run.pk).lease_epoch == 2

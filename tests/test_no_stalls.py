@@ -37,6 +37,18 @@ from tests.faultruns import DOCS, KEYS, dispatched, events, executions, run_with
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
+# A receipt whose COMMIT answer is lost while its transaction stalls for 2 s:
+# its writer asks for SETTLE seconds, gives up (the receipt unknown, the run
+# waiting), and the receipt commits 1.5 s after that.
+LATE_RECEIPT = {
+    "point": "drop_connection_at_commit",
+    "write": "receipt",
+    "action": 3,
+    "outcome": "late",
+    "stall_ms": 2000,
+}
+SETTLE = 0.5
+
 
 def settled_by_evidence(item: OutcomeItem, choice: str, token: str = "") -> bool:
     """The system settles `item`; whether that put its run back in the queue."""
@@ -54,9 +66,8 @@ def expire(run: Run) -> None:
 def test_a_receipt_that_commits_late_ends_with_the_run_completed_and_each_read_once(
     journal, settings
 ):
-    settings.RUNDESK_SETTLE_SECONDS = 1
-    fault = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
-    run, outcome = run_with([{**fault, "outcome": "late", "stall_ms": 3000}])
+    settings.RUNDESK_SETTLE_SECONDS = SETTLE
+    run, outcome = run_with([LATE_RECEIPT])
     assert outcome == RunStatus.NEEDS_OPERATOR
     item = OutcomeItem.objects.get(run=run, state=OutcomeState.OPEN)
 
@@ -74,30 +85,35 @@ def test_a_receipt_that_commits_late_ends_with_the_run_completed_and_each_read_o
     assert all(executions(journal, run, key) == 1 for key in KEYS)
 
 
-@pytest.mark.parametrize(
-    "held",
-    [
-        "SELECT 1 FROM runs_outcomeitem WHERE id = {item} FOR KEY SHARE",
-        "SELECT 1 FROM runs_run WHERE id = {run} FOR SHARE",
-        "LOCK TABLE runs_outcomeitem IN ACCESS EXCLUSIVE MODE",
-        "LOCK TABLE runs_run IN ACCESS EXCLUSIVE MODE",
-    ],
-    ids=["item-row", "run-row", "items-table", "runs-table"],
-)
-def test_a_stranger_holding_what_the_sweep_locks_holds_up_no_sweep(journal, settings, held):
+# What a stranger holds, in turn, while the sweep would settle an item.
+HELD = {
+    "item-row": "SELECT 1 FROM runs_outcomeitem WHERE id = {item} FOR KEY SHARE",
+    "run-row": "SELECT 1 FROM runs_run WHERE id = {run} FOR SHARE",
+    "items-table": "LOCK TABLE runs_outcomeitem IN ACCESS EXCLUSIVE MODE",
+    "runs-table": "LOCK TABLE runs_run IN ACCESS EXCLUSIVE MODE",
+}
+
+
+def test_a_stranger_holding_what_the_sweep_locks_holds_up_no_sweep(journal, settings, monkeypatch):
     """The sweep runs on the executor's workers: a lock it waited for
-    without end stopped them taking any run."""
-    settings.RUNDESK_SETTLE_SECONDS = 1
-    fault = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
-    run, _ = run_with([{**fault, "outcome": "late", "stall_ms": 3000}])
+    without end stopped them taking any run.  One run waits on a settled
+    item; each lock in turn holds up a sweep, which settles nothing (and
+    changes nothing: the next lock meets the same run).  Each of its steps
+    waits for a lock at most LOCK_WAIT (1 s; a quarter here: a sweep meets
+    up to seven locks a table holds)."""
+    for module in ("runs.decisions", "runs.approvals"):  # approvals imports it
+        monkeypatch.setattr(f"{module}.LOCK_WAIT", "250ms")
+    settings.RUNDESK_SETTLE_SECONDS = SETTLE
+    run, _ = run_with([LATE_RECEIPT])
     item = OutcomeItem.objects.get(run=run, state=OutcomeState.OPEN)
     wait_for(lambda: xact_status(item.xid) == "committed")
-    with psycopg.connect(database_url()) as stranger:
-        stranger.execute(held.format(item=item.pk, run=run.pk))
-        started = time.monotonic()
-        assert sweep().settled == 0
-        assert time.monotonic() - started < 10  # a second a lock, at most
-        stranger.rollback()
+    for name, held in HELD.items():
+        with psycopg.connect(database_url()) as stranger:
+            stranger.execute(held.format(item=item.pk, run=run.pk))
+            started = time.monotonic()
+            assert sweep().settled == 0, name
+            assert time.monotonic() - started < 5, name  # LOCK_WAIT a lock, at most
+            stranger.rollback()
     assert sweep().resumed == [run.pk]  # the next sweep, once it is free
 
 
@@ -253,9 +269,8 @@ def test_a_cancel_says_who_asked(journal):
 
 
 def test_a_cancelled_runs_open_items_stay_open_and_hold_nothing(journal, settings):
-    settings.RUNDESK_SETTLE_SECONDS = 1
-    fault = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
-    run, outcome = run_with([{**fault, "outcome": "late", "stall_ms": 3000}])
+    settings.RUNDESK_SETTLE_SECONDS = SETTLE
+    run, outcome = run_with([LATE_RECEIPT])
     assert outcome == RunStatus.NEEDS_OPERATOR
     assert run.request_cancel(by="dave")
     item = OutcomeItem.objects.get(run=run)
@@ -338,14 +353,13 @@ def late_receipt_with(monkeypatch, at_finish) -> Run:
         return finish(lease, status, reason)
 
     monkeypatch.setattr(Lease, "finish", first)
-    fault = {"point": "drop_connection_at_commit", "write": "receipt", "action": 3}
-    run, _ = run_with([{**fault, "outcome": "late", "stall_ms": 3000}])
+    run, _ = run_with([LATE_RECEIPT])
     monkeypatch.setattr(Lease, "finish", finish)
     return run
 
 
 def test_a_cancel_asked_while_the_owner_settles_ends_the_run(journal, settings, monkeypatch):
-    settings.RUNDESK_SETTLE_SECONDS = 1
+    settings.RUNDESK_SETTLE_SECONDS = SETTLE
     run = late_receipt_with(
         monkeypatch, lambda lease: Run.objects.get(pk=lease.run_id).request_cancel(by="alice")
     )
@@ -358,7 +372,7 @@ def test_a_cancel_asked_while_the_owner_settles_ends_the_run(journal, settings, 
 def test_an_item_settled_before_its_owner_stops_still_resumes_the_run(
     journal, settings, monkeypatch
 ):
-    settings.RUNDESK_SETTLE_SECONDS = 1
+    settings.RUNDESK_SETTLE_SECONDS = SETTLE
 
     def settled_meanwhile(lease: Lease) -> None:
         item = OutcomeItem.objects.get(run_id=lease.run_id, state=OutcomeState.OPEN)

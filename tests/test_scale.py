@@ -10,7 +10,9 @@ journal, the outbox, the workers' own logs):
 - every action has exactly one receipt, written by the epoch that
   dispatched it;
 - with nobody killed, every action ran exactly once, every run was claimed
-  once, completed once, by one process, and delivered one report;
+  once, completed once, by one process, and delivered one report (48 runs
+  over four pool processes: each takes a dozen, all four racing for the
+  queue and the database the whole time);
 - with a worker killed mid-run, nothing with a receipt ran again, the
   delivery ran once, and only a read caught between its boundary and its
   receipt ran once more, under its own identity, by the next owner.
@@ -22,6 +24,10 @@ and exchange of its own; both are deleted afterwards.  A broker whose port
 does not answer is skipped, or fails the test when CI is set.  The worker
 processes use the prefork pool, as production does (README: `celery -A
 dashboard worker --concurrency 4`; why not solo: runs/benchmarks/scale.py).
+
+A test ends its worker nodes with SIGKILL once what it asserts is written
+(`halt`): a warm shutdown takes Celery 2 to 5 s a node (it sees SIGTERM only
+when its loop next wakes), longer than the runs themselves.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
@@ -67,9 +74,22 @@ BROKERS = {
 # (harmless: the copy finds the run leased, and gives up).
 VISIBILITY_TIMEOUT = 5.0
 
+# Runs spread over the four pool processes of two nodes.
+MANY = 48
+
 TWO_DOCS = ["northwind-clean-energy.md", "meridian-world-equity.md"]
 THREE_DOCS = [*TWO_DOCS, "crestline-short-treasury.md"]
 DONE = re.compile(r"execute_run\[([0-9a-f-]+)\] succeeded in [0-9.e-]+s: '(\w+)'")
+
+
+@dataclass(frozen=True)
+class OwnQueue(Broker):
+    """A `Broker` queue whose worker nodes wait 1 s, not Celery's 10
+    (worker_lost_wait), for a result a killed pool process might have sent
+    before it died, before they reject its task back to the broker."""
+
+    def celery_settings(self) -> dict[str, Any]:
+        return {**super().celery_settings(), "worker_lost_wait": 1.0}
 
 
 @pytest.fixture(params=list(BROKERS))
@@ -81,7 +101,7 @@ def celery_broker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Br
         if "CI" in os.environ:
             pytest.fail(f"{message}: CI is set, where every broker must run")
         pytest.skip(message)
-    broker = Broker.own(url, tmp_path / "broker", visibility_timeout=VISIBILITY_TIMEOUT)
+    broker = OwnQueue.own(url, tmp_path / "broker", visibility_timeout=VISIBILITY_TIMEOUT)
     try:
         yield broker
     finally:
@@ -146,6 +166,27 @@ def completed_by_tasks(nodes: Iterable[Worker], tasks: dict[str, int]) -> Counte
     )
 
 
+def wait_written(nodes: list[Worker], run_ids: list[int], tasks: dict[str, int]) -> None:
+    """Waits until the nodes' logs say a task completed each of `run_ids`,
+    and the timeline too: both are written just after a run's last commit,
+    and the nodes are then killed (`halt`).  A count (at least one
+    completion a run): the test asserts each run completed exactly once."""
+
+    def written() -> bool:
+        logged = sum(completed_by_tasks(nodes, tasks).values())
+        ended = RunEvent.objects.filter(run_id__in=run_ids, kind=EventKind.RUN_COMPLETED)
+        return logged >= len(run_ids) and ended.count() >= len(run_ids)
+
+    alive = [each for each in nodes if not each.exited()]
+    wait_until(written, 30, "the runs' completions not logged", *alive)
+
+
+def halt(*nodes: Worker) -> None:
+    """SIGKILLs the nodes (the module's docstring says why not SIGTERM)."""
+    for each in nodes:
+        each.kill()
+
+
 def task_of(tasks: dict[str, int], run_id: int) -> str:
     (task_id,) = (task for task, run in tasks.items() if run == run_id)
     return task_id
@@ -195,7 +236,7 @@ def assert_each_action_ran_once_by_one_owner(
     assert sorted(reports.values()) == sorted(finals.values())
 
 
-def test_200_runs_over_4_worker_processes_each_action_runs_once_under_one_owner(
+def test_many_runs_over_4_worker_processes_each_action_runs_once_under_one_owner(
     celery_broker, env, journal, tmp_path
 ):
     # Two nodes (two machines) of two pool processes each.
@@ -203,13 +244,13 @@ def test_200_runs_over_4_worker_processes_each_action_runs_once_under_one_owner(
         *(start_node(env, tmp_path, celery_broker, f"node{i}", concurrency=2) for i in (0, 1))
     )
     try:
-        run_ids = submit(200, TWO_DOCS)
+        run_ids = submit(MANY, TWO_DOCS)
         tasks = dict(zip(celery_broker.send(run_ids), run_ids, strict=True))
-        wait_until(lambda: not active(run_ids), 240, "runs still active", *nodes)
+        wait_until(lambda: not active(run_ids), 120, "runs still active", *nodes)
         pools = set().union(*(pool_of(each) for each in nodes))
+        wait_written(nodes, run_ids, tasks)
     finally:
-        for each in nodes:
-            each.stop()
+        halt(*nodes)
 
     assert_each_action_ran_once_by_one_owner(run_ids, TWO_DOCS, journal, tmp_path / "outbox")
     # No run completed twice: one task each says so, and the timeline too.
@@ -228,7 +269,7 @@ def test_celery_workers_and_an_executor_share_one_queue_of_runs(
     try:
         # The executor is polling the queue before the runs come.
         wait_until(lambda: backends("rundesk:executor") > 0, 60, "executor not polling", *nodes)
-        run_ids = submit(60, TWO_DOCS)
+        run_ids = submit(30, TWO_DOCS)
         # The executor takes the oldest run first; the tasks go newest first,
         # so the two meet in the middle.  Sent oldest first, the workers
         # (two tasks every 50 ms) could trail the executor over every run
@@ -236,18 +277,17 @@ def test_celery_workers_and_an_executor_share_one_queue_of_runs(
         newest_first = run_ids[::-1]
         tasks = dict(zip(celery_broker.send(newest_first), newest_first, strict=True))
         wait_until(lambda: not active(run_ids), 120, "runs still active", *nodes)
-    finally:
         executor.send_signal(signal.SIGTERM)
-        try:
-            out, err = executor.communicate(timeout=60)
-        finally:
-            executor.kill()
-            for each in nodes:
-                each.stop()
-    assert executor.returncode == 0, err
+        out, err = executor.communicate(timeout=60)
+        assert executor.returncode == 0, err
+        by_executor = Counter(json.loads(line)["run_id"] for line in out.splitlines())
+        # The workers' share: the runs the executor did not complete.
+        wait_written(nodes, [run_id for run_id in run_ids if run_id not in by_executor], tasks)
+    finally:
+        executor.kill()
+        halt(*nodes)
 
     assert_each_action_ran_once_by_one_owner(run_ids, TWO_DOCS, journal, tmp_path / "outbox")
-    by_executor = Counter(json.loads(line)["run_id"] for line in out.splitlines())
     by_workers = completed_by_tasks(nodes, tasks)
     # Both took runs, and each run was completed once, by one of them: the
     # other's attempt found it leased or finished (its epoch stayed 1).
@@ -271,9 +311,9 @@ def kill_env(process_env: dict[str, str], celery_broker: Broker) -> dict[str, st
     }
 
 
-def slow_runs(count: int) -> list[int]:
-    """Runs of three documents, each action 250 ms: a kill lands mid-run."""
-    return submit(count, THREE_DOCS, faults=[{"point": "tool_delay", "ms": 250}])
+def slow_runs(count: int, ms: int = 250) -> list[int]:
+    """Runs of three documents, each action `ms` long: a kill lands mid-run."""
+    return submit(count, THREE_DOCS, faults=[{"point": "tool_delay", "ms": ms}])
 
 
 def pool_of(worker: Worker) -> set[int]:
@@ -359,15 +399,24 @@ class Kill:
 
 
 def kill_while_running(
-    broker: Broker, journal: Journal, victim: Worker, survivor: Worker, *, whole_node: bool
+    broker: Broker,
+    journal: Journal,
+    victim: Worker,
+    survivor: Worker,
+    *,
+    whole_node: bool,
+    runs: int,
 ) -> Kill:
-    """Sends four slow runs, kills a pool process of `victim` (or all of
-    it) mid-read, and waits until every run has ended."""
-    run_ids = slow_runs(4)
+    """Sends `runs` slow runs (each action 150 ms: a read is in flight most
+    of the time), kills a pool process of `victim` (or all of it)
+    mid-read, and waits until every run has ended and its completion is
+    logged."""
+    run_ids = slow_runs(runs, ms=150)
     tasks = dict(zip(broker.send(run_ids), run_ids, strict=True))
     run, left = kill_mid_read(run_ids, victim, whole_node=whole_node)
     kill = Kill(run_ids, tasks, run, left, journal.counts())
     wait_until(lambda: not active(run_ids), 60, "runs still active", survivor)
+    wait_written([victim, survivor], run_ids, tasks)
     return kill
 
 
@@ -417,9 +466,9 @@ def test_a_pool_process_killed_mid_run_is_handed_back_by_reject_on_worker_lost(
     # would ever execute the run again.
     (worker,) = ready(start_node(kill_env, tmp_path, celery_broker, "node0", concurrency=2))
     try:
-        kill = kill_while_running(celery_broker, journal, worker, worker, whole_node=False)
+        kill = kill_while_running(celery_broker, journal, worker, worker, whole_node=False, runs=4)
     finally:
-        worker.stop()
+        halt(worker)
 
     # The killed process's task came back to the node (its own task id) and
     # resumed the run once the dead owner's lease had expired (retrying
@@ -432,8 +481,8 @@ def test_a_pool_process_killed_mid_run_is_handed_back_by_reject_on_worker_lost(
 def test_a_worker_node_killed_mid_run_its_run_goes_to_the_other_node(
     celery_broker, kill_env, journal, tmp_path
 ):
-    # Two nodes of one pool process each; node 0 dies whole (a machine
-    # lost).  RabbitMQ gives its unacknowledged task back when its
+    # Two nodes of one pool process each, a run each; node 0 dies whole
+    # (a machine lost).  RabbitMQ gives its unacknowledged task back when its
     # connection closes, Redis after the visibility timeout: no beat runs
     # then, so the task's own redelivery is what resumes the run.  The
     # filesystem broker has no acknowledgements, the task is lost with the
@@ -445,10 +494,9 @@ def test_a_worker_node_killed_mid_run_its_run_goes_to_the_other_node(
         start_node(kill_env, tmp_path, celery_broker, "other", beat=not redelivers),
     )
     try:
-        kill = kill_while_running(celery_broker, journal, dying, other, whole_node=True)
+        kill = kill_while_running(celery_broker, journal, dying, other, whole_node=True, runs=2)
     finally:
-        dying.kill()
-        other.stop()
+        halt(dying, other)
 
     requeued = Run.objects.get(pk=kill.run).events.filter(kind=EventKind.RUN_REQUEUED).exists()
     redelivered = f"execute_run[{task_of(kill.tasks, kill.run)}] received" in other.output()
@@ -506,7 +554,7 @@ def test_beats_sweep_ends_a_dead_owners_cancelled_run_while_the_workers_are_busy
         wait_until(ended.exists, 60, "the dead owner's run was never ended", worker)
         waited, still_active = time.monotonic() - expired, active(backlog)
     finally:
-        worker.stop()
+        halt(worker)  # mid-backlog
 
     # Due every 0.5 s: ended within a few sweeps, not once the backlog is done.
     assert waited < 3 and still_active, f"ended {waited:.1f} s after its owner's lease expired"
