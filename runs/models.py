@@ -11,6 +11,7 @@ runs/leases.py, because they check it in the same SQL statement.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import hashlib
 import json
 import re
@@ -70,11 +71,16 @@ def new_idempotency_key() -> str:
     is ever sent under it.  A receiver that keeps keys can then never answer
     one report with another's cached success.  Drawn once, with the boundary
     (Action.idempotency_key); a resend reads it back."""
-    installation = settings.RUNDESK_INSTALLATION or socket.gethostname()
-    # Letters, digits, dots and dashes only: the key goes into an HTTP header
-    # and a file name as it is.
-    name = re.sub(r"[^A-Za-z0-9.-]+", "-", installation).strip("-")[:63] or "rundesk"
-    return f"rundesk:{name}:{uuid.uuid4().hex}"
+    return f"rundesk:{_key_name(settings.RUNDESK_INSTALLATION)}:{uuid.uuid4().hex}"
+
+
+@functools.cache
+def _key_name(installation: str) -> str:
+    """The installation's name as keys carry it: letters, digits, dots and
+    dashes only, as the key goes into an HTTP header and a file name as it
+    is.  Worked out once (every step draws a key)."""
+    named = installation or socket.gethostname()
+    return re.sub(r"[^A-Za-z0-9.-]+", "-", named).strip("-")[:63] or "rundesk"
 
 
 # A run's statuses (RunStatus, TERMINAL_STATUSES, ACTIVE_STATUSES) and the
