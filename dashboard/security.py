@@ -160,7 +160,10 @@ class PageLockWaitsMiddleware:
             with waits_bounded(PAGE_LOCK_WAIT):
                 _signed_in(request)
         except OperationalError as error:
-            return unavailable(request, locked=lock_refused(error), form=form)
+            # The session could not be read, nor then the messages it
+            # holds: trying again would wait for the database a second time
+            # (the pool's whole timeout when it is down).
+            return unavailable(request, locked=lock_refused(error), form=form, session_read=False)
         if form:
             return self.get_response(request)
         try:
@@ -262,12 +265,15 @@ def unavailable(
     form: bool = False,
     done: bool | None = False,
     back: str = "",
+    session_read: bool = True,
 ) -> HttpResponse:
     """The page that says the database could not answer: held by a lock
     (`locked`), for a form (`form`) that did what it was asked (`done`),
     nothing, or what is not known (None), with the messages waiting to be
     said (what was done).  It reads nothing from the database (messages
-    the session holds, where it cannot be read, are not said).  An htmx
+    the session holds, where it cannot be read, are not said; where it
+    could not be read already, `session_read` False, it is not tried
+    again).  An htmx
     form gets its words in place of the page it came from (htmx swaps no
     503); a region's poll gets the 503, and its region stays as it was
     until the next poll."""
@@ -276,7 +282,7 @@ def unavailable(
         "form": form,
         "done": done,
         "wait": PAGE_LOCK_WAIT,
-        "said": _said(request),
+        "said": _said(request) if session_read else [],
         "back": back or _this_site(request, request.headers.get("HX-Current-URL", "")),
     }
     if form and getattr(request, "htmx", False):

@@ -78,8 +78,11 @@ def test_the_guides_agent_runs_survives_a_sigkill_and_its_lost_effect_is_resolve
             "digest",
             "--input",
             '{"title": "Crash", "notes": ["monday.txt", "bugs.txt"]}',
+            # The post waits 5 s between its boundary and its call: time
+            # enough to SIGKILL its executor before it sends.  The delay
+            # holds for the post sent again after the decision too.
             "--faults",
-            '[{"point": "tool_delay", "ms": 30000, "action": 3}]',
+            '[{"point": "tool_delay", "ms": 5000, "action": 3}]',
             "--json",
             env=env,
         )

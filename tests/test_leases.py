@@ -54,10 +54,6 @@ def slow_summary_under_way(owner: str):
     run = submit(
         question="q", documents=DOCS, faults=[{"point": "tool_delay", "action": 2, "ms": 1500}]
     )
-    # The process's renewal thread, left beating by an earlier test's lease
-    # (a shorter one), would renew this lease within its beat: start once it
-    # has ended, so the next renewal is a third of this test's lease away.
-    wait_for(lambda: renewals.idle, "the renewal thread of earlier leases to end")
     thread, out = in_thread(drive, Lease.claim(run.pk, owner), threading.Event())
     wait_for(lambda: Action.objects.filter(run=run, step_key="summarize:0").exists())
     return run, thread, out
@@ -169,6 +165,10 @@ def test_an_action_that_completes_after_the_lease_expired_is_not_sent_again(jour
     # and the run is given back; the next owner takes the summary from the
     # receipt.
     settings.RUNDESK_LEASE_SECONDS = 60
+    # The process's renewal thread, left beating by an earlier test's lease
+    # (a shorter one), would renew this lease within its beat: start once it
+    # has ended, so the next renewal is a third of this test's lease away.
+    wait_for(lambda: renewals.idle, "the renewal thread of earlier leases to end")
     run, thread, out = slow_summary_under_way("first-owner")
     expire(run)
     thread.join()
@@ -188,9 +188,13 @@ def test_an_action_that_completes_after_the_lease_expired_is_not_sent_again(jour
 def test_stale_owner_dispatches_nothing_more_and_the_new_owner_completes(journal):
     # The second action (summarize:0) is slow: the lease is taken meanwhile.
     run, thread, out = slow_summary_under_way("old-owner")
-    expire(run)
-    Run.objects.filter(pk=run.pk).update(faults=[])
-    new = Lease.claim(run.pk, "new-owner")
+    # Expired and taken in one transaction: a renewal of the old lease
+    # (the process's renewal thread beats whenever an earlier test left it
+    # to) waits for the run's row, then finds it taken.
+    with transaction.atomic():
+        expire(run)
+        Run.objects.filter(pk=run.pk).update(faults=[])
+        new = Lease.claim(run.pk, "new-owner")
     assert new is not None and new.epoch == 2
     thread.join()
     assert out == ["lease_lost"]
