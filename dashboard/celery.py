@@ -6,9 +6,10 @@ filesystem transport under var/ otherwise (settings.py, dashboard/broker.py).
 
 from __future__ import annotations
 
+import gc
 import os
 
-from celery import Celery
+from celery import Celery, signals
 from kombu.transport import TRANSPORT_ALIASES
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
@@ -20,3 +21,12 @@ TRANSPORT_ALIASES["filesystem"] = "dashboard.broker:Transport"
 app = Celery("rundesk")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@signals.worker_init.connect
+@signals.worker_process_init.connect
+def leave_start_up_out_of_collections(**_: object) -> None:
+    """A worker's start-up heap (Django, the agents) lives as long as the
+    process: garbage collections leave it out, as the executor's do
+    (runs/management/commands/executor.py)."""
+    gc.freeze()

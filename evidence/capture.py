@@ -77,7 +77,7 @@ POLICIES = ("nowait", "wait")
 PENDING_GAP_KEYS = 10_000
 # Records the writer takes at a time (and tries again at a time): what was
 # queued while it wrote the last ones, and what comes in LINGER seconds
-# (unless someone waits for them: a flush).  The batch's new records share
+# (unless a run ended, or someone waits for them: a flush).  The batch's new records share
 # a transaction of two statements (Capture._save_new): per record, the
 # writer then costs a small share of a step, and the commits a shared
 # server runs out of first are one a batch.
@@ -353,7 +353,9 @@ def record_gaps(gaps: Mapping[GapKey | tuple[int, int | None, str, str], int]) -
     record kept to be tried again, if any) -> count, and the runs' lost
     counters, in one statement, bounded by the capture lock timeout like
     every capture write.  A model call that does not exist is named in the
-    detail only (each record's detail names what was lost)."""
+    detail only (each record's detail names what was lost); a run that no
+    longer exists (purged) has no gaps to keep, and its own are dropped
+    rather than refusing everyone's."""
     rows = [(*key[:4], key[4] if len(key) > 4 else None, count) for key, count in gaps.items()]
     with bounded() as cursor:
         cursor.execute(
@@ -364,6 +366,7 @@ def record_gaps(gaps: Mapping[GapKey | tuple[int, int | None, str, str], int]) -
                    FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[], %s::uuid[],
                            %s::int[])
                        AS g(run, call, reason, detail, retry_key, count)
+                   JOIN runs_run r ON r.id = g.run
                    LEFT JOIN evidence_modelcall m ON m.id = g.call
                    RETURNING run_id, reason, count, created_at),
                hourly AS (

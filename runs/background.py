@@ -96,6 +96,11 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
         `capacity`, with a flush or stop marker among them)."""
         return self._queue.qsize()
 
+    def hurry(self) -> None:
+        """The writer takes what is queued now, without lingering for more
+        (a run that ends hands over its last records).  Never waits."""
+        self._hurry.set()
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Waits until everything handed over so far is written or counted
         as lost, and that count written (or kept for later).  With no

@@ -19,6 +19,7 @@ from enum import StrEnum
 from django.conf import settings
 from django.db import DatabaseError, connection
 
+from evidence.capture import capture
 from evidence.locks import LockSampler
 from runs import decisions, holds, registry, sweep
 from runs.agent import ActionFailed, Agent
@@ -100,6 +101,8 @@ def drive(lease: Lease, stop: threading.Event) -> Ending:
         # Not waited for with a connection in hand.
         release_connection()
         timeline.flush()
+        # The run's last copies are saved now, not after capture's linger.
+        capture.hurry()
 
 
 def installed_agent(run: Run) -> type[Agent]:

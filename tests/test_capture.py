@@ -598,3 +598,15 @@ def test_a_batch_that_cannot_take_a_lock_goes_one_by_one_and_loses_nothing_else(
         assert list(copy.sources.values_list("path", flat=True)) == list(record.paths)
     assert Source.objects.filter(run=run).count() == 3
     assert CaptureStats.objects.get(run=run).captured == 4
+
+
+def test_a_gap_of_a_run_that_no_longer_exists_holds_up_no_others(evidence, writer):
+    """Gaps waiting to be written are written in one statement: one of a
+    run purged meanwhile is dropped, not a foreign-key error that would
+    keep every other run's gaps from being written, for good."""
+    run, _, _ = evidence
+    writer.lose(run.pk + 1_000_000, None, GapReason.QUEUE_FULL, "a purged run's")
+    writer.lose(run.pk, None, GapReason.QUEUE_FULL, "this run's")
+    assert writer.flush()
+    assert gaps(run) == [(GapReason.QUEUE_FULL, 1)]
+    assert not CaptureGap.objects.exclude(run=run).exists()

@@ -27,6 +27,7 @@ from django.test import Client
 from django.utils import timezone
 
 from evidence import bundles
+from evidence.capture import capture
 from evidence.models import CaptureGap, EvidenceCopy, LockIncident, LockWait, ModelCall, Source
 from evidence.opening import OpenRefused, open_bundle
 from runs.decisions import (
@@ -134,6 +135,7 @@ def decided_run(journal, operator) -> Run:
 
 def bundle_of(run: Run, tmp_path: Path) -> Path:
     timeline.flush()
+    capture.flush()
     path = tmp_path / f"run-{run.pk}-{uuid.uuid4().hex[:6]}.zip"
     bundles.export(run.pk, path)
     assert bundles.verify(path).ok

@@ -224,6 +224,7 @@ def fleet(settings, journal) -> dict[str, Run]:
     running = submit(question="Compare these funds", documents=DOCS[:1])
     assert Lease.claim(running.pk, "test-owner") is not None
     timeline.flush()
+    capture.flush()
     return {
         "story": story,
         "failed": failed,
