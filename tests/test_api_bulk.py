@@ -21,7 +21,7 @@ from runs import bulk, tasks
 from runs.bulk import BulkJob, BulkState, ItemResult
 from runs.models import OperatorDecision, Run, RunStatus
 from tests.conftest import make_user, signed_in
-from tests.processes import Worker, wait_until
+from tests.processes import Worker, polled_often, wait_until
 from tests.processes import broker as broker  # the filesystem broker a worker reads
 from tests.test_api import ApiClient, bearer, token_of
 from tests.test_api import document as document  # the OpenAPI document, as a fixture
@@ -369,7 +369,7 @@ def test_a_job_confirmed_through_the_api_is_carried_out_by_a_real_worker_and_fol
 ) -> None:
     waiting = [run_in(RunStatus.NEEDS_OPERATOR, f"waiting {i}") for i in range(3)]
     ended = run_in(RunStatus.COMPLETED, "ended")
-    worker = Worker(process_env, tmp_path / "worker.log", beat=False)
+    worker = Worker(process_env, tmp_path / "worker.log", broker=polled_often(), beat=False)
     try:
         body = confirmed(
             ids=[*(run.pk for run in waiting), ended.pk], filter=None, action="abandon"
@@ -384,7 +384,9 @@ def test_a_job_confirmed_through_the_api_is_carried_out_by_a_real_worker_and_fol
 
         wait_until(lambda: followed()["state"] == BulkState.DONE, 60, "job not done", worker)
     finally:
-        worker.stop()
+        # What is asserted is committed: a kill, not a warm stop (Celery
+        # notices a SIGTERM only when its loop next wakes, seconds later).
+        worker.kill()
     assert "runs.tasks.bulk_job" in worker.output()
     job = followed()
     # The ended run was refused at the dry run: the job left it alone.

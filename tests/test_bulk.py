@@ -4,7 +4,11 @@ would be refused, and why; a job carried out by a real Celery worker, each
 run's change recorded as its single action records it; idempotent by
 request token; capped; stopped midway; refusing at execution a run that
 changed since its dry run; settling unknown outcomes by evidence in bulk;
-who may do what."""
+who may do what.
+
+The real workers look at the broker's folder every 50 ms (`polled_often`),
+and are killed once what a test asserts is committed: Celery notices a
+SIGTERM only when its loop next wakes, seconds later."""
 
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ from runs.models import (
 from runs.outcomes import open_item
 from runs.timeline import EventKind, timeline
 from tests.conftest import make_user, signed_in
-from tests.processes import Worker, wait_until
+from tests.processes import Worker, polled_often, wait_until
 from tests.processes import broker as broker  # the filesystem broker a worker reads
 from tests.test_handover import fresh_producers as fresh_producers
 
@@ -421,7 +425,7 @@ def test_a_confirmed_job_runs_in_a_real_worker_each_change_audited_as_a_single_a
 ):
     waiting = [run_in(RunStatus.NEEDS_OPERATOR, f"waiting {i}") for i in range(3)]
     queued = [run_in(RunStatus.QUEUED, f"queued {i}") for i in range(2)]
-    worker = Worker(process_env, tmp_path / "worker.log", beat=False)
+    worker = Worker(process_env, tmp_path / "worker.log", broker=polled_often(), beat=False)
     try:
         planned = dry_run(Selection.by_filter("status=needs_operator"), Ask("abandon"))
         response = operator.post("/bulk/confirm/", confirm_form(planned, reason="provider gone"))
@@ -455,7 +459,7 @@ def test_a_confirmed_job_runs_in_a_real_worker_each_change_audited_as_a_single_a
         assert tasks.redeliver_bulk_jobs() == 1
         wait_until(lambda: _state(cancel) == BulkState.DONE, 60, "job not carried on", worker)
     finally:
-        worker.stop()
+        worker.kill()  # what is asserted is committed: no warm stop (module docstring)
     assert "runs.tasks.bulk_job" in worker.output()
     for run in queued:
         run.refresh_from_db()
@@ -480,31 +484,39 @@ def test_a_job_whose_worker_is_killed_midway_is_carried_on_and_changes_each_run_
     # Someone holds the second run's row: the worker waits there, mid-job.
     holder = psycopg.connect(database_url())
     holder.execute("SELECT 1 FROM runs_run WHERE id = %s FOR UPDATE", [held.run_id])
-    a = Worker(process_env, tmp_path / "worker-a.log", beat=False)
+    a = Worker(process_env, tmp_path / "worker-a.log", broker=polled_often(), beat=False)
+    b = None
     try:
-        assert hand_over(tasks.bulk_job, job.pk) == ""
-        wait_until(
-            lambda: _result(first) == ItemResult.DONE and _waits_for_a_lock(),
-            60,
-            "worker A did not reach the held run",
-            a,
-        )
-        a.kill()  # mid-item: its transaction never commits
-    finally:
-        holder.rollback()
-        holder.close()
-    wait_for(_no_stranger_in_a_transaction, "worker A's session lingers", 10)
-    assert (_result(held), _result(last)) == (ItemResult.PENDING, ItemResult.PENDING)
-    assert Run.objects.get(pk=held.run_id).status == RunStatus.QUEUED
+        try:
+            assert hand_over(tasks.bulk_job, job.pk) == ""
+            wait_until(
+                lambda: _result(first) == ItemResult.DONE and _waits_for_a_lock(),
+                60,
+                "worker A did not reach the held run",
+                a,
+            )
+            # Worker B starts now (a start takes seconds), and takes
+            # nothing until the redelivery below: A took the job's only task.
+            b = Worker(process_env, tmp_path / "worker-b.log", broker=polled_often(), beat=False)
+            a.kill()  # mid-item: its transaction never commits
+        finally:
+            holder.rollback()
+            holder.close()
+        wait_for(_no_stranger_in_a_transaction, "worker A's session lingers", 10)
+        assert (_result(held), _result(last)) == (ItemResult.PENDING, ItemResult.PENDING)
+        assert Run.objects.get(pk=held.run_id).status == RunStatus.QUEUED
+        assert "runs.tasks.bulk_job" not in b.output()
 
-    # Nobody moves it now; beat hands it out again, and worker B carries on.
-    BulkJob.objects.filter(pk=job.pk).update(progressed_at=timezone.now() - bulk.STALLED_AFTER * 2)
-    b = Worker(process_env, tmp_path / "worker-b.log", beat=False)
-    try:
+        # Nobody moves it now; beat hands it out again, and worker B carries on.
+        BulkJob.objects.filter(pk=job.pk).update(
+            progressed_at=timezone.now() - bulk.STALLED_AFTER * 2
+        )
         assert tasks.redeliver_bulk_jobs() == 1
         wait_until(lambda: _state(job) == BulkState.DONE, 60, "job not carried on", b)
     finally:
-        b.stop()
+        for worker in (a, b):
+            if worker is not None:
+                worker.kill()
     assert set(job.items.values_list("result", flat=True)) == {ItemResult.DONE}
     for run in runs:
         assert Run.objects.get(pk=run.pk).status == RunStatus.CANCELLED

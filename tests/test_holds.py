@@ -30,7 +30,7 @@ from runs.models import Action, Hold, HoldWait, Run, RunStatus
 from runs.submission import submit
 from tests.conftest import make_user, manage
 from tests.faultruns import wait_for
-from tests.processes import Worker, wait_until
+from tests.processes import Worker, polled_often, wait_until
 from tests.processes import broker as broker
 from tests.test_handover import celery_only
 from tests.test_support_agent import INPUT, Receivers
@@ -514,13 +514,15 @@ def test_a_release_hands_each_waiting_run_to_a_celery_worker_at_once(
 ):
     """With only a Celery worker (no executor, the sweep's redelivery left
     at its default of a minute), the release's hand-over is what runs them."""
-    hold = holds.add(holds.Scope("send_email", "support"), user=alice, reason="wrong drafts")
-    runs = [submit(agent="support", input=INPUT) for _ in range(5)]
-    for run in runs:
-        assert claim_and_drive(run.pk) == Ending.NEEDS_OPERATOR
     env = {**celery_only(process_env), **receivers.env()}
-    worker = Worker(env, tmp_path / "worker.log")
+    # It starts (seconds) while the runs reach the hold: nothing is handed
+    # to it before the release (a submission hands nothing over).
+    worker = Worker(env, tmp_path / "worker.log", broker=polled_often())
     try:
+        hold = holds.add(holds.Scope("send_email", "support"), user=alice, reason="wrong drafts")
+        runs = [submit(agent="support", input=INPUT) for _ in range(5)]
+        for run in runs:
+            assert claim_and_drive(run.pk) == Ending.NEEDS_OPERATOR
         worker.wait_ready()
         released = manage(
             "holds", "release", str(hold.pk), "--reason", "drafts fixed", "--as", "bob", "--json",
@@ -537,7 +539,7 @@ def test_a_release_hands_each_waiting_run_to_a_celery_worker_at_once(
             worker,
         )
     finally:
-        worker.stop()
+        worker.kill()  # what is asserted is committed, and sent (Celery sees SIGTERM late)
     sent_once_each(runs, receivers)
     hold.refresh_from_db()
     last = max(Run.objects.filter(pk__in=ids).values_list("finished_at", flat=True))

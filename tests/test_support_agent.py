@@ -136,16 +136,22 @@ def test_sigkill_mid_run_then_resumed_sends_one_mail_and_reads_nothing_again(
 ):
     env = {**process_env, **receivers.env()}
     # The draft is slow (each time: a tool_delay is no fault that fires once).
-    faults = [{"point": "tool_delay", "action": DRAFT, "ms": 3000}]
+    faults = [{"point": "tool_delay", "action": DRAFT, "ms": 2000}]
     run = submit(agent="support", input=INPUT, faults=faults)
     first = manage("executor", "--run", str(run.pk), env=env)
     # The reads' receipts went with the draft's boundary.
     wait_for(lambda: Receipt.objects.filter(run=run).count() == len(READS))
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
+    assert not run.actions.filter(step_key="send").exists()  # killed mid-draft
 
-    wait_for(lambda: Run.objects.claimable().filter(pk=run.pk).exists())
-    second = manage("executor", "--once", "--json", env=env)
+    # The next executor starts at once (a start takes seconds), and takes
+    # the run once the dead owner's lease has expired.
+    second = manage("executor", "--json", env=env)
+    try:
+        wait_for(lambda: Run.objects.filter(pk=run.pk, status=RunStatus.COMPLETED).exists())
+    finally:
+        second.send_signal(signal.SIGTERM)
     out, err = second.communicate(timeout=60)
     assert json.loads(out) == {"run_id": run.pk, "outcome": "completed"}, err
 
