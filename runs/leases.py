@@ -82,15 +82,14 @@ RECEIPT_CTES = f"""owned AS (
             %(result_digests)s::text[]) AS pending (action_id, result, result_digest)),
     completed AS (
         UPDATE runs_action SET state = 'completed', finished_at = now()
-        FROM pending
-        WHERE id = pending.action_id AND run_id = %(run)s AND epoch = %(epoch)s
-          AND state = 'dispatched' AND EXISTS (SELECT 1 FROM owned)
-        RETURNING id, run_id, step_key, pending.result, pending.result_digest),
+        WHERE id = ANY(%(receipt_actions)s::bigint[]) AND run_id = %(run)s
+          AND epoch = %(epoch)s AND state = 'dispatched' AND EXISTS (SELECT 1 FROM owned)
+        RETURNING id, run_id, step_key),
     receipt AS (
         INSERT INTO runs_receipt (action_id, run_id, step_key, result, result_digest, epoch,
             xid, created_at)
         SELECT id, run_id, step_key, result, result_digest, %(epoch)s, rundesk_xid(false), now()
-        FROM completed
+        FROM completed JOIN pending ON pending.action_id = completed.id
         RETURNING action_id)"""
 # Whether every receipt of RECEIPT_CTES was written (all of them, or the
 # write that carries them writes nothing).

@@ -9,9 +9,12 @@ of it is waiting, as real agents wait on models and remote tools.  One
 one such run alone (`one_run_s`, the yardstick), is given each batch of
 10, 100 and 1,000 runs at once.  Per batch:
 
-- `seconds` (by the database's clock: from the submission's transaction to
-  the last run's finished_at), `over_one_run` (`seconds` / `one_run_s`;
-  the goal is <= 2: the runs wait side by side), `runs_s`;
+- `seconds` (by the database's clock: from the commit of the submission,
+  when the runs can first be claimed, to the last run's finished_at),
+  `over_one_run` (`seconds` / `one_run_s`, measured the same way; the goal
+  is <= 2: the runs wait side by side), `runs_s`; `submit_s`, how long the
+  bench's own submission took before that (one transaction: 1,000 runs
+  take about 2 s, which are the bench's, not the executor's);
 - `peak_sessions`: the most sessions of the database seen at once in
   pg_stat_activity (sampled every SAMPLE_SECONDS), the bench's own left
   out: the executor's pool (its runs, the lease renewal, the timeline and
@@ -165,14 +168,30 @@ def wait_done(run_ids: list[int], executor: ExecutorProcess, timeout: float) -> 
         time.sleep(0.1)
 
 
-def span(run_ids: list[int]) -> float:
+def submitted(count: int, what: str) -> tuple[list[int], float, float]:
+    """`count` slow runs, committed: their ids, the database's clock just
+    after the commit (from when they can be claimed), and how long the
+    submission took before it."""
+    run_ids = slow_runs(count, what)
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT extract(epoch FROM max(finished_at) - min(created_at)) FROM runs_run"
-            " WHERE id = ANY(%s)",
+            "SELECT extract(epoch FROM clock_timestamp()),"
+            " extract(epoch FROM clock_timestamp() - min(created_at))"
+            " FROM runs_run WHERE id = ANY(%s)",
             [run_ids],
         )
-        return float(cursor.fetchone()[0])
+        committed, took = cursor.fetchone()
+    return run_ids, float(committed), float(took)
+
+
+def span(run_ids: list[int], since: float) -> float:
+    """Seconds from `since` (the database's epoch) to the last run's end."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT extract(epoch FROM max(finished_at)) FROM runs_run WHERE id = ANY(%s)",
+            [run_ids],
+        )
+        return float(cursor.fetchone()[0]) - since
 
 
 def measure(runs: int, folder: Path) -> dict[str, Any]:
@@ -186,13 +205,13 @@ def measure(runs: int, folder: Path) -> dict[str, Any]:
         # Up, its imports and connections made, before anything is timed.
         warm = submit(1, "capacity: warm-up")
         wait_done(warm, executor, 120)
-        alone = slow_runs(1, "capacity: one run alone")
+        alone, alone_since, _ = submitted(1, "capacity: one run alone")
         wait_done(alone, executor, 120)
         require_completed(alone)
-        one_run = span(alone)
+        one_run = span(alone, alone_since)
         cpu_before = executor.cpu_seconds()
         with SessionPeak(connection.settings_dict["NAME"]) as sessions:
-            batch = slow_runs(runs, f"capacity: {runs} in flight")
+            batch, since, submit_s = submitted(runs, f"capacity: {runs} in flight")
             wait_done(batch, executor, BATCH_TIMEOUT)
         cpu = executor.cpu_seconds() - cpu_before
         rss = rss_peak_mb(executor.pid)
@@ -204,10 +223,11 @@ def measure(runs: int, folder: Path) -> dict[str, Any]:
         raise
     finally:
         executor.kill()
-    seconds = span(batch)
+    seconds = span(batch, since)
     return {
         "runs": runs,
         "one_run_s": round(one_run, 2),
+        "submit_s": round(submit_s, 2),
         "seconds": round(seconds, 2),
         "over_one_run": round(seconds / one_run, 2),
         "runs_s": round(runs / seconds, 1),

@@ -326,7 +326,8 @@ def _capacity(figures: dict[str, Any]) -> list[Row]:
                 f"{_n(ours['runs'])} runs in flight, {_n(figures['tool_s'])}-s tools, "
                 "one executor process",
                 f"{_n(ours['seconds'])} s ({_n(ours['over_one_run'])} {TIMES} one run's "
-                f"{_n(ours['one_run_s'])} s), {_n(ours['runs_s'])} runs/s, "
+                f"{_n(ours['one_run_s'])} s) from the submission's commit (the bench took "
+                f"{_n(ours['submit_s'])} s to submit them), {_n(ours['runs_s'])} runs/s, "
                 f"{_n(ours['peak_sessions'])} sessions at most, {_n(ours['executor_cpu_s'])} s "
                 f"of CPU ({_n(ours['executor_cpu_ms_per_action'])} ms per action), "
                 f"{_n(ours['executor_rss_mb'])} MB; {_n(ours['completed'])} completed, "
