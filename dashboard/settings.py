@@ -299,15 +299,6 @@ DATABASES["default"].setdefault("OPTIONS", {}).update(
     # connection.  A transaction-mode pooler needs PgBouncer >= 1.21.
     prepare_threshold=5,
 )
-# Those prepared statements are planned once per connection (a generic plan,
-# `plan_cache_mode`): left to choose, PostgreSQL planned a step's write again
-# on every execution, which cost the server more than running it (0.8 of
-# 1.3 ms of its CPU a step).  The optional writers' transactions keep its
-# own choice (runs.sql.commit_asynchronously).
-GENERIC_PLANS = "-c plan_cache_mode=force_generic_plan"
-DATABASES["default"]["OPTIONS"]["options"] = " ".join(
-    part for part in (DATABASES["default"]["OPTIONS"].get("options", ""), GENERIC_PLANS) if part
-)
 # The process's connections (issue 39): one pool per process, shared by all
 # its threads (runs in flight, the lease renewal, the timeline, capture,
 # the lock sampler), RUNDESK_DB_POOL_SIZE connections at most.  A thread
@@ -344,13 +335,6 @@ if RUNDESK_DB_POOL_SIZE:
 RUNDESK_DB_TRANSACTION_POOLER = env_bool("RUNDESK_DB_TRANSACTION_POOLER", False)
 if RUNDESK_DB_TRANSACTION_POOLER:
     DATABASES["default"]["OPTIONS"]["prepare_threshold"] = None
-    # Nothing is prepared, and PgBouncer refuses a startup `options` it was
-    # not told to ignore.
-    DATABASES["default"]["OPTIONS"]["options"] = (
-        DATABASES["default"]["OPTIONS"]["options"].replace(GENERIC_PLANS, "").strip()
-    )
-    if not DATABASES["default"]["OPTIONS"]["options"]:
-        del DATABASES["default"]["OPTIONS"]["options"]
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

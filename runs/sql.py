@@ -131,12 +131,7 @@ def commit_asynchronously(cursor: Any, **also: str) -> None:
     pooler's server connection never carries it to another client; so are
     the other settings `also` names, set in the same round trip.  `cursor`
     is a `server_cursor()`: the statement is prepared."""
-    # ... and statements prepared in it are planned as PostgreSQL chooses:
-    # the connection's generic plans are for the main path's statements
-    # (dashboard/settings.py, GENERIC_PLANS), and an optional writer's
-    # statement (a batch of records, its size known only when bound) is
-    # better planned for its parameters.
-    settings = {"synchronous_commit": "off", "plan_cache_mode": "auto", **also}
+    settings = {"synchronous_commit": "off", **also}
     calls = ", ".join("set_config(%s, %s, true)" for _ in settings)
     cursor.execute(
         f"SELECT {calls}", [part for item in settings.items() for part in item], prepare=True
