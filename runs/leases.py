@@ -274,7 +274,7 @@ class Lease:
             rows = lifecycle.claim(
                 owner, lease_ttl(), lab=settings.RUNDESK_DRILL_LAB, run_id=run_id, most=most
             )
-        return [cls(run_id=run_id, owner=owner, epoch=epoch) for run_id, epoch in rows]
+        return [cls(run_id=claimed, owner=owner, epoch=epoch) for claimed, epoch in rows]
 
     def renew(self) -> bool:
         """Renews this lease alone (an executor renews all its process holds
