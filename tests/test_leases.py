@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import threading
 
+import psycopg
 import pytest
 from django.db import connection, transaction
 from django.utils import timezone
@@ -22,6 +23,7 @@ from runs.models import (
 )
 from runs.renewal import renewals
 from runs.submission import submit
+from tests.conftest import database_url
 from tests.faultruns import wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -90,6 +92,22 @@ def test_concurrent_claim_next_takes_each_run_once():
         thread.join()
     claimed = [out[0] for _, out in threads]
     assert sorted(claimed) == sorted(runs)
+
+
+def test_claim_oldest_takes_the_oldest_claimable_runs_in_one_statement_skipping_locked_ones():
+    runs = [submit(question=f"q{i}", documents=DOCS).pk for i in range(5)]
+    with psycopg.connect(database_url()) as other:
+        # Another executor is claiming the oldest at this moment.
+        other.execute("SELECT 1 FROM runs_run WHERE id = %s FOR NO KEY UPDATE", [runs[0]])
+        taken = Lease.claim_oldest("executor", 3)
+        assert [lease.run_id for lease in taken] == runs[1:4]
+        assert {lease.epoch for lease in taken} == {1}
+        other.rollback()
+    assert [lease.run_id for lease in Lease.claim_oldest("executor", 3)] == [runs[0], runs[4]]
+    assert Lease.claim_oldest("executor", 3) == []
+    assert set(Run.objects.filter(pk__in=runs).values_list("lease_owner", flat=True)) == {
+        "executor"
+    }
 
 
 def test_stale_epoch_write_changes_nothing():
