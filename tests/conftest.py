@@ -18,9 +18,14 @@ from django.test import Client, TransactionTestCase
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 from psycopg import sql
 
-from evidence.capture import capture
+from evidence.capture import Copy, capture
+from evidence.records import record_model_call, record_source
+from runs import submission
 from runs.harness import Journal, database_url
+from runs.leases import Lease
+from runs.models import Run, digest
 from runs.timeline import timeline
+from tests.faultruns import DOCS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -159,6 +164,29 @@ def _empty_tables_that_got_rows(test: TransactionTestCase) -> None:
 
 _flush_everything = TransactionTestCase._fixture_teardown
 TransactionTestCase._fixture_teardown = _empty_tables_that_got_rows
+
+
+@pytest.fixture
+def evidence() -> tuple[Run, Lease, Copy]:
+    """A leased run with one source and one model call, its copy not saved
+    yet (tests/test_capture.py, tests/test_capture_retry.py)."""
+    run = submission.submit(question="q", documents=DOCS[:1])
+    lease = Lease.claim(run.pk, "owner")
+    assert lease is not None
+    read = {"path": DOCS[0], "sha256": "ab" * 32, "bytes": 10, "text": "x"}
+    read_id = lease.record_boundary(
+        step_key="read:0", kind="read_document", effect_class="read", input={"path": DOCS[0]}
+    )
+    lease.record_receipt(read_id, read)
+    record_source(run.pk, read_id, DOCS[0], read["sha256"], read["bytes"])
+    call_id = lease.record_boundary(
+        step_key="summarize:0", kind="model_call", effect_class="read", input={"m": 1}
+    )
+    lease.record_receipt(call_id, {"provider": "offline", "text": "summary"})
+    model_call = record_model_call(
+        run.pk, call_id, "offline", digest({"m": 1}), digest({"text": "summary"}), [DOCS[0]]
+    )
+    return run, lease, Copy(run.pk, model_call, "input", "output")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -28,33 +28,12 @@ from evidence.records import record_model_call, record_source
 from runs import submission
 from runs.executor import claim_and_drive
 from runs.leases import Lease
-from runs.models import AnswerRevision, Run, RunEvent, RunStatus, digest
+from runs.models import AnswerRevision, Run, RunEvent, RunStatus
 from runs.timeline import timeline
 from tests.conftest import database_url
 from tests.faultruns import DOCS, executions, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-@pytest.fixture
-def evidence():
-    """A leased run with one source and one model call."""
-    run = submission.submit(question="q", documents=DOCS[:1])
-    lease = Lease.claim(run.pk, "owner")
-    read = {"path": DOCS[0], "sha256": "ab" * 32, "bytes": 10, "text": "x"}
-    read_id = lease.record_boundary(
-        step_key="read:0", kind="read_document", effect_class="read", input={"path": DOCS[0]}
-    )
-    lease.record_receipt(read_id, read)
-    record_source(run.pk, read_id, DOCS[0], read["sha256"], read["bytes"])
-    call_id = lease.record_boundary(
-        step_key="summarize:0", kind="model_call", effect_class="read", input={"m": 1}
-    )
-    lease.record_receipt(call_id, {"provider": "offline", "text": "summary"})
-    model_call = record_model_call(
-        run.pk, call_id, "offline", digest({"m": 1}), digest({"text": "summary"}), [DOCS[0]]
-    )
-    return run, lease, Copy(run.pk, model_call, "input", "output")
 
 
 @pytest.fixture
