@@ -264,35 +264,44 @@ def drop_connection_at_commit(fault: Fault, pid: int, fd: int) -> Iterator[None]
             "SELECT set_config('rundesk.stall_after_announce_ms', %s, false)", [str(stall)]
         )
     finished, cut = threading.Event(), threading.Event()
-    cutter = threading.Thread(
-        target=_cut, args=(fault.outcome, pid, fd, finished, cut), daemon=True
-    )
-    cutter.start()
-    try:
-        yield
-    finally:
-        finished.set()
-        cutter.join()
-        if not cut.is_set():
-            with connection.cursor() as cursor:
-                cursor.execute("RESET rundesk.stall_after_announce_ms")
-
-
-def _cut(outcome: str, pid: int, fd: int, finished: threading.Event, cut: threading.Event) -> None:
+    # Connected before the write starts: on a busy machine a connection
+    # can take longer than the stall it has to catch.
     with _side_connection() as side:
-        while not finished.is_set():
-            waiting = side.execute(
-                "SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)
-            ).fetchone()
-            if waiting and waiting[0] == "PgSleep":
-                break
-            finished.wait(0.005)
-        else:
-            return
-        # The client's end goes first: whatever the server does next, the
-        # writer hears nothing more.
-        with socket.socket(fileno=os.dup(fd)) as writer_end:
-            writer_end.shutdown(socket.SHUT_RDWR)
-        cut.set()
-        if outcome == "aborted":
-            side.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        cutter = threading.Thread(
+            target=_cut, args=(side, fault.outcome, pid, fd, finished, cut), daemon=True
+        )
+        cutter.start()
+        try:
+            yield
+        finally:
+            finished.set()
+            cutter.join()
+            if not cut.is_set():
+                with connection.cursor() as cursor:
+                    cursor.execute("RESET rundesk.stall_after_announce_ms")
+
+
+def _cut(
+    side: psycopg.Connection[Any],
+    outcome: str,
+    pid: int,
+    fd: int,
+    finished: threading.Event,
+    cut: threading.Event,
+) -> None:
+    while not finished.is_set():
+        waiting = side.execute(
+            "SELECT wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()
+        if waiting and waiting[0] == "PgSleep":
+            break
+        finished.wait(0.005)
+    else:
+        return
+    # The client's end goes first: whatever the server does next, the
+    # writer hears nothing more.
+    with socket.socket(fileno=os.dup(fd)) as writer_end:
+        writer_end.shutdown(socket.SHUT_RDWR)
+    cut.set()
+    if outcome == "aborted":
+        side.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
