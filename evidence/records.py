@@ -97,6 +97,55 @@ def _first(cursor: Any, sql: str, params: list[Any]) -> tuple[Any, ...]:
     return cursor.fetchone()
 
 
+# What record_new sends: the documents read, then the model calls whose
+# model record is new, each with its links, its copy and its run's count.
+NEW_SOURCES = """INSERT INTO evidence_source (run_id, path, read_action_id, digest, bytes,
+        created_at, changed)
+    SELECT s.run, s.path, s.action, s.digest, s.bytes, now(), false
+    FROM json_to_recordset(%s::json)
+        AS s(run bigint, path text, action bigint, digest text, bytes bigint)
+    ON CONFLICT (run_id, path) DO NOTHING"""
+NEW_CALLS = """WITH c AS (
+        SELECT * FROM json_to_recordset(%s::json) AS c(run bigint, action bigint,
+            provider text, input_digest text, output_digest text, paths text[],
+            input text, output text, input_bytes int, output_bytes int, truncated bool)),
+    call AS (
+        INSERT INTO evidence_modelcall (run_id, action_id, provider, input_digest,
+            output_digest, created_at)
+        SELECT run, action, provider, input_digest, output_digest, now() FROM c
+        ON CONFLICT (action_id) DO NOTHING
+        RETURNING id, action_id),
+    new AS (
+        SELECT call.id, c.* FROM call JOIN c ON c.action = call.action_id),
+    -- Each call's documents, looked up by (run, path) for that call alone:
+    -- a join would let the planner, which cannot know how many rows the
+    -- JSON holds, scan every document ever read.
+    source AS (
+        SELECT new.id AS call, unnest(ARRAY(
+            SELECT s.id FROM evidence_source s
+            WHERE s.run_id = new.run AND s.path = ANY(new.paths))) AS source
+        FROM new),
+    linked AS (
+        INSERT INTO evidence_modelcall_sources (modelcall_id, source_id)
+        SELECT call, source FROM source),
+    copy AS (
+        INSERT INTO evidence_evidencecopy (run_id, model_call_id, input, output,
+            input_bytes, output_bytes, truncated, created_at)
+        SELECT run, id, input, output, input_bytes, output_bytes, truncated, now()
+        FROM new
+        RETURNING id, model_call_id, run_id),
+    copy_linked AS (
+        INSERT INTO evidence_evidencecopy_sources (evidencecopy_id, source_id)
+        SELECT copy.id, source.source FROM copy
+        JOIN source ON source.call = copy.model_call_id),
+    counted AS (
+        INSERT INTO evidence_capturestats (run_id, captured, lost)
+        SELECT run_id, count(*), 0 FROM copy GROUP BY run_id
+        ON CONFLICT (run_id) DO UPDATE
+            SET captured = evidence_capturestats.captured + EXCLUDED.captured)
+    SELECT action_id FROM call"""
+
+
 def record_new(cursor: Any, sources: list[dict[str, Any]], calls: list[dict[str, Any]]) -> set[int]:
     """Many records in two statements, in the caller's transaction: the
     documents read (`sources`: run, path, action, digest, bytes), then the
@@ -109,54 +158,8 @@ def record_new(cursor: Any, sources: list[dict[str, Any]], calls: list[dict[str,
     (evidence/capture.py).  Capture's path for what a live run hands it:
     two statements for a batch, where a record alone takes seven."""
     if sources:
-        cursor.execute(
-            """INSERT INTO evidence_source (run_id, path, read_action_id, digest, bytes,
-                   created_at, changed)
-               SELECT s.run, s.path, s.action, s.digest, s.bytes, now(), false
-               FROM json_to_recordset(%s::json)
-                   AS s(run bigint, path text, action bigint, digest text, bytes bigint)
-               ON CONFLICT (run_id, path) DO NOTHING""",
-            [json.dumps(sources, ensure_ascii=False)],
-            prepare=True,
-        )
+        cursor.execute(NEW_SOURCES, [json.dumps(sources, ensure_ascii=False)], prepare=True)
     if not calls:
         return set()
-    cursor.execute(
-        """WITH c AS (
-               SELECT * FROM json_to_recordset(%s::json) AS c(run bigint, action bigint,
-                   provider text, input_digest text, output_digest text, paths text[],
-                   input text, output text, input_bytes int, output_bytes int, truncated bool)),
-           call AS (
-               INSERT INTO evidence_modelcall (run_id, action_id, provider, input_digest,
-                   output_digest, created_at)
-               SELECT run, action, provider, input_digest, output_digest, now() FROM c
-               ON CONFLICT (action_id) DO NOTHING
-               RETURNING id, action_id),
-           new AS (
-               SELECT call.id, c.* FROM call JOIN c ON c.action = call.action_id),
-           source AS (
-               SELECT new.id AS call, s.id AS source FROM new
-               JOIN evidence_source s ON s.run_id = new.run AND s.path = ANY(new.paths)),
-           linked AS (
-               INSERT INTO evidence_modelcall_sources (modelcall_id, source_id)
-               SELECT call, source FROM source),
-           copy AS (
-               INSERT INTO evidence_evidencecopy (run_id, model_call_id, input, output,
-                   input_bytes, output_bytes, truncated, created_at)
-               SELECT run, id, input, output, input_bytes, output_bytes, truncated, now()
-               FROM new
-               RETURNING id, model_call_id, run_id),
-           copy_linked AS (
-               INSERT INTO evidence_evidencecopy_sources (evidencecopy_id, source_id)
-               SELECT copy.id, source.source FROM copy
-               JOIN source ON source.call = copy.model_call_id),
-           counted AS (
-               INSERT INTO evidence_capturestats (run_id, captured, lost)
-               SELECT run_id, count(*), 0 FROM copy GROUP BY run_id
-               ON CONFLICT (run_id) DO UPDATE
-                   SET captured = evidence_capturestats.captured + EXCLUDED.captured)
-           SELECT action_id FROM call""",
-        [json.dumps(calls, ensure_ascii=False)],
-        prepare=True,
-    )
+    cursor.execute(NEW_CALLS, [json.dumps(calls, ensure_ascii=False)], prepare=True)
     return {action_id for (action_id,) in cursor.fetchall()}

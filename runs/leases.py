@@ -73,6 +73,12 @@ OWNED_NOT_CANCELLED = f"SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED} FOR SH
 # until another owner claims the run (a claim skips the run while this
 # statement holds its row, and then sees the receipts) or a sweep ends or
 # requeues it, nobody else can have written or decided anything about it.
+# The action's state is tested inside a CASE so that no plan finds the
+# actions through action_dispatched_idx: that index keeps an entry for each
+# version of a row ever dispatched until VACUUM removes it, and a generic
+# plan (the statements are prepared) that chose it read tens of thousands
+# of entries, on a busy database, for the one action it updates.  The
+# actions are found by id (at worst among the run's own).
 RECEIPT_CTES = f"""owned AS (
         SELECT cancel_requested_at IS NULL AS may_start,
             lease_expires_at > clock_timestamp() AS live
@@ -83,7 +89,8 @@ RECEIPT_CTES = f"""owned AS (
     completed AS (
         UPDATE runs_action SET state = 'completed', finished_at = now()
         WHERE id = ANY(%(receipt_actions)s::bigint[]) AND run_id = %(run)s
-          AND epoch = %(epoch)s AND state = 'dispatched' AND EXISTS (SELECT 1 FROM owned)
+          AND epoch = %(epoch)s AND CASE WHEN state = 'dispatched' THEN true END
+          AND EXISTS (SELECT 1 FROM owned)
         RETURNING id, run_id, step_key),
     receipt AS (
         INSERT INTO runs_receipt (action_id, run_id, step_key, result, result_digest, epoch,
