@@ -130,6 +130,7 @@ def decided_run(journal, operator) -> Run:
     )
     assert claim_and_drive(run.pk) == RunStatus.COMPLETED
     timeline.flush()
+    capture.flush()  # its model records, which some tests change
     return Run.objects.get(pk=run.pk)
 
 
