@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -40,7 +39,7 @@ def generic_plan(sql: str, params: dict[str, Any] | list[Any]) -> str:
     with connection.cursor() as cursor:
         cursor.execute("SET plan_cache_mode = force_generic_plan")
         try:
-            cursor.execute(f"PREPARE planned AS {text}".replace("%", "%%"))
+            cursor.execute(f"PREPARE planned AS {text}")
             try:
                 marks = ", ".join(["%s"] * len(values))
                 cursor.execute(f"EXPLAIN EXECUTE planned({marks})", values)
@@ -52,7 +51,7 @@ def generic_plan(sql: str, params: dict[str, Any] | list[Any]) -> str:
 
 
 @pytest.fixture
-def churned() -> Iterator[None]:
+def churned() -> None:
     """Many actions of other runs, all completed, and the table analysed:
     the statistics say that hardly any action is dispatched, so the index
     of dispatched actions looks like the cheapest way to anything."""
@@ -66,7 +65,6 @@ def churned() -> Iterator[None]:
             [other.pk],
         )
         cursor.execute("ANALYZE runs_action")
-    yield
 
 
 def test_a_receipt_never_finds_its_action_through_the_index_of_dispatched_actions(churned):
