@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from django.db import connection, transaction
 
@@ -137,9 +139,18 @@ def test_exhausted_budget_moves_to_finalizing_and_still_answers(journal):
 
 def test_executor_once_drains_the_queue_with_concurrency():
     runs = [submit(question=f"q{i}", documents=DOCS[:1]) for i in range(4)]
-    results = Executor(concurrency=2, poll_seconds=0.05).serve(once=True)
+    drivers = []
+    executor = Executor(
+        concurrency=2,
+        poll_seconds=0.05,
+        # Told on the run's own thread.
+        on_ending=lambda run, ending: drivers.append(threading.current_thread()),
+    )
+    results = executor.serve(once=True)
     assert sorted(results) == sorted((r.pk, RunStatus.COMPLETED) for r in runs)
     assert set(Run.objects.values_list("lease_epoch", flat=True)) == {1}
+    # A thread that drove a run drives the next: two threads for four runs.
+    assert len(drivers) == 4 and len(set(drivers)) <= 2
 
 
 def test_completed_run_is_not_claimable_again(journal):
