@@ -171,13 +171,14 @@ class ModelCallRecord:
         input: dict[str, Any],
         output: dict[str, Any],
         paths: list[str],
+        output_digest: str = "",
     ) -> ModelCallRecord:
         return cls(
             run_id=run_id,
             action_id=action_id,
             provider=str(output.get("provider", "")),
             input_digest=digest(input),
-            output_digest=digest(output),
+            output_digest=output_digest or digest(output),
             paths=tuple(paths),
             input=json.dumps(input.get("messages", input), ensure_ascii=False),
             output=str(output.get("text", "")),
@@ -762,12 +763,14 @@ class RunCapture:
         input: dict[str, Any],
         result: dict[str, Any],
         sources: Sequence[str],
+        result_digest: str = "",
     ) -> None:
         """An action's result, new or settled by its receipt (handed over
         again: the owner that wrote it may have died before capture saved
         it; capture saves each once).  A document read leaves its source;
         a model call its model record and a bounded copy, linked to the
-        `sources` it was given."""
+        `sources` it was given.  `result_digest`: the result's digest, when
+        its receipt has it."""
         if tool == "read_document" and "refused" not in result:
             self.writer.submit(
                 SourceRecord(
@@ -776,7 +779,9 @@ class RunCapture:
             )
         elif tool == "model_call":
             self.writer.submit(
-                ModelCallRecord.of(self.run_id, action_id, input, result, list(sources))
+                ModelCallRecord.of(
+                    self.run_id, action_id, input, result, list(sources), result_digest
+                )
             )
 
     def resumed(self) -> None:

@@ -41,13 +41,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, transaction
 from django.utils import timezone
@@ -90,6 +89,7 @@ from runs.models import (
     Run,
     RunStatus,
     action_identity,
+    canonical_json,
     digest,
     new_idempotency_key,
 )
@@ -111,6 +111,19 @@ MAX_READ_DISPATCHES = 10
 FACT_RETRY_SECONDS = 30.0
 
 
+class Answer(NamedTuple):
+    """What a tool answered, as its receipt keeps it: a JSON object, and
+    its canonical text (made once: the check that the answer is JSON, the
+    receipt and its digest all use it)."""
+
+    result: dict[str, Any]
+    text: str
+
+    @classmethod
+    def of(cls, result: dict[str, Any]) -> Answer:
+        return cls(result, canonical_json(result))
+
+
 @dataclass(frozen=True)
 class AwaitingReceipt:
     """A read this owner has the result of, whose receipt is not written
@@ -122,12 +135,16 @@ class AwaitingReceipt:
     step: int  # the run's step count when it completed (fault plans count so)
     tool: Tool
     input: dict[str, Any]
-    result: dict[str, Any]
+    answer: Answer
     sources: Sequence[str]
+
+    @property
+    def result(self) -> dict[str, Any]:
+        return self.answer.result
 
     @functools.cached_property
     def receipt(self) -> PendingReceipt:
-        return PendingReceipt(self.action_id, self.result)
+        return PendingReceipt(self.action_id, self.answer.result, self.answer.text)
 
 
 class Stopping(Exception):
@@ -599,7 +616,12 @@ class Dispatcher:
         same; capture keeps one per call)."""
         for each in awaiting:
             self.capture.completed(
-                each.action_id, each.tool.name, each.input, each.result, each.sources
+                each.action_id,
+                each.tool.name,
+                each.input,
+                each.result,
+                each.sources,
+                each.receipt.result_digest,
             )
 
     # -- one step --------------------------------------------------------------
@@ -839,7 +861,7 @@ class Dispatcher:
 
     def _answer(
         self, started: concurrent.futures.Future[dict[str, Any]], tool: Tool, step: int
-    ) -> dict[str, Any] | Exception:
+    ) -> Answer | Exception:
         """What the tool answered: its result (a refusal is one), or the
         ToolFailed or OutcomeUnknown it raised or that its silence past
         its timeout means.  Any other error is a failure for a read and
@@ -847,7 +869,7 @@ class Dispatcher:
         try:
             result = started.result(timeout=tool.timeout)
         except ToolRefused as refusal:
-            return {"refused": str(refusal)}
+            return Answer.of({"refused": str(refusal)})
         except (ToolFailed, OutcomeUnknown) as error:
             return error
         except concurrent.futures.TimeoutError:
@@ -876,7 +898,7 @@ class Dispatcher:
         input: dict[str, Any],
         sources: Sequence[str],
         step: int,
-        answer: dict[str, Any] | Exception,
+        answer: Answer | Exception,
     ) -> dict[str, Any]:
         """Records what the tool answered: an unknown outcome waits for an
         operator (NeedsOperator), a failure is marked (ActionFailed); a
@@ -898,7 +920,7 @@ class Dispatcher:
             self._receipts_written([awaiting])
         else:
             self.unwritten.append(awaiting)
-        return answer
+        return answer.result
 
     def _record_receipts(self, awaiting: Sequence[AwaitingReceipt]) -> None:
         """Writes the receipts on their own, in one statement."""
@@ -1005,13 +1027,13 @@ class Dispatcher:
         timeline.record(self.run.pk, kind, reason, action_id=action_id)
 
 
-def _as_result(result: Any, tool: Tool) -> dict[str, Any] | Exception:
+def _as_result(result: Any, tool: Tool) -> Answer | Exception:
     """A tool's answer as its receipt keeps it: a JSON object.  Another
     JSON value is kept under "value"; what is no JSON is no result (for
     an effect, it may have happened all the same)."""
+    kept = result if isinstance(result, dict) else {"value": result}
     try:
-        json.dumps(result, allow_nan=False)
+        return Answer.of(kept)
     except (TypeError, ValueError) as error:
         said = f"the tool answered what is no JSON: {error}"
         return OutcomeUnknown(said) if tool.effect == EffectClass.EFFECT else ToolFailed(said)
-    return result if isinstance(result, dict) else {"value": result}

@@ -183,10 +183,13 @@ class PendingReceipt:
 
     action_id: int
     result: dict[str, Any]
+    # `result` in canonical form: given by a caller that has it (the check
+    # that a tool's answer is JSON made it), made here otherwise.
+    result_json: str = ""
 
-    @functools.cached_property
-    def result_json(self) -> str:
-        return canonical_json(self.result)
+    def __post_init__(self) -> None:
+        if not self.result_json:
+            object.__setattr__(self, "result_json", canonical_json(self.result))
 
     @functools.cached_property
     def result_digest(self) -> str:

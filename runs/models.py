@@ -44,8 +44,12 @@ from runs.timeline import EventKind
 def canonical_json(value: Any) -> str:
     """A JSON value in canonical form (sorted keys, no spaces): the text
     `digest` hashes.  The hot path sends the same text as the jsonb value,
-    so each value is serialised once."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    so each value is serialised once.  What is no JSON (NaN, an object
+    JSON cannot encode, keys that cannot be sorted) raises ValueError or
+    TypeError."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
 
 
 def digest(value: Any) -> str:

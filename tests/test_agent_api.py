@@ -107,6 +107,19 @@ def test_a_tool_input_its_schema_refuses_is_refused_before_any_boundary(journal)
         dispatcher.step("fax", "send_fax", {})
 
 
+def test_a_receipt_keeps_what_the_tool_answered_whatever_the_agent_does_with_it(journal):
+    # A read's receipt goes with the run's next write: an agent that
+    # changes the result it was given meanwhile changes nothing of it.
+    run = submit(question="q", documents=["northwind-clean-energy.md"])
+    lease = Lease.claim(run.pk, "owner")
+    dispatcher = Dispatcher(lease, stop=threading.Event(), lease_lost=threading.Event())
+    result = dispatcher.step("read:0", "read_document", {"path": "northwind-clean-energy.md"})
+    answered = json.loads(json.dumps(result))
+    result["text"] = "changed by the agent"
+    dispatcher.write_receipt()
+    assert Receipt.objects.get(action__run=run).result == answered
+
+
 SCHEMAS_AND_VALUES = [
     (
         {
