@@ -389,4 +389,8 @@ class Executor:
         if ending is not None:
             logger.info("run %s: %s", lease.run_id, ending)
             if self.on_ending is not None:
-                self.on_ending(lease.run_id, ending)
+                try:
+                    self.on_ending(lease.run_id, ending)
+                except Exception:
+                    # Its thread drives the next run: said here, or nowhere.
+                    logger.exception("run %s: telling its ending failed", lease.run_id)
