@@ -113,8 +113,10 @@ FACT_RETRY_SECONDS = 30.0
 
 class Answer(NamedTuple):
     """What a tool answered, as its receipt keeps it: a JSON object, and
-    its canonical text (made once: the check that the answer is JSON, the
-    receipt and its digest all use it)."""
+    its canonical text, made when the answer arrives: the check that the
+    answer is JSON, the receipt and its digest all use it, and a read's
+    receipt, written with the run's next write, keeps what the tool
+    answered whatever the agent does meanwhile with the object it got."""
 
     result: dict[str, Any]
     text: str
