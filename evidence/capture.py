@@ -763,26 +763,39 @@ class RunCapture:
         input: dict[str, Any],
         result: dict[str, Any],
         sources: Sequence[str],
-        result_digest: str = "",
     ) -> None:
-        """An action's result, new or settled by its receipt (handed over
-        again: the owner that wrote it may have died before capture saved
-        it; capture saves each once).  A document read leaves its source;
-        a model call its model record and a bounded copy, linked to the
-        `sources` it was given.  `result_digest`: the result's digest, when
-        its receipt has it."""
+        """An action's result settled by its receipt, handed over again
+        (the owner that wrote it may have died before capture saved it;
+        capture saves each once)."""
+        self.save(self.copy_of(action_id, tool, input, result, sources))
+
+    def copy_of(
+        self,
+        action_id: int,
+        tool: str,
+        input: dict[str, Any],
+        result: dict[str, Any],
+        sources: Sequence[str],
+        result_digest: str = "",
+    ) -> Record | None:
+        """What capture keeps of an action's result: a document read leaves
+        its source; a model call its model record and a bounded copy,
+        linked to the `sources` it was given; other tools nothing.
+        `result_digest`: the result's digest, when its receipt has it."""
         if tool == "read_document" and "refused" not in result:
-            self.writer.submit(
-                SourceRecord(
-                    self.run_id, action_id, input["path"], result["sha256"], result["bytes"]
-                )
+            return SourceRecord(
+                self.run_id, action_id, input["path"], result["sha256"], result["bytes"]
             )
-        elif tool == "model_call":
-            self.writer.submit(
-                ModelCallRecord.of(
-                    self.run_id, action_id, input, result, list(sources), result_digest
-                )
+        if tool == "model_call":
+            return ModelCallRecord.of(
+                self.run_id, action_id, input, result, list(sources), result_digest
             )
+        return None
+
+    def save(self, record: Record | None) -> None:
+        """Hands what `copy_of` made to capture (nothing: no copy)."""
+        if record is not None:
+            self.writer.submit(record)
 
     def resumed(self) -> None:
         """A new owner took the run over: are its documents still what it read?"""

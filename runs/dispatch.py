@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -51,7 +50,7 @@ from typing import Any, NamedTuple, NoReturn, TypeVar
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, transaction
 from django.utils import timezone
 
-from evidence.capture import RunCapture
+from evidence.capture import Record, RunCapture
 from runs import approvals, registry
 from runs.agent import (
     ActionFailed,
@@ -132,21 +131,19 @@ class AwaitingReceipt:
     yet: it goes with the run's next write.  Not yet `ActionState.COMPLETED`:
     until that commit a next owner sends the read again."""
 
-    action_id: int
     step_key: str
     step: int  # the run's step count when it completed (fault plans count so)
-    tool: Tool
-    input: dict[str, Any]
-    answer: Answer
-    sources: Sequence[str]
+    receipt: PendingReceipt
+    # What capture keeps of it (RunCapture.copy_of), made with the receipt.
+    copy: Record | None
+
+    @property
+    def action_id(self) -> int:
+        return self.receipt.action_id
 
     @property
     def result(self) -> dict[str, Any]:
-        return self.answer.result
-
-    @functools.cached_property
-    def receipt(self) -> PendingReceipt:
-        return PendingReceipt(self.action_id, self.answer.result, self.answer.text)
+        return self.receipt.result
 
 
 class Stopping(Exception):
@@ -617,14 +614,7 @@ class Dispatcher:
         COMMIT, a lost lease: the copy of what was called is kept all the
         same; capture keeps one per call)."""
         for each in awaiting:
-            self.capture.completed(
-                each.action_id,
-                each.tool.name,
-                each.input,
-                each.result,
-                each.sources,
-                each.receipt.result_digest,
-            )
+            self.capture.save(each.copy)
 
     # -- one step --------------------------------------------------------------
 
@@ -914,7 +904,13 @@ class Dispatcher:
             self._mark(action_id, ActionState.FAILED, str(answer), EventKind.ACTION_FAILED)
             raise ActionFailed(step_key, str(answer)) from answer
         self.completed_now[step_key] = action_id
-        awaiting = AwaitingReceipt(action_id, step_key, step, tool, input, answer, sources)
+        receipt = PendingReceipt(action_id, answer.result, answer.text)
+        # What capture keeps is taken now, as the receipt is: what the tool
+        # answered, whatever the agent then does with the objects it has.
+        copy = self.capture.copy_of(
+            action_id, tool.name, input, answer.result, sources, receipt.result_digest
+        )
+        awaiting = AwaitingReceipt(step_key, step, receipt, copy)
         # An effect's receipt does not wait; nor any in a run whose fault
         # plan aims at a receipt (FaultPlan.aims_at_writes).
         if tool.effect == EffectClass.EFFECT or self.faults.aims_at_writes:

@@ -21,6 +21,8 @@ from django.core.management.base import CommandError, SystemCheckError
 from django.db import connection
 from django.utils import timezone
 
+from evidence.capture import capture
+from evidence.models import Source
 from runs import registry
 from runs.agent import READ, ActionFailed, Step, Tool, compiled_check
 from runs.agents.research import ResearchAgent
@@ -107,7 +109,7 @@ def test_a_tool_input_its_schema_refuses_is_refused_before_any_boundary(journal)
         dispatcher.step("fax", "send_fax", {})
 
 
-def test_a_receipt_keeps_what_the_tool_answered_whatever_the_agent_does_with_it(journal):
+def test_a_receipt_and_its_copy_keep_what_the_tool_answered_whatever_the_agent_does(journal):
     # A read's receipt goes with the run's next write: an agent that
     # changes the result it was given meanwhile changes nothing of it.
     run = submit(question="q", documents=["northwind-clean-energy.md"])
@@ -116,8 +118,12 @@ def test_a_receipt_keeps_what_the_tool_answered_whatever_the_agent_does_with_it(
     result = dispatcher.step("read:0", "read_document", {"path": "northwind-clean-energy.md"})
     answered = json.loads(json.dumps(result))
     result["text"] = "changed by the agent"
+    result["sha256"] = "0" * 64
     dispatcher.write_receipt()
     assert Receipt.objects.get(action__run=run).result == answered
+    # Nor what capture keeps of it.
+    capture.flush()
+    assert Source.objects.get(run=run).digest == answered["sha256"]
 
 
 SCHEMAS_AND_VALUES = [
