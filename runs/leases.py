@@ -19,7 +19,7 @@ import functools
 import os
 import socket
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,6 @@ from runs.sql import (
     array_literal,
     bounded_lock_waits,
     changes_rows_waits_bounded,
-    commit_asynchronously,
     server_cursor,
     unanswered_as,
 )
@@ -221,25 +220,6 @@ class Boundary:
         return canonical_json(self.input)
 
 
-@contextlib.contextmanager
-def claiming() -> Iterator[None]:
-    """A claim's transaction.  Its COMMIT does not wait for the WAL flush:
-    nothing leaves the database on a claim's account before the new
-    owner's first durable write (a boundary, a re-dispatch, a publication,
-    a phase change, a renewal, the finish), and that COMMIT flushes the
-    claim with it, since WAL is flushed in order.  A server crash before
-    then loses the claim and nothing else: the run is claimable again (or
-    swept, as an expired lease), and the owner's next write is fenced out.
-    Saves one WAL sync per run.  Inside a caller's transaction, which may
-    hold facts, the commit stays synchronous."""
-    outermost = not transaction.get_connection().in_atomic_block
-    with transaction.atomic():
-        if outermost:
-            with server_cursor() as cursor:
-                commit_asynchronously(cursor)
-        yield
-
-
 def new_owner_name() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
@@ -279,11 +259,24 @@ class Lease:
 
     @classmethod
     def _claim(cls, owner: str, run_id: int | None, most: int) -> list[Lease]:
-        """lifecycle.CLAIM, in its own transaction (`claiming`)."""
-        with claiming():
-            rows = lifecycle.claim(
-                owner, lease_ttl(), lab=settings.RUNDESK_DRILL_LAB, run_id=run_id, most=most
-            )
+        """lifecycle.CLAIM, one statement.  On its own, its COMMIT does not
+        wait for the WAL flush: nothing leaves the database on a claim's
+        account before the new owner's first durable write (a boundary, a
+        re-dispatch, a publication, a phase change, a renewal, the
+        finish), and that COMMIT flushes the claim with it, since WAL is
+        flushed in order.  A server crash before then loses the claim and
+        nothing else: the run is claimable again (or swept, as an expired
+        lease), and the owner's next write is fenced out.  Saves one WAL
+        sync per run.  Inside a caller's transaction, which may hold
+        facts, the commit stays synchronous."""
+        rows = lifecycle.claim(
+            owner,
+            lease_ttl(),
+            lab=settings.RUNDESK_DRILL_LAB,
+            run_id=run_id,
+            most=most,
+            asynchronous=not transaction.get_connection().in_atomic_block,
+        )
         return [cls(run_id=claimed, owner=owner, epoch=epoch) for claimed, epoch in rows]
 
     def renew(self) -> bool:

@@ -233,6 +233,11 @@ CLAIM_NEXT_SQL = _CLAIM.format(
     which="agent = ANY(%(agents)s::text[])", order="ORDER BY created_at, id"
 )
 CLAIM_ONE_SQL = _CLAIM.format(which="id = %(run)s", order="")
+# Added to a claim made on its own (autocommit): its COMMIT does not wait
+# for the WAL flush (Lease._claim says why it may).  Set from the
+# statement's RETURNING, for the statement's own transaction only: a claim
+# that takes no run writes nothing to flush.
+ASYNC_COMMIT = ", set_config('synchronous_commit', 'off', true)"
 
 RELEASE_SQL = f"""UPDATE runs_run SET lease_owner = '', lease_expires_at = NULL,
        status = CASE WHEN cancel_requested_at IS NULL THEN 'queued' ELSE 'cancelled' END,
@@ -307,16 +312,25 @@ CANCEL_SQL = """UPDATE runs_run SET
 
 
 def claim(
-    owner: str, ttl: dt.timedelta, *, lab: bool, run_id: int | None = None, most: int = 1
+    owner: str,
+    ttl: dt.timedelta,
+    *,
+    lab: bool,
+    run_id: int | None = None,
+    most: int = 1,
+    asynchronous: bool = False,
 ) -> list[tuple[int, int]]:
     """CLAIM: the `most` oldest claimable runs of an installed agent (or
     `run_id`, if claimable, whatever its agent: its driver says why it
     cannot run it), for `owner`: (run id, new epoch) each, oldest first.
-    The caller's transaction (leases.claiming) commits it."""
+    `asynchronous`: its COMMIT does not wait for the WAL flush
+    (ASYNC_COMMIT; only for a statement that is its own transaction)."""
     sql = CLAIM_NEXT_SQL if run_id is None else CLAIM_ONE_SQL
+    if asynchronous:
+        sql += ASYNC_COMMIT
     agents = list(settings.RUNDESK_AGENTS)
     params = {"owner": owner, "ttl": ttl, "lab": lab, "run": run_id, "agents": agents}
-    return sorted(_fetch_all(sql, {**params, "most": most}))
+    return sorted((row[0], row[1]) for row in _fetch_all(sql, {**params, "most": most}))
 
 
 def release(fence: Mapping[str, Any]) -> RunStatus | None:

@@ -125,12 +125,13 @@ def commit_asynchronously(cursor: Any, **also: str) -> None:
     """For the rest of this transaction, its COMMIT does not wait for its
     WAL to be flushed: the server flushes it with its other writes within a
     few wal_writer_delay.  For optional writes (the timeline, evidence
-    capture) only, and a claim (runs.leases.claiming says why): a server
-    crash may lose that last moment's rows, never a fact, which commits
-    synchronously.  Local to the transaction, so a
-    pooler's server connection never carries it to another client; so are
-    the other settings `also` names, set in the same round trip.  `cursor`
-    is a `server_cursor()`: the statement is prepared."""
+    capture) only; a claim sets the same in its own statement
+    (lifecycle.ASYNC_COMMIT).  A server crash may lose that last moment's
+    rows, never a fact, which commits synchronously.  Local to the
+    transaction, so a pooler's server connection never carries it to
+    another client; so are the other settings `also` names, set in the
+    same round trip.  `cursor` is a `server_cursor()`: the statement is
+    prepared."""
     settings = {"synchronous_commit": "off", **also}
     calls = ", ".join("set_config(%s, %s, true)" for _ in settings)
     cursor.execute(

@@ -10,8 +10,9 @@ import pytest
 from django.db import connection, transaction
 from django.utils import timezone
 
+from runs import lifecycle
 from runs.executor import drive
-from runs.leases import Lease, LeaseExpired, LeaseLost, PendingReceipt, claiming
+from runs.leases import Lease, LeaseExpired, LeaseLost, PendingReceipt
 from runs.models import (
     Action,
     ActionState,
@@ -256,7 +257,7 @@ def test_cancel_request_stops_new_dispatches_and_keeps_completed_facts(journal):
     }
 
 
-def test_a_claim_commits_asynchronously_and_only_its_own_transaction():
+def test_a_claim_commits_asynchronously_and_only_its_own_transaction(monkeypatch, settings):
     """A claim's COMMIT need not wait for the WAL flush (the owner's first
     durable write flushes it); a caller's transaction around it, which may
     hold facts, stays synchronous, and nothing outlasts the claim."""
@@ -268,13 +269,24 @@ def test_a_claim_commits_asynchronously_and_only_its_own_transaction():
 
     server_default = synchronous_commit()
     assert server_default != "off"
-    with claiming():
+    runs = [submit(question=f"q{i}", documents=DOCS).pk for i in range(3)]
+    # The asynchronous claim's own statement sets it, for its transaction.
+    with transaction.atomic():
+        ttl = dt.timedelta(seconds=settings.RUNDESK_LEASE_SECONDS)
+        assert lifecycle.claim("owner", ttl, lab=False, run_id=runs[0], asynchronous=True)
         assert synchronous_commit() == "off"
-    assert synchronous_commit() == server_default
-    with transaction.atomic(), claiming():
-        assert synchronous_commit() == server_default
+        transaction.set_rollback(True)
 
-    run = submit(question="q", documents=DOCS)
-    lease = Lease.claim(run.pk, "owner")
-    assert lease is not None and synchronous_commit() == server_default
-    assert Run.objects.get(pk=run.pk).lease_owner == "owner"
+    asked = []
+    claim = lifecycle.claim
+    monkeypatch.setattr(
+        lifecycle, "claim", lambda *a, **k: asked.append(k["asynchronous"]) or claim(*a, **k)
+    )
+    assert Lease.claim(runs[0], "owner") is not None
+    assert synchronous_commit() == server_default
+    with transaction.atomic():
+        assert Lease.claim(runs[1], "owner") is not None
+        assert synchronous_commit() == server_default
+    assert asked == [True, False]
+    assert Lease.claim_oldest("owner", 5) != [] and asked[-1] is True
+    assert set(Run.objects.filter(pk__in=runs).values_list("lease_owner", flat=True)) == {"owner"}
