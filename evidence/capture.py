@@ -782,7 +782,8 @@ class RunCapture:
         its source; a model call its model record and a bounded copy,
         linked to the `sources` it was given; other tools nothing.
         `result_digest`: the result's digest, when its receipt has it."""
-        if tool == "read_document" and "refused" not in result:
+        if tool == "read_document" and "sha256" in result and "bytes" in result:
+            # (a refused read has neither)
             return SourceRecord(
                 self.run_id, action_id, input["path"], result["sha256"], result["bytes"]
             )
