@@ -77,10 +77,11 @@ POLICIES = ("nowait", "wait")
 PENDING_GAP_KEYS = 10_000
 # Records the writer takes at a time (and tries again at a time): what was
 # queued while it wrote the last ones, and what comes in LINGER seconds
-# (unless a run ended, or someone waits for them: a flush).  The batch's new records share
-# a transaction of two statements (Capture._save_new): per record, the
-# writer then costs a small share of a step, and the commits a shared
-# server runs out of first are one a batch.
+# (unless a run driven on its own ended, or someone waits for them: a
+# flush).  The batch's new records share a transaction of two statements
+# (Capture._save_new): per record, the writer then costs a small share of
+# a step, and the commits a shared server runs out of first are one a
+# batch.
 BATCH = 500
 LINGER = 0.2
 # A transaction of them takes no new record once this share of the lock
@@ -782,8 +783,8 @@ class RunCapture:
         its source; a model call its model record and a bounded copy,
         linked to the `sources` it was given; other tools nothing.
         `result_digest`: the result's digest, when its receipt has it."""
+        # A refused read has neither digest nor size.
         if tool == "read_document" and "sha256" in result and "bytes" in result:
-            # (a refused read has neither)
             return SourceRecord(
                 self.run_id, action_id, input["path"], result["sha256"], result["bytes"]
             )

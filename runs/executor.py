@@ -260,11 +260,11 @@ CLAIM_AT_ONCE = 50
 class Executor:
     """Claims runs and drives each on a thread of its own, up to
     `concurrency` at once.  One thread (serve's) sweeps when due and
-    claims; a run's thread drives it, then waits for the next.  No run holds a
-    database connection while it waits: each takes one from the process's
-    pool for its statements and gives it back before its tools run
-    (docs/DESIGN.md, "The executor's model"), so `concurrency` is bounded
-    by memory and CPU, not by the server's connections."""
+    claims; a run's thread drives it, then waits for the next.  No run
+    holds a database connection while it waits: each takes one from the
+    process's pool for its statements and gives it back before its tools
+    run (docs/DESIGN.md, "The executor's model"), so `concurrency` is
+    bounded by memory and CPU, not by the server's connections."""
 
     def __init__(
         self,
