@@ -72,12 +72,14 @@ OWNED_NOT_CANCELLED = f"SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED} FOR SH
 # until another owner claims the run (a claim skips the run while this
 # statement holds its row, and then sees the receipts) or a sweep ends or
 # requeues it, nobody else can have written or decided anything about it.
-# The action's state is tested inside a CASE so that no plan finds the
-# actions through action_dispatched_idx: that index keeps an entry for each
-# version of a row ever dispatched until VACUUM removes it, and a generic
-# plan (the statements are prepared) that chose it read tens of thousands
-# of entries, on a busy database, for the one action it updates.  The
-# actions are found by id (at worst among the run's own).
+# The action's run, epoch and state are tested inside a CASE so that the
+# actions are found by their ids alone, whatever plan PostgreSQL keeps (the
+# statements are prepared; a generic plan is made without the parameters'
+# values): not through action_dispatched_idx, which keeps an entry for
+# each version of a row ever dispatched until VACUUM removes it (a plan
+# that chose it read tens of thousands of entries, on a busy database, for
+# the one action it updates), nor among the run's own actions (a long
+# run's every receipt would read them all).
 RECEIPT_CTES = f"""owned AS (
         SELECT cancel_requested_at IS NULL AS may_start,
             lease_expires_at > clock_timestamp() AS live
@@ -87,8 +89,9 @@ RECEIPT_CTES = f"""owned AS (
             %(result_digests)s::text[]) AS pending (action_id, result, result_digest)),
     completed AS (
         UPDATE runs_action SET state = 'completed', finished_at = now()
-        WHERE id = ANY(%(receipt_actions)s::bigint[]) AND run_id = %(run)s
-          AND epoch = %(epoch)s AND CASE WHEN state = 'dispatched' THEN true END
+        WHERE id = ANY(%(receipt_actions)s::bigint[])
+          AND CASE WHEN run_id = %(run)s AND epoch = %(epoch)s AND state = 'dispatched'
+              THEN true END
           AND EXISTS (SELECT 1 FROM owned)
         RETURNING id, run_id, step_key),
     receipt AS (
@@ -100,19 +103,24 @@ RECEIPT_CTES = f"""owned AS (
 # Whether every receipt of RECEIPT_CTES was written (all of them, or the
 # write that carries them writes nothing).
 RECEIPTS_WRITTEN = "(SELECT count(*) FROM receipt) = cardinality(%(receipt_actions)s::bigint[])"
-# The active hold that stops an action of the tool {kind} (its effect class
-# {effect_class}) of the run %(run)s: its id, or NULL.  A subquery for the
-# boundary's statement, in its snapshot: a hold committed before the
-# statement started always stops it (runs/holds.py; the index of
-# hold_one_active_per_scope serves it).
-HOLDING = """(SELECT id FROM runs_hold
-    WHERE released_at IS NULL
-      AND (tool = {kind} OR tool = '' AND {effect_class} = 'effect')
-      AND (agent = '' OR agent = (SELECT agent FROM runs_run WHERE id = %(run)s))
-    ORDER BY id LIMIT 1)"""
+# The active holds that may stop an action of the run %(run)s: a CTE for
+# the statements that write or re-arm a boundary, read once in the
+# statement's own snapshot, so a hold committed before the statement
+# started always stops it (runs/holds.py; the index of
+# hold_one_active_per_scope serves it).  Materialised, so that each
+# boundary of the statement reads it, not the table: it costs the same
+# whatever the number of boundaries, and the statement's generic plan looks
+# no dearer than a custom one, so PostgreSQL keeps it instead of planning
+# the boundary's statement at every step (tests/test_statement_plans.py).
+ACTIVE_HOLDS = """holds AS MATERIALIZED (
+        SELECT id, tool FROM runs_hold
+        WHERE released_at IS NULL
+          AND (agent = '' OR agent = (SELECT agent FROM runs_run WHERE id = %(run)s)))"""
+# The hold of ACTIVE_HOLDS that stops an action of the tool {kind} (its
+# effect class {effect_class}): its id, or NULL.
+HOLDING = """(SELECT min(id) FROM holds
+    WHERE tool = {kind} OR tool = '' AND {effect_class} = 'effect')"""
 
-# The hold that stops the action of the row in scope (runs_action), if any.
-HOLDING_ACTION = HOLDING.format(kind="kind", effect_class="effect_class")
 # Publishing an answer revision: one statement, fenced like the others,
 # with the receipts of reads completed before it (RECEIPT_CTES: all commit,
 # or nothing; the revision only if every receipt is written).  It reads,
@@ -321,7 +329,7 @@ class Lease:
         what = "boundary of " + ", ".join(boundary.step_key for boundary in boundaries)
         with unanswered_as(what) if receipts else contextlib.nullcontext():
             row = self._fetch_one(
-                f"""WITH {RECEIPT_CTES},
+                f"""WITH {RECEIPT_CTES}, {ACTIVE_HOLDS},
                     new AS (
                         SELECT given.*, {
                     HOLDING.format(kind="given.kind", effect_class="given.effect_class")
@@ -401,8 +409,11 @@ class Lease:
         `failed` state; the database also counts the decisions, migration
         0008).  Not while an active hold matches it: Held."""
         row = self._fetch_one(
-            f"""WITH held AS (
-                    SELECT step_key, kind, {HOLDING_ACTION} AS hold
+            f"""WITH {ACTIVE_HOLDS},
+                held AS (
+                    SELECT step_key, kind, {
+                HOLDING.format(kind="kind", effect_class="effect_class")
+            } AS hold
                     FROM runs_action WHERE id = %(action)s),
                 armed AS (
                     UPDATE runs_action SET epoch = %(epoch)s, attempts = attempts + 1,

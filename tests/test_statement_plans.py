@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -51,10 +52,12 @@ def generic_plan(sql: str, params: dict[str, Any] | list[Any]) -> str:
 
 
 @pytest.fixture
-def churned() -> None:
+def churned() -> Iterator[None]:
     """Many actions of other runs, all completed, and the table analysed:
     the statistics say that hardly any action is dispatched, so the index
-    of dispatched actions looks like the cheapest way to anything."""
+    of dispatched actions looks like the cheapest way to anything; and
+    that a run has a handful of actions (as most have), so its own look
+    cheap to read too."""
     other = submit(question="other", documents=DOCS)
     with connection.cursor() as cursor:
         cursor.execute(
@@ -64,7 +67,11 @@ def churned() -> None:
             " 'key-' || i, '', now(), now() FROM generate_series(1, 5000) AS i",
             [other.pk],
         )
+        cursor.execute("ALTER TABLE runs_action ALTER COLUMN run_id SET (n_distinct = -0.2)")
         cursor.execute("ANALYZE runs_action")
+    yield
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE runs_action ALTER COLUMN run_id RESET (n_distinct)")
 
 
 def test_a_receipt_never_finds_its_action_through_the_index_of_dispatched_actions(churned):
@@ -86,6 +93,39 @@ def test_a_receipt_never_finds_its_action_through_the_index_of_dispatched_action
     plan = generic_plan(f"WITH {RECEIPT_CTES} SELECT {RECEIPTS_WRITTEN}", params)
     assert "runs_action" in plan
     assert "action_dispatched_idx" not in plan, plan
+    # Nor through the run's own actions (action_identity_unique): a long
+    # run's every receipt would read all its actions.  By its id.
+    assert "runs_action_pkey" in plan, plan
+    assert "action_identity_unique" not in plan, plan
+
+
+@pytest.mark.parametrize("tables", ["never analysed", "churned"])
+def test_the_boundary_statement_is_planned_once_per_connection_not_once_per_step(request, tables):
+    # Planning it each step cost as much of the server's CPU as running it:
+    # PostgreSQL keeps a generic plan for a prepared statement (plan_cache_
+    # mode auto) only where it costs less than the custom plans it made.
+    if tables == "churned":
+        request.getfixturevalue("churned")
+    run = submit(question="q", documents=DOCS, action_budget=40)
+    lease = Lease.claim(run.pk, "owner")
+    assert lease is not None
+    action = None
+    for i in range(15):
+        receipts = [] if action is None else [PendingReceipt(action, {"text": "x"})]
+        action = lease.record_boundary(
+            step_key=f"read:{i}",
+            kind="read_document",
+            effect_class="read",
+            input={"path": DOCS[0]},
+            receipts=receipts,
+        )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+            " WHERE statement LIKE '%%INSERT INTO runs_action %%'"
+        )
+        ((generic, custom),) = cursor.fetchall()
+    assert custom <= 5 and generic >= 10, (generic, custom)
 
 
 def test_a_batch_of_model_calls_looks_up_each_calls_documents_by_run_and_path():
