@@ -72,14 +72,17 @@ OWNED_NOT_CANCELLED = f"SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED} FOR SH
 # until another owner claims the run (a claim skips the run while this
 # statement holds its row, and then sees the receipts) or a sweep ends or
 # requeues it, nobody else can have written or decided anything about it.
-# The action's run, epoch and state are tested inside a CASE so that the
-# actions are found by their ids alone, whatever plan PostgreSQL keeps (the
-# statements are prepared; a generic plan is made without the parameters'
-# values): not through action_dispatched_idx, which keeps an entry for
-# each version of a row ever dispatched until VACUUM removes it (a plan
-# that chose it read tens of thousands of entries, on a busy database, for
-# the one action it updates), nor among the run's own actions (a long
-# run's every receipt would read them all).
+# The action's state is tested inside a CASE so that no plan finds the
+# actions through action_dispatched_idx: that index keeps an entry for each
+# version of a row ever dispatched until VACUUM removes it, and a generic
+# plan (the statements are prepared; PostgreSQL keeps a plan made without
+# the parameters' values once it looks no dearer) that chose it read tens
+# of thousands of entries, on a busy database, for the one action it
+# updates.  The actions are found by id, or among the run's own: `run_id =`
+# is what keeps a generic plan made while the table was small off a scan of
+# the whole table as it grows (on a table never analysed, an equality
+# always costs less through its index; `id = ANY(...)`, of unknown length,
+# may not).
 RECEIPT_CTES = f"""owned AS (
         SELECT cancel_requested_at IS NULL AS may_start,
             lease_expires_at > clock_timestamp() AS live
@@ -89,9 +92,8 @@ RECEIPT_CTES = f"""owned AS (
             %(result_digests)s::text[]) AS pending (action_id, result, result_digest)),
     completed AS (
         UPDATE runs_action SET state = 'completed', finished_at = now()
-        WHERE id = ANY(%(receipt_actions)s::bigint[])
-          AND CASE WHEN run_id = %(run)s AND epoch = %(epoch)s AND state = 'dispatched'
-              THEN true END
+        WHERE id = ANY(%(receipt_actions)s::bigint[]) AND run_id = %(run)s
+          AND epoch = %(epoch)s AND CASE WHEN state = 'dispatched' THEN true END
           AND EXISTS (SELECT 1 FROM owned)
         RETURNING id, run_id, step_key),
     receipt AS (
