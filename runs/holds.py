@@ -4,8 +4,8 @@ go on later.
 
 The check is the boundary itself: the boundary's statement (runs/leases.py,
 `record_boundaries` and `redispatch_boundary`) writes no action a hold
-matches (HOLDING over ACTIVE_HOLDS, read in the statement's own snapshot), and says which
-hold stopped it (Held).  The run then waits (`wait`: status
+matches (HOLDING over ACTIVE_HOLDS, read in the statement's own snapshot),
+and says which hold stopped it (Held).  The run then waits (`wait`: status
 needs_operator, lease given up, no thread, no connection) with a HoldWait
 row, in the transaction that locks the hold FOR SHARE: a release either
 commits first, and the run goes back to the queue at once instead of

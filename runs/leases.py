@@ -122,6 +122,8 @@ ACTIVE_HOLDS = """holds AS MATERIALIZED (
 # effect class {effect_class}): its id, or NULL.
 HOLDING = """(SELECT min(id) FROM holds
     WHERE tool = {kind} OR tool = '' AND {effect_class} = 'effect')"""
+# The hold that stops the action of the row in scope (runs_action), if any.
+HOLDING_ACTION = HOLDING.format(kind="kind", effect_class="effect_class")
 
 # Publishing an answer revision: one statement, fenced like the others,
 # with the receipts of reads completed before it (RECEIPT_CTES: all commit,
@@ -413,9 +415,7 @@ class Lease:
         row = self._fetch_one(
             f"""WITH {ACTIVE_HOLDS},
                 held AS (
-                    SELECT step_key, kind, {
-                HOLDING.format(kind="kind", effect_class="effect_class")
-            } AS hold
+                    SELECT step_key, kind, {HOLDING_ACTION} AS hold
                     FROM runs_action WHERE id = %(action)s),
                 armed AS (
                     UPDATE runs_action SET epoch = %(epoch)s, attempts = attempts + 1,
