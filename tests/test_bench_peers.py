@@ -91,6 +91,42 @@ def test_count_of_a_block_that_commits_nothing_is_its_connection_only(
     assert observer.count(counted_database, inserts, counted_database, 0).commits == 1
 
 
+def test_a_rundesk_block_leaves_no_backend_of_its_process_behind() -> None:
+    # The bench runs with the process's pool of connections (as production
+    # does, unlike pytest): a pooled backend outlives the block and keeps
+    # its counts for ten idle seconds, so count() read none of Rundesk's.
+    code = (
+        "import time, psycopg, django; django.setup()\n"
+        "from django.db import connection\n"
+        "from runs.benchmarks import peers\n"
+        "assert connection.pool is not None\n"
+        "with connection.cursor() as cursor:\n"
+        "    cursor.execute('SELECT pg_backend_pid()')\n"
+        "    (pid,) = cursor.fetchone()\n"
+        "peers.release_django_connections()\n"
+        "params = peers.connection_params(connection.settings_dict['NAME'])\n"
+        "with psycopg.connect(**params, autocommit=True) as conn:\n"
+        "    for _ in range(500):\n"
+        "        query = 'SELECT count(*) FROM pg_stat_activity WHERE pid = %s'\n"
+        "        if not conn.execute(query, (pid,)).fetchone()[0]:\n"
+        "            break\n"
+        "        time.sleep(0.01)\n"
+        "    else:\n"
+        "        raise SystemExit(f'backend {pid} still there')\n"
+    )
+    env = {
+        **os.environ,
+        "DATABASE_URL": database_url(),
+        "DEBUG": "1",
+        "DJANGO_SETTINGS_MODULE": "dashboard.settings",
+        "RUNDESK_DB_POOL_SIZE": "4",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def test_peers_within_five_percent_of_the_best_share_the_lead() -> None:
     assert peers.leaders({"dbos": 1.01, "langgraph": 2.01, "rundesk": 1.04}) == "dbos, rundesk"
     assert peers.leaders({"dbos": 6.4, "langgraph": 3.1, "rundesk": 1.4}) == "rundesk"

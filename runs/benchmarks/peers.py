@@ -201,14 +201,17 @@ def require_extra() -> None:
 
 
 def release_django_connections() -> None:
-    """Closes this thread's Django connection and the timeline and capture
-    writers' ones: Rundesk's blocks open their own, so the server has
-    counted everything of theirs once they have exited."""
+    """Closes this thread's Django connection, the timeline and capture
+    writers' ones and the process's pool: Rundesk's blocks open their own,
+    so the server has counted everything of theirs once they have exited
+    (a pooled connection's backend would live on, and report its counts
+    only after ten idle seconds)."""
     timeline.flush()
     timeline.stop()
     capture.flush()
     capture.stop()
     connection.close()
+    connection.close_pool()
 
 
 # -- the server: databases, the bare commit, the counters -----------------------
