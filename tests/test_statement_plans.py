@@ -157,6 +157,7 @@ def test_the_boundary_statement_is_planned_once_per_connection_not_once_per_step
     # PostgreSQL keeps a generic plan for a prepared statement (plan_cache_
     # mode auto) only where it costs less than the custom plans it made.
     request.getfixturevalue(tables)
+    connection.close()  # a new session: no statement an earlier test prepared
     run = submit(question="q", documents=DOCS, action_budget=40)
     lease = Lease.claim(run.pk, "owner")
     assert lease is not None
