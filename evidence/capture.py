@@ -783,8 +783,14 @@ class RunCapture:
         its source; a model call its model record and a bounded copy,
         linked to the `sources` it was given; other tools nothing.
         `result_digest`: the result's digest, when its receipt has it."""
-        # A refused read has neither digest nor size.
-        if tool == "read_document" and "sha256" in result and "bytes" in result:
+        # A refused read has neither digest nor size; another agent's tool
+        # of that name may name no path.
+        if (
+            tool == "read_document"
+            and isinstance(input.get("path"), str)
+            and "sha256" in result
+            and "bytes" in result
+        ):
             return SourceRecord(
                 self.run_id, action_id, input["path"], result["sha256"], result["bytes"]
             )

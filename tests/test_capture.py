@@ -19,6 +19,7 @@ from evidence.capture import (
     Copy,
     CopyTransaction,
     ModelCallRecord,
+    RunCapture,
     SourceCheck,
     SourceRecord,
 )
@@ -589,3 +590,23 @@ def test_a_gap_of_a_run_that_no_longer_exists_holds_up_no_others(evidence, write
     assert writer.flush()
     assert gaps(run) == [(GapReason.QUEUE_FULL, 1)]
     assert not CaptureGap.objects.exclude(run=run).exists()
+
+
+@pytest.mark.parametrize(
+    "input, result",
+    [
+        ({"path": "a.md"}, {"refused": "outside the corpus"}),
+        ({"file": "a.md"}, {"sha256": "ab" * 32, "bytes": 10}),
+    ],
+)
+def test_a_read_that_leaves_nothing_to_keep_makes_no_copy_and_raises_nothing(input, result):
+    # Made where the tool's answer is settled, before its receipt: it must
+    # not raise there (another agent's tool may be named read_document).
+    assert RunCapture(1).copy_of(1, "read_document", input, result, []) is None
+
+
+def test_a_read_leaves_its_source_as_read():
+    copy = RunCapture(7).copy_of(
+        3, "read_document", {"path": "a.md"}, {"sha256": "ab" * 32, "bytes": 10}, []
+    )
+    assert copy == SourceRecord(7, 3, "a.md", "ab" * 32, 10)
