@@ -6,11 +6,12 @@ filesystem transport under var/ otherwise (settings.py, dashboard/broker.py).
 
 from __future__ import annotations
 
-import gc
 import os
 
 from celery import Celery, signals
 from kombu.transport import TRANSPORT_ALIASES
+
+from runs import heap
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dashboard.settings")
 
@@ -25,8 +26,7 @@ app.autodiscover_tasks()
 
 @signals.worker_init.connect
 @signals.worker_process_init.connect
-def leave_start_up_out_of_collections(**_: object) -> None:
-    """A worker's start-up heap (Django, the agents) lives as long as the
-    process: garbage collections leave it out, as the executor's do
-    (runs/management/commands/executor.py)."""
-    gc.freeze()
+def collect_for_runs(**_: object) -> None:
+    """A worker drives runs as the executor does: its collections are set
+    the same way (runs/heap.py)."""
+    heap.collect_for_runs()

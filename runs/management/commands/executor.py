@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import gc
 import json
 import signal
 import threading
@@ -10,6 +9,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from evidence.capture import capture
 from runs.executor import Ending, Executor, claim_and_drive
+from runs.heap import collect_for_runs
 from runs.models import Run
 from runs.timeline import timeline
 
@@ -56,11 +56,7 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
 
-        # What start-up loaded (Django, the agents, the app registry) lives
-        # as long as the process: left out of every garbage collection, which
-        # otherwise walks it again and again while runs allocate (about a
-        # tenth of a millisecond a step).
-        gc.freeze()
+        collect_for_runs()
         try:
             if options["run"] is not None:
                 if not Run.objects.filter(pk=options["run"]).exists():
