@@ -34,13 +34,16 @@ REQUESTS = 25  # per page, per round; two rounds per scale, interleaved
 
 
 @contextmanager
-def bench_database(name: str) -> Iterator[None]:
+def bench_database(name: str, *, fresh: bool = False) -> Iterator[None]:
     """Points Django's connection at database `name` (made if missing,
-    migrated), then back."""
+    migrated), then back.  `fresh`: made anew for the block, and dropped
+    after it."""
     settings = connections["default"].settings_dict
     original = settings["NAME"]
     params = connection.get_connection_params()
     with psycopg.connect(**params, autocommit=True) as admin:
+        if fresh:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         if not admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
             admin.execute(f'CREATE DATABASE "{name}"')
     connection.close()
@@ -55,6 +58,9 @@ def bench_database(name: str) -> Iterator[None]:
         connection.close()
         connection.close_pool()
         settings["NAME"] = original
+        if fresh:
+            with psycopg.connect(**params, autocommit=True) as admin:
+                admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def seed(runs: int, events_per_run: int) -> int:
