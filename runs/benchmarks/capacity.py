@@ -28,11 +28,9 @@ one such run alone (`one_run_s`, the yardstick), is given each batch of
   take: counted as gaps, never waited for).
 
 The runs go to a database of their own (`rundesk_bench_capacity`, made
-empty here and dropped after), so that the figures do not depend on what
-earlier benchmarks left in the configured one: autovacuum cleans the
-tables `make bench` has filled while the batch runs, on the same cores
-(measured once on 2 cores: 1,000 runs in 2.3 times one run's time with
-autovacuum on, 1.8 with it off).
+empty here and dropped after), as DBOS's workflows do: both start from an
+empty database, and nothing earlier benchmarks left in the configured one
+(its rows, autovacuum cleaning them) weighs on either.
 
 The peer: DBOS, the same workload as workflows of eight 1-s steps, started
 all at once in a process of its own on a database of its own
