@@ -593,6 +593,13 @@ DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "rundesk@localhost")
 # is taken by another executor with a higher epoch.
 RUNDESK_LEASE_SECONDS = env_float("RUNDESK_LEASE_SECONDS", 15.0, minimum=1.0)
 RUNDESK_POLL_SECONDS = env_float("RUNDESK_POLL_SECONDS", 1.0, minimum=0.05)
+# The core an executor keeps its threads on (runs/cores.py): `auto`, `off`,
+# or a core number.
+RUNDESK_EXECUTOR_CORE = env_str("RUNDESK_EXECUTOR_CORE", "auto").strip().lower()
+if RUNDESK_EXECUTOR_CORE not in ("auto", "off") and not RUNDESK_EXECUTOR_CORE.isdigit():
+    raise ImproperlyConfigured(
+        f"RUNDESK_EXECUTOR_CORE must be auto, off or a core number, got {RUNDESK_EXECUTOR_CORE!r}"
+    )
 # How long the runtime keeps asking about a write whose COMMIT got no answer
 # (runs/outcomes.py) before it leaves the outcome unknown for an operator.
 RUNDESK_SETTLE_SECONDS = env_float("RUNDESK_SETTLE_SECONDS", 5.0, minimum=0.0)

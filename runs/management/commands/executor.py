@@ -8,6 +8,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from evidence.capture import capture
+from runs.cores import keep_to_one_core
 from runs.executor import Ending, Executor, claim_and_drive
 from runs.heap import collect_for_runs
 from runs.models import Run
@@ -57,6 +58,7 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, on_signal)
 
         collect_for_runs()
+        keep_to_one_core()
         try:
             if options["run"] is not None:
                 if not Run.objects.filter(pk=options["run"]).exists():

@@ -1,0 +1,119 @@
+"""An executor keeps its threads on one CPU core (runs/cores.py): the one
+fewest other executors keep to, RUNDESK_EXECUTOR_CORE's, or none (off)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from runs.cores import _cores_of_other_executors, is_executor, least_taken
+from tests.conftest import ROOT
+
+CORES = sorted(os.sched_getaffinity(0))
+needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="one core allowed: nothing to choose")
+
+# The cores each of the process's threads may use, once the executor is done.
+REPORT = (
+    "import os\n"
+    "threads = [int(t) for t in os.listdir('/proc/self/task')]\n"
+    "print(sorted({tuple(sorted(os.sched_getaffinity(t))) for t in threads}))"
+)
+
+
+def executor_once(env: dict[str, str], **settings: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import django; django.setup()\n"
+            "from django.core.management import call_command\n"
+            f"call_command('executor', '--once')\n{REPORT}",
+        ],
+        env={**env, **settings},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def cores_of_threads(done: subprocess.CompletedProcess[str]) -> list[tuple[int, ...]]:
+    assert done.returncode == 0, done.stderr
+    return ast.literal_eval(done.stdout.splitlines()[-1])
+
+
+@needs_two_cores
+@pytest.mark.django_db(transaction=True)
+def test_an_executor_keeps_every_thread_on_one_core(process_env):
+    (cores,) = cores_of_threads(executor_once(process_env))
+    assert len(cores) == 1 and cores[0] in CORES
+
+
+@needs_two_cores
+@pytest.mark.django_db(transaction=True)
+def test_the_core_can_be_named_or_the_keeping_turned_off(process_env):
+    assert cores_of_threads(executor_once(process_env, RUNDESK_EXECUTOR_CORE=str(CORES[-1]))) == [
+        (CORES[-1],)
+    ]
+    assert cores_of_threads(executor_once(process_env, RUNDESK_EXECUTOR_CORE="off")) == [
+        tuple(CORES)
+    ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_core_the_process_may_not_use_is_refused_with_why(process_env):
+    done = executor_once(process_env, RUNDESK_EXECUTOR_CORE="4095")
+    assert done.returncode != 0
+    assert "RUNDESK_EXECUTOR_CORE=4095: this process may use cores" in done.stderr
+
+
+def test_a_setting_that_is_not_a_core_is_refused_at_start_up(process_env):
+    done = subprocess.run(
+        [sys.executable, "-c", "import django; django.setup()"],
+        env={**process_env, "RUNDESK_EXECUTOR_CORE": "fast"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "RUNDESK_EXECUTOR_CORE must be auto, off or a core number, got 'fast'" in done.stderr
+
+
+def test_the_core_fewest_executors_keep_to_is_chosen_the_current_one_first():
+    assert least_taken([0, 1], Counter({0: 1}), 0) == 1
+    assert least_taken([0, 1], Counter(), 1) == 1
+    assert least_taken([0, 1, 2], Counter({1: 1}), 1) == 0
+    assert least_taken([2, 3], Counter({2: 2, 3: 2}), None) == 2
+
+
+def test_executors_are_told_by_their_command_line():
+    assert is_executor([b"python", b"manage.py", b"executor", b"--concurrency", b"5", b""])
+    assert is_executor([b"/venv/bin/python", b"/srv/rundesk/manage.py", b"executor", b""])
+    assert not is_executor([b"python", b"manage.py", b"runserver", b""])
+    assert not is_executor([b"python", b"manage.py", b"bench", b"executor", b""])
+    assert not is_executor([b"celery", b"-A", b"dashboard", b"worker", b""])
+
+
+@needs_two_cores
+def test_another_executors_core_is_counted_as_taken(tmp_path):
+    """A process that looks like an executor, kept to the last core, counts
+    against that core (other executors may count too: at least one)."""
+    script = tmp_path / "manage.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    other = subprocess.Popen([sys.executable, str(script), "executor"])
+    try:
+        os.sched_setaffinity(other.pid, {CORES[-1]})
+        deadline = time.monotonic() + 10
+        while _cores_of_other_executors()[CORES[-1]] < 1:
+            assert time.monotonic() < deadline, "the other executor's core was never counted"
+            time.sleep(0.05)
+    finally:
+        other.kill()
+        other.wait()
