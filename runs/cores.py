@@ -25,7 +25,7 @@ import fcntl
 import os
 import tempfile
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from django.conf import settings
@@ -34,28 +34,35 @@ from django.core.exceptions import ImproperlyConfigured
 LOCK_FILE = Path(tempfile.gettempdir()) / "rundesk-executor-cores.lock"
 
 
-def keep_to_one_core() -> int | None:
+@contextlib.contextmanager
+def kept_to_one_core() -> Iterator[int | None]:
     """Keeps this process's threads (those running now, and those they
-    start) on one core, as RUNDESK_EXECUTOR_CORE says; the core, or None
-    (off, or one core allowed anyway).  ImproperlyConfigured if the core
+    start) on one core while the block runs, as RUNDESK_EXECUTOR_CORE says;
+    gives the core, or None (off, or one core allowed anyway).  After it,
+    the threads may use the cores they could before (a test process that
+    ran an executor goes on with its own).  ImproperlyConfigured if the core
     asked for is not one this process may use."""
     wanted = settings.RUNDESK_EXECUTOR_CORE
     allowed = os.sched_getaffinity(0)
+    if wanted not in ("auto", "off") and int(wanted) not in allowed:
+        raise ImproperlyConfigured(
+            f"RUNDESK_EXECUTOR_CORE={wanted}: this process may use cores {sorted(allowed)} only"
+        )
     if wanted == "off" or len(allowed) == 1:
-        return None
-    if wanted != "auto":
+        yield None
+        return
+    if wanted == "auto":
+        with LOCK_FILE.open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            core = least_taken(allowed, _cores_of_other_executors(), _current_core())
+            _pin({core})
+    else:
         core = int(wanted)
-        if core not in allowed:
-            raise ImproperlyConfigured(
-                f"RUNDESK_EXECUTOR_CORE={core}: this process may use cores {sorted(allowed)} only"
-            )
-        _pin(core)
-        return core
-    with LOCK_FILE.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        core = least_taken(allowed, _cores_of_other_executors(), _current_core())
-        _pin(core)
-    return core
+        _pin({core})
+    try:
+        yield core
+    finally:
+        _pin(allowed)
 
 
 def least_taken(allowed: Iterable[int], taken: Counter[int], current: int | None) -> int:
@@ -66,10 +73,10 @@ def least_taken(allowed: Iterable[int], taken: Counter[int], current: int | None
     return current if current in candidates else candidates[0]
 
 
-def _pin(core: int) -> None:
+def _pin(cores: set[int]) -> None:
     for thread in os.listdir("/proc/self/task"):
         with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-            os.sched_setaffinity(int(thread), {core})
+            os.sched_setaffinity(int(thread), cores)
 
 
 def _current_core() -> int | None:

@@ -3,7 +3,6 @@ fewest other executors keep to, RUNDESK_EXECUTOR_CORE's, or none (off)."""
 
 from __future__ import annotations
 
-import ast
 import os
 import subprocess
 import sys
@@ -13,64 +12,73 @@ from collections import Counter
 import pytest
 
 from runs.cores import _cores_of_other_executors, is_executor, least_taken
-from tests.conftest import ROOT
+from tests.conftest import ROOT, manage
 
 CORES = sorted(os.sched_getaffinity(0))
 needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="one core allowed: nothing to choose")
 
-# The cores each of the process's threads may use, once the executor is done.
-REPORT = (
-    "import os\n"
-    "threads = [int(t) for t in os.listdir('/proc/self/task')]\n"
-    "print(sorted({tuple(sorted(os.sched_getaffinity(t))) for t in threads}))"
-)
 
-
-def executor_once(env: dict[str, str], **settings: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import django; django.setup()\n"
-            "from django.core.management import call_command\n"
-            f"call_command('executor', '--once')\n{REPORT}",
-        ],
-        env={**env, **settings},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def cores_of_threads(done: subprocess.CompletedProcess[str]) -> list[tuple[int, ...]]:
-    assert done.returncode == 0, done.stderr
-    return ast.literal_eval(done.stdout.splitlines()[-1])
+def serving_executor_cores(env: dict[str, str], **settings: str) -> set[tuple[int, ...]]:
+    """The cores each thread of a serving `manage.py executor` may use, read
+    once it serves (its lock sampler's thread, started by serve, is up)."""
+    executor = manage("executor", env={**env, **settings})
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert executor.poll() is None, executor.communicate()[1]
+            threads = os.listdir(f"/proc/{executor.pid}/task")
+            if len(threads) > 1:
+                return {tuple(sorted(os.sched_getaffinity(int(t)))) for t in threads}
+            assert time.monotonic() < deadline, "the executor never started serving"
+            time.sleep(0.05)
+    finally:
+        executor.terminate()
+        executor.communicate(timeout=60)
 
 
 @needs_two_cores
 @pytest.mark.django_db(transaction=True)
 def test_an_executor_keeps_every_thread_on_one_core(process_env):
-    (cores,) = cores_of_threads(executor_once(process_env))
+    (cores,) = serving_executor_cores(process_env)
     assert len(cores) == 1 and cores[0] in CORES
 
 
 @needs_two_cores
 @pytest.mark.django_db(transaction=True)
 def test_the_core_can_be_named_or_the_keeping_turned_off(process_env):
-    assert cores_of_threads(executor_once(process_env, RUNDESK_EXECUTOR_CORE=str(CORES[-1]))) == [
-        (CORES[-1],)
-    ]
-    assert cores_of_threads(executor_once(process_env, RUNDESK_EXECUTOR_CORE="off")) == [
-        tuple(CORES)
-    ]
+    named = serving_executor_cores(process_env, RUNDESK_EXECUTOR_CORE=str(CORES[-1]))
+    assert named == {(CORES[-1],)}
+    assert serving_executor_cores(process_env, RUNDESK_EXECUTOR_CORE="off") == {tuple(CORES)}
+
+
+@needs_two_cores
+@pytest.mark.django_db(transaction=True)
+def test_a_process_that_ran_an_executor_gets_its_cores_back(process_env):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import django, os; django.setup()\n"
+            "from django.core.management import call_command\n"
+            "call_command('executor', '--once')\n"
+            "print(sorted(os.sched_getaffinity(0)))",
+        ],
+        env=process_env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == str(CORES)
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_core_the_process_may_not_use_is_refused_with_why(process_env):
-    done = executor_once(process_env, RUNDESK_EXECUTOR_CORE="4095")
-    assert done.returncode != 0
-    assert "RUNDESK_EXECUTOR_CORE=4095: this process may use cores" in done.stderr
+    executor = manage("executor", "--once", env={**process_env, "RUNDESK_EXECUTOR_CORE": "4095"})
+    _, stderr = executor.communicate(timeout=120)
+    assert executor.returncode != 0
+    assert "RUNDESK_EXECUTOR_CORE=4095: this process may use cores" in stderr
 
 
 def test_a_setting_that_is_not_a_core_is_refused_at_start_up(process_env):

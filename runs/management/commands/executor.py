@@ -8,7 +8,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from evidence.capture import capture
-from runs.cores import keep_to_one_core
+from runs.cores import kept_to_one_core
 from runs.executor import Ending, Executor, claim_and_drive
 from runs.heap import collect_for_runs
 from runs.models import Run
@@ -58,14 +58,14 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, on_signal)
 
         collect_for_runs()
-        keep_to_one_core()
         try:
-            if options["run"] is not None:
-                if not Run.objects.filter(pk=options["run"]).exists():
-                    raise CommandError(f"no run {options['run']}")
-                say(options["run"], claim_and_drive(options["run"], stop=stop))
-            else:
-                executor.serve(once=options["once"])
+            with kept_to_one_core():
+                if options["run"] is not None:
+                    if not Run.objects.filter(pk=options["run"]).exists():
+                        raise CommandError(f"no run {options['run']}")
+                    say(options["run"], claim_and_drive(options["run"], stop=stop))
+                else:
+                    executor.serve(once=options["once"])
         finally:
             # What the timeline and capture could not write in time becomes
             # `events_lost` and `shutdown` gaps.
