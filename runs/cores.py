@@ -13,8 +13,9 @@ Which core: RUNDESK_EXECUTOR_CORE, a core number, `off`, or `auto` (the
 default): of the cores the process may use, the one the fewest other
 executors on this machine keep to, and among those the one it runs on now
 (where the kernel placed it: the least busy then).  Executors starting at
-once choose one at a time (a lock file in the temporary folder), so that two
-of them never take the same core while another is free.  With one core
+once choose one at a time (a lock file in the temporary folder, when it can
+be opened), so that two of them never take the same core while another is
+free.  With one core
 allowed (a container's cpuset, `taskset`) there is nothing to choose.
 """
 
@@ -52,8 +53,7 @@ def kept_to_one_core() -> Iterator[int | None]:
         yield None
         return
     if wanted == "auto":
-        with LOCK_FILE.open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with _one_at_a_time():
             core = least_taken(allowed, _cores_of_other_executors(), _current_core())
             _pin({core})
     else:
@@ -63,6 +63,21 @@ def kept_to_one_core() -> Iterator[int | None]:
         yield core
     finally:
         _pin(allowed)
+
+
+@contextlib.contextmanager
+def _one_at_a_time() -> Iterator[None]:
+    """Executors choosing a core choose one at a time, on LOCK_FILE; where
+    it cannot be opened (another user's, a read-only folder), alone: two
+    starting at that moment may then take the same core."""
+    try:
+        lock = LOCK_FILE.open("a")
+    except OSError:
+        yield
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def least_taken(allowed: Iterable[int], taken: Counter[int], current: int | None) -> int:

@@ -351,6 +351,20 @@ def manage(*args: str, env: dict[str, str], **kwargs: object) -> subprocess.Pope
     )
 
 
+def python(
+    code: str, env: dict[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`python -c code` in the project's folder, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 # -- a real browser ---------------------------------------------------------------
 
 CHROMIUM = "/usr/bin/chromium"

@@ -11,63 +11,69 @@ from collections import Counter
 
 import pytest
 
+from runs import cores
 from runs.cores import _cores_of_other_executors, is_executor, least_taken
-from tests.conftest import ROOT, manage
+from tests.conftest import manage, python
 
 CORES = sorted(os.sched_getaffinity(0))
 needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="one core allowed: nothing to choose")
 
 
-def serving_executor_cores(env: dict[str, str], **settings: str) -> set[tuple[int, ...]]:
-    """The cores each thread of a serving `manage.py executor` may use, read
-    once it serves (its lock sampler's thread, started by serve, is up)."""
-    executor = manage("executor", env={**env, **settings})
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert executor.poll() is None, executor.communicate()[1]
-            threads = os.listdir(f"/proc/{executor.pid}/task")
-            if len(threads) > 1:
-                return {tuple(sorted(os.sched_getaffinity(int(t)))) for t in threads}
-            assert time.monotonic() < deadline, "the executor never started serving"
-            time.sleep(0.05)
-    finally:
-        executor.terminate()
-        executor.communicate(timeout=60)
+def threads_cores(pid: int | str) -> set[tuple[int, ...]]:
+    """The cores each thread of process `pid` may use."""
+    threads = os.listdir(f"/proc/{pid}/task")
+    return {tuple(sorted(os.sched_getaffinity(int(t)))) for t in threads}
 
 
 @needs_two_cores
 @pytest.mark.django_db(transaction=True)
 def test_an_executor_keeps_every_thread_on_one_core(process_env):
-    (cores,) = serving_executor_cores(process_env)
-    assert len(cores) == 1 and cores[0] in CORES
+    executor = manage("executor", env=process_env)
+    try:
+        deadline = time.monotonic() + 60
+        while len(cores := threads_cores(executor.pid)) != 1 or len(next(iter(cores))) != 1:
+            assert executor.poll() is None, executor.communicate()[1]
+            assert time.monotonic() < deadline, f"its threads may still use {cores}"
+            time.sleep(0.05)
+    finally:
+        executor.terminate()
+        executor.communicate(timeout=60)
+    assert next(iter(cores))[0] in CORES
+
+
+# A thread started before, then the core and every thread's cores in the block.
+IN_THE_BLOCK = (
+    "import django, os, threading, time; django.setup()\n"
+    "from runs.cores import kept_to_one_core\n"
+    "def threads_cores(pid):\n"
+    "    threads = os.listdir(f'/proc/{pid}/task')\n"
+    "    return {tuple(sorted(os.sched_getaffinity(int(t)))) for t in threads}\n"
+    "threading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+    "with kept_to_one_core() as core:\n"
+    "    print(core, sorted(threads_cores('self')))\n"
+    "print(sorted(threads_cores('self')))"
+)
 
 
 @needs_two_cores
-@pytest.mark.django_db(transaction=True)
 def test_the_core_can_be_named_or_the_keeping_turned_off(process_env):
-    named = serving_executor_cores(process_env, RUNDESK_EXECUTOR_CORE=str(CORES[-1]))
-    assert named == {(CORES[-1],)}
-    assert serving_executor_cores(process_env, RUNDESK_EXECUTOR_CORE="off") == {tuple(CORES)}
+    named = python(IN_THE_BLOCK, {**process_env, "RUNDESK_EXECUTOR_CORE": str(CORES[-1])})
+    assert named.returncode == 0, named.stderr
+    assert named.stdout.splitlines()[-2:] == [f"{CORES[-1]} [({CORES[-1]},)]", f"[{tuple(CORES)}]"]
+    off = python(IN_THE_BLOCK, {**process_env, "RUNDESK_EXECUTOR_CORE": "off"})
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.splitlines()[-2:] == [f"None [{tuple(CORES)}]", f"[{tuple(CORES)}]"]
 
 
 @needs_two_cores
 @pytest.mark.django_db(transaction=True)
 def test_a_process_that_ran_an_executor_gets_its_cores_back(process_env):
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import django, os; django.setup()\n"
-            "from django.core.management import call_command\n"
-            "call_command('executor', '--once')\n"
-            "print(sorted(os.sched_getaffinity(0)))",
-        ],
-        env=process_env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = python(
+        "import django, os; django.setup()\n"
+        "from django.core.management import call_command\n"
+        "call_command('executor', '--once')\n"
+        "print(sorted(os.sched_getaffinity(0)))",
+        process_env,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == str(CORES)
@@ -82,14 +88,7 @@ def test_a_core_the_process_may_not_use_is_refused_with_why(process_env):
 
 
 def test_a_setting_that_is_not_a_core_is_refused_at_start_up(process_env):
-    done = subprocess.run(
-        [sys.executable, "-c", "import django; django.setup()"],
-        env={**process_env, "RUNDESK_EXECUTOR_CORE": "fast"},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = python("import django; django.setup()", {**process_env, "RUNDESK_EXECUTOR_CORE": "fast"})
     assert done.returncode != 0
     assert "RUNDESK_EXECUTOR_CORE must be auto, off or a core number, got 'fast'" in done.stderr
 
@@ -125,3 +124,12 @@ def test_another_executors_core_is_counted_as_taken(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+@needs_two_cores
+def test_a_lock_file_that_cannot_be_opened_does_not_stop_the_choice(monkeypatch, tmp_path):
+    monkeypatch.setattr(cores, "LOCK_FILE", tmp_path)  # a folder: cannot be opened for writing
+    with cores.kept_to_one_core() as core:
+        assert core in CORES
+        assert os.sched_getaffinity(0) == {core}
+    assert sorted(os.sched_getaffinity(0)) == CORES

@@ -4,27 +4,17 @@ every collection and collect a young generation of YOUNG_OBJECTS."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from runs.heap import YOUNG_OBJECTS
-from tests.conftest import ROOT
+from tests.conftest import python
 
 # What the process's collections are set to once it has done its work.
 REPORT = "import gc; print(gc.get_threshold()[0], gc.get_freeze_count())"
 
 
 def collections_after(code: str, env: dict[str, str]) -> tuple[int, int]:
-    done = subprocess.run(
-        [sys.executable, "-c", f"{code}\n{REPORT}"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = python(f"{code}\n{REPORT}", env)
     assert done.returncode == 0, done.stderr
     young, frozen = done.stdout.split()[-2:]
     return int(young), int(frozen)

@@ -34,7 +34,7 @@ from playwright.sync_api import Browser, Page, expect
 
 from dashboard.settings import process_role
 from runs.management.commands.demo import site_environment, web_server
-from tests.conftest import PASSWORD, ROOT, database_url
+from tests.conftest import PASSWORD, ROOT, database_url, python
 from tests.test_browser import completed_run
 
 # The timeline and capture are flushed after every test: let them reach the
@@ -133,14 +133,7 @@ def test_a_signed_in_user_is_told_the_database_is_down_not_a_server_error(tmp_pa
         # cannot make before the page can say so (10 s by default).
         RUNDESK_DB_POOL_TIMEOUT="1",
     )
-    result = subprocess.run(
-        [sys.executable, "-c", SIGNED_IN_REQUESTS],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = python(SIGNED_IN_REQUESTS, env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         f"{method} {path} 503 private, no-store True" for method, path in SIGNED_IN
