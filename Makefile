@@ -76,7 +76,8 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
-bench: install static
+# bench --page-load drives Debian's Chromium, as the browser tests do.
+bench: install static $(CHROMIUM)
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PRODUCTION) $(PY) manage.py migrate --verbosity 0
 	$(PRODUCTION) $(PY) manage.py bench --all --json --markdown docs/BENCHMARKS.md
