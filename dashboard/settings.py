@@ -408,6 +408,10 @@ LOGGING = {
         # 500 to ADMINS otherwise): a server error's traceback belongs in the
         # web process's log, where 500.html says it is.
         "django": {"handlers": ["console"], "level": "INFO"},
+        # The connection pool's warnings (a database it cannot reach, a
+        # connection that died in use) in the same form, with their time;
+        # its INFO lines are one per connection taken.
+        "psycopg": {"handlers": ["console"], "level": "WARNING"},
     },
 }
 

@@ -389,3 +389,22 @@ def assert_served_compressed(url: str) -> None:
             assert "immutable" in response.headers["Cache-Control"]
             sizes[encoding] = len(response.read())
     assert sizes["br"] < sizes["identity"] and sizes["gzip"] < sizes["identity"]
+
+
+def test_the_pools_warnings_are_logged_with_their_time(tmp_path: Path):
+    """A connection that died in use, given back to an executor's pool: the
+    pool's warning reads like every other log line (time, level, logger),
+    not as a bare message."""
+    code = (
+        "import django; django.setup()\n"
+        "from django.db import connection\n"
+        "connection.ensure_connection()\n"
+        "connection.connection.close()  # the connection dies in use\n"
+        "connection.close()  # given back to the pool, which discards it\n"
+    )
+    env = production(tmp_path, RUNDESK_ROLE="executor", RUNDESK_DB_POOL_SIZE="2")
+    done = python(code, env)
+    assert done.returncode == 0, done.stderr
+    when = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+    line = re.compile(rf"^{when} WARNING psycopg\.pool: discarding closed connection", re.M)
+    assert line.search(done.stderr), done.stderr
