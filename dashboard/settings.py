@@ -392,17 +392,19 @@ SECURE_HSTS_PRELOAD = SECURE_HSTS_SECONDS > 0
 MAX_REQUEST_BYTES = 6 * 1024 * 1024
 DATA_UPLOAD_MAX_MEMORY_SIZE = MAX_REQUEST_BYTES
 
+# The level of Rundesk's own log lines (its three apps).
+RUNDESK_LOG_LEVEL = env_choice(
+    "RUNDESK_LOG_LEVEL", "INFO", {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}
+)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "loggers": {
-        "runs": {
-            "handlers": ["console"],
-            "level": env_choice(
-                "RUNDESK_LOG_LEVEL", "INFO", {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}
-            ),
+        **{
+            app: {"handlers": ["console"], "level": RUNDESK_LOG_LEVEL}
+            for app in ("runs", "evidence", "dashboard")
         },
         # Django logs to the console only with DEBUG by default (and mails a
         # 500 to ADMINS otherwise): a server error's traceback belongs in the

@@ -391,13 +391,17 @@ def assert_served_compressed(url: str) -> None:
     assert sizes["br"] < sizes["identity"] and sizes["gzip"] < sizes["identity"]
 
 
-def test_the_pools_warnings_are_logged_with_their_time(tmp_path: Path):
-    """A connection that died in use, given back to an executor's pool: the
-    pool's warning reads like every other log line (time, level, logger),
-    not as a bare message."""
+def test_every_log_line_has_its_time_level_and_logger(tmp_path: Path):
+    """Rundesk's own warnings (evidence capture's, the dashboard's, not only
+    the runtime's) and the connection pool's read alike: time, level,
+    logger.  The pool's: a connection that died in use, given back to an
+    executor's pool."""
     code = (
         "import django; django.setup()\n"
+        "import logging\n"
         "from django.db import connection\n"
+        "for name in ('runs.executor', 'evidence.capture', 'dashboard.metrics'):\n"
+        "    logging.getLogger(name).warning('a warning')\n"
         "connection.ensure_connection()\n"
         "connection.connection.close()  # the connection dies in use\n"
         "connection.close()  # given back to the pool, which discards it\n"
@@ -406,5 +410,11 @@ def test_the_pools_warnings_are_logged_with_their_time(tmp_path: Path):
     done = python(code, env)
     assert done.returncode == 0, done.stderr
     when = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
-    line = re.compile(rf"^{when} WARNING psycopg\.pool: discarding closed connection", re.M)
-    assert line.search(done.stderr), done.stderr
+    for logger, message in [
+        ("runs.executor", "a warning"),
+        ("evidence.capture", "a warning"),
+        ("dashboard.metrics", "a warning"),
+        ("psycopg.pool", "discarding closed connection"),
+    ]:
+        line = rf"^{when} WARNING {re.escape(logger)}: {message}"
+        assert re.search(line, done.stderr, re.M), (logger, done.stderr)
