@@ -213,3 +213,27 @@ def test_a_task_for_a_run_a_live_owner_holds_is_dropped_not_retried_forever(
     assert AnswerRevision.objects.filter(run=run, is_final=True, epoch=1).exists()
     assert sorted(journal.counts().values()) == [1, 1, 1, 1]
     assert {e["pid"] for e in journal.entries()} == {os.getpid()}
+
+
+def test_a_workers_log_lines_are_written_once_each(process_env, tmp_path, broker):
+    """A run whose checkpoint loses its connection at COMMIT (the demo's
+    row 2): the worker's pool discards the dead connection and says so,
+    once, in the project's form; Celery's root handler does not repeat it."""
+    run = submit(
+        question="q",
+        documents=DOCS[:2],
+        faults=[{"point": "drop_connection_at_commit", "write": "checkpoint", "action": 2}],
+    )
+    enqueue(run.pk)
+    worker = Worker(process_env, tmp_path / "worker.log", broker=polled_often())
+    try:
+        wait_until(lambda: status(run) == RunStatus.COMPLETED, 60, "run not completed", worker)
+    finally:
+        worker.kill()
+    lines = [
+        line for line in worker.output().splitlines() if "discarding closed connection" in line
+    ]
+    assert lines, worker.output()
+    assert all(" WARNING psycopg.pool: discarding closed connection" in line for line in lines), (
+        lines
+    )
