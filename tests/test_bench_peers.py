@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -17,7 +16,7 @@ from django.db import connection
 from psycopg import sql
 
 from runs.benchmarks import peers
-from tests.conftest import ROOT, database_url
+from tests.conftest import database_url, python
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -121,9 +120,7 @@ def test_a_rundesk_block_leaves_no_backend_of_its_process_behind() -> None:
         "DJANGO_SETTINGS_MODULE": "dashboard.settings",
         "RUNDESK_DB_POOL_SIZE": "4",
     }
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    done = python(code, env)
     assert done.returncode == 0, done.stderr
 
 
@@ -157,9 +154,7 @@ def test_the_module_imports_without_the_extra() -> None:
         "DEBUG": "1",
         "DJANGO_SETTINGS_MODULE": "dashboard.settings",
     }
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
-    )
+    done = python(code, env)
     assert done.returncode == 0, done.stderr
     assert "bench extra" in done.stdout
 

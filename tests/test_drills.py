@@ -36,7 +36,7 @@ from runs.drills import (
 from runs.leases import Lease
 from runs.models import Drill, DrillResult, DrillState, DrillVerdict, Run, RunStatus
 from runs.submission import submit
-from tests.conftest import ROOT, database_url
+from tests.conftest import ROOT, database_url, python
 from tests.processes import Worker, wait_until
 
 # The filesystem broker folder a real worker reads.
@@ -276,8 +276,6 @@ def test_a_drills_run_is_driven_by_its_lab_only_and_the_lab_by_nothing_else(sett
     for lab, expected in (("1", "rundesk-drills"), ("", "celery")):
         env = {**os.environ, "DJANGO_SETTINGS_MODULE": "dashboard.settings"}
         env["RUNDESK_DRILL_LAB"] = lab
-        printed = subprocess.run(
-            [sys.executable, "-c", f"import django; django.setup(); {queue}"],
-            cwd=ROOT, env=env, capture_output=True, text=True, check=True,
-        )  # fmt: skip
+        printed = python(f"import django; django.setup(); {queue}", env)
+        assert printed.returncode == 0, printed.stderr
         assert printed.stdout.strip() == expected

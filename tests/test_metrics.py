@@ -11,7 +11,6 @@ import ipaddress
 import os
 import re
 import subprocess
-import sys
 import uuid
 from collections import Counter
 from typing import Any
@@ -36,7 +35,7 @@ from runs.models import (
     RunEvent,
     RunStatus,
 )
-from tests.conftest import ROOT, make_user, signed_in
+from tests.conftest import ROOT, make_user, python, signed_in
 
 TOKEN = "scrape-token-" + "k" * 24
 HOST = {"HTTP_HOST": "127.0.0.1"}
@@ -360,17 +359,14 @@ def test_the_readmes_alert_rules_and_scrape_config_are_valid(tmp_path):
     ],
 )
 def test_a_bad_metrics_setting_stops_the_process_naming_it(variable, value, said):
-    started = subprocess.run(
-        [sys.executable, "-c", "import django; django.setup()"],
-        env={
+    started = python(
+        "import django; django.setup()",
+        {
             **os.environ,
             "DJANGO_SETTINGS_MODULE": "dashboard.settings",
             "DEBUG": "1",
             variable: value,
         },
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=60,
     )
     assert started.returncode != 0
