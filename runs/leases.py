@@ -82,7 +82,12 @@ OWNED_NOT_CANCELLED = f"SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED} FOR SH
 # is what keeps a generic plan made while the table was small off a scan of
 # the whole table as it grows (on a table never analysed, an equality
 # always costs less through its index; `id = ANY(...)`, of unknown length,
-# may not).
+# may not).  Both are read through sub-selects (the ids from `pending`, the
+# run as `(SELECT %(run)s)`), whose values no plan knows: a custom plan saw
+# the parameters (one receipt, usually; a run the statistics know little
+# of) and looked so much cheaper than the generic plan that PostgreSQL
+# planned every receipt, publication and finish again, where it now keeps
+# one plan per connection (tests/test_statement_plans.py).
 RECEIPT_CTES = f"""owned AS (
         SELECT cancel_requested_at IS NULL AS may_start,
             lease_expires_at > clock_timestamp() AS live
@@ -92,7 +97,7 @@ RECEIPT_CTES = f"""owned AS (
             %(result_digests)s::text[]) AS pending (action_id, result, result_digest)),
     completed AS (
         UPDATE runs_action SET state = 'completed', finished_at = now()
-        WHERE id = ANY(%(receipt_actions)s::bigint[]) AND run_id = %(run)s
+        WHERE id = ANY(ARRAY(SELECT action_id FROM pending)) AND run_id = (SELECT %(run)s::bigint)
           AND epoch = %(epoch)s AND CASE WHEN state = 'dispatched' THEN true END
           AND EXISTS (SELECT 1 FROM owned)
         RETURNING id, run_id, step_key),
