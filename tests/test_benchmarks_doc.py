@@ -139,6 +139,8 @@ SAMPLE: dict[str, Any] = {
                 "executor_cpu_s": 12.5,
                 "executor_cpu_ms_per_action": 1.56,
                 "executor_rss_mb": 180.5,
+                "server_cpu_s": 20.4,
+                "server_cpu_ms_per_action": 2.55,
                 "completed": 1000,
                 "reads_dispatched_twice": 0,
                 "leases_lost": 0,
@@ -270,6 +272,7 @@ def test_the_document_is_one_table_with_the_machine_date_and_command():
     assert capacity.startswith("15.1 s (1.82 \N{MULTIPLICATION SIGN} one run's 8.3 s)")
     assert "17 sessions at most" in capacity and "0 leases lost" in capacity
     assert "from the submission's commit (the bench took 2.1 s to submit them)" in capacity
+    assert "the server's CPU 20.4 s (2.55 ms per action)" in capacity
     throughput = rows["throughput, 100-run batches of 3 documents (8 actions)"]
     assert throughput.startswith("1 / 4 executors: 34.9 / 36.2 runs/s (279 / 290 actions/s)")
     assert "against 3,651 / 5,536 single-row commits/s" in throughput

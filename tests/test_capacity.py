@@ -19,6 +19,7 @@ import threading
 import psycopg
 import pytest
 
+from runs.benchmarks import ServerCpu
 from runs.harness import database_url, wait_for
 from runs.models import Action, Run, RunEvent, RunStatus
 from runs.submission import submit
@@ -166,3 +167,23 @@ def test_a_celery_worker_holds_many_runs_in_flight_on_its_pool(
     assert 0 < sessions.peak <= 5, sessions.peak
     reads = journal.counts("read_document")
     assert len(reads) == runs * len(DOCS) and set(reads.values()) == {1}
+
+
+def test_the_servers_cpu_is_what_the_backends_of_the_database_used():
+    # bench --capacity says how much of the machine the server took beside
+    # the executor: its backends' CPU, read from /proc (this machine's).
+    with (
+        psycopg.connect(database_url(), autocommit=True) as side,
+        psycopg.connect(database_url(), autocommit=True, application_name="a client") as busy,
+        psycopg.connect(
+            database_url(), autocommit=True, application_name="rundesk:bench-throughput"
+        ) as own,
+    ):
+        database = side.info.dbname
+        before = ServerCpu.read(side, database)
+        busy.execute("SELECT count(*) FROM generate_series(1, 3000000)")
+        after = ServerCpu.read(side, database)
+        assert before is not None and after is not None
+        assert own.info.backend_pid not in after.seconds  # the bench's own left out
+        assert after.since(before) >= 0.1
+        assert busy.info.backend_pid in after.seconds

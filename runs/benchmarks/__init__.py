@@ -17,9 +17,13 @@ too).
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import os
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from runs import lifecycle
@@ -54,6 +58,61 @@ class ServerCounts:
 
     def __sub__(self, other: ServerCounts) -> ServerCounts:
         return ServerCounts(self.commits - other.commits, self.wal_syncs - other.wal_syncs)
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """The user and system CPU time a process of this machine has used so
+    far (Linux's /proc), or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class ServerCpu:
+    """The CPU time (user and system) of the PostgreSQL processes that serve
+    one database, by process: its backends (the benchmark's own left out)
+    and the server's writers every database shares (WAL writer,
+    checkpointer, background writer).  Read from /proc, so only where the
+    server runs on this machine.  A backend that ends between two readings
+    takes its time with it; one that starts counts from its start."""
+
+    seconds: Mapping[int, float]
+
+    @classmethod
+    def read(cls, connection: Any, database: str) -> ServerCpu | None:
+        """The times now, asked on `connection` (a psycopg connection in
+        autocommit); None when the server is not on this machine."""
+        (address,) = connection.execute("SELECT inet_server_addr()").fetchone()
+        if address is not None and not ipaddress.ip_address(address).is_loopback:
+            return None
+        pids = connection.execute(
+            "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid()"
+            " AND (datname = %s AND coalesce(application_name, '') NOT LIKE 'rundesk:bench%%'"
+            "      OR backend_type IN ('walwriter', 'checkpointer', 'background writer'))",
+            (database,),
+        ).fetchall()
+        seconds = {
+            pid: used
+            for (pid,) in pids
+            if _is_postgres(pid) and (used := process_cpu_seconds(pid)) is not None
+        }
+        return cls(seconds) if seconds else None
+
+    def since(self, earlier: ServerCpu) -> float:
+        """Seconds of CPU used from `earlier` to this reading."""
+        return sum(used - earlier.seconds.get(pid, 0.0) for pid, used in self.seconds.items())
+
+
+def _is_postgres(pid: int) -> bool:
+    """Whether the process `pid` of this machine is a PostgreSQL server's
+    (a server elsewhere may name a pid that is another program's here)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() == "postgres"
+    except OSError:
+        return False
 
 
 def holding_run(question: str) -> Run:

@@ -21,6 +21,12 @@ one such run alone (`one_run_s`, the yardstick), is given each batch of
   capture writers, the lock sampler) and anything else connected;
 - `executor_cpu_s` and `executor_rss_mb` (its peak resident memory,
   VmHWM): the process's, over its life;
+- `server_cpu_s` and `server_cpu_ms_per_action`: the CPU the PostgreSQL
+  server spent on the database over the batch (its backends, the bench's
+  own left out, and its WAL writer, checkpointer and background writer;
+  None where the server is not on this machine).  The executor and the
+  server share the machine's cores: a batch waits on whichever is short
+  of CPU;
 - `completed`, `reads_dispatched_twice` (read actions with more than one
   attempt: a document read twice), `leases_lost` (`lease_lost` or
   `write_fenced` events, or an epoch above 1); `capture_gaps` and
@@ -35,7 +41,8 @@ empty database, and nothing earlier benchmarks left in the configured one
 The peer: DBOS, the same workload as workflows of eight 1-s steps, started
 all at once in a process of its own on a database of its own
 (`rundesk_peer_capacity_dbos`, made and dropped here), with its own pool as
-shipped: the same figures, sessions counted on its database.
+shipped: the same figures, sessions and the server's CPU counted on its
+database.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from django.db.models.functions import Coalesce
 from psycopg import sql
 
 from evidence.models import CaptureGap, EvidenceCopy
+from runs.benchmarks import ServerCpu
 from runs.benchmarks.pages import bench_database
 from runs.benchmarks.peers import connection_params, sqlalchemy_url
 from runs.benchmarks.throughput import (
@@ -147,6 +155,29 @@ class SessionPeak:
         self._thread.join()
 
 
+class ServerSide:
+    """The CPU the PostgreSQL server spent on `database` while the block
+    ran (`cpu_s`, runs.benchmarks.ServerCpu: None where the server is not
+    on this machine), read on a connection of its own to the database
+    Django was configured with (no session of `database` is added)."""
+
+    def __init__(self, database: str, admin: str | None = None) -> None:
+        self.database = database
+        self.admin = admin or database
+        self.cpu_s: float | None = None
+
+    def __enter__(self) -> ServerSide:
+        self._side = psycopg.connect(**connection_params(self.admin), autocommit=True)
+        self._before = ServerCpu.read(self._side, self.database)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._side:
+            after = ServerCpu.read(self._side, self.database)
+        if self._before is not None and after is not None:
+            self.cpu_s = round(after.since(self._before), 2)
+
+
 def rss_peak_mb(pid: int) -> float | None:
     """A process's peak resident memory (VmHWM), in MB (Linux)."""
     try:
@@ -217,8 +248,9 @@ def measure(runs: int, folder: Path) -> dict[str, Any]:
         wait_done(alone, executor, 120)
         require_completed(alone)
         one_run = span(alone, alone_since)
+        database = connection.settings_dict["NAME"]
         cpu_before = executor.cpu_seconds()
-        with SessionPeak(connection.settings_dict["NAME"]) as sessions:
+        with ServerSide(database) as server, SessionPeak(database) as sessions:
             batch, since, submit_s = submitted(runs, f"capacity: {runs} in flight")
             wait_done(batch, executor, BATCH_TIMEOUT)
         cpu = executor.cpu_seconds() - cpu_before
@@ -243,6 +275,10 @@ def measure(runs: int, folder: Path) -> dict[str, Any]:
         "executor_cpu_s": round(cpu, 2),
         "executor_cpu_ms_per_action": round(1000 * cpu / (runs * STEPS), 2),
         "executor_rss_mb": rss,
+        "server_cpu_s": server.cpu_s,
+        "server_cpu_ms_per_action": (
+            None if server.cpu_s is None else round(1000 * server.cpu_s / (runs * STEPS), 2)
+        ),
         **verdicts(batch),
     }
 
@@ -311,11 +347,12 @@ def measure_dbos(batches: Sequence[int]) -> list[dict[str, Any]] | dict[str, str
     except ImportError:
         return {"error": "bench --capacity's peer needs the bench extra: pip install -e '.[bench]'"}
     figures = []
+    admin = connection.settings_dict["NAME"]
     with dbos_database() as database:
         url = sqlalchemy_url(database)
         for runs in [1, *batches]:
             with SessionPeak(database) as sessions:
-                result = in_child(url, runs)
+                result = in_child(url, database, admin, runs)
             if runs == 1:
                 one_run = result["seconds"]
                 continue
@@ -328,6 +365,7 @@ def measure_dbos(batches: Sequence[int]) -> list[dict[str, Any]] | dict[str, str
                     "runs_s": round(runs / result["seconds"], 1),
                     "peak_sessions": sessions.peak,
                     "cpu_s": round(result["cpu_s"], 2),
+                    "server_cpu_s": result["server_cpu_s"],
                     "rss_mb": round(result["rss_mb"], 1),
                     "completed": result["completed"],
                 }
@@ -335,13 +373,14 @@ def measure_dbos(batches: Sequence[int]) -> list[dict[str, Any]] | dict[str, str
     return figures
 
 
-def in_child(url: str, runs: int) -> dict[str, Any]:
+def in_child(url: str, database: str, admin: str, runs: int) -> dict[str, Any]:
     """`runs` DBOS workflows in a forked process (its CPU and memory its
-    own); what it measured."""
+    own) on `database`; what it measured (the server's CPU read on a
+    connection to `admin`)."""
     connection.close()
     reader, writer = multiprocessing.Pipe(duplex=False)
     child = multiprocessing.get_context("fork").Process(
-        target=dbos_batch, args=(url, runs, writer), daemon=True
+        target=dbos_batch, args=(url, database, admin, runs, writer), daemon=True
     )
     child.start()
     writer.close()
@@ -355,9 +394,10 @@ def in_child(url: str, runs: int) -> dict[str, Any]:
     return result
 
 
-def dbos_batch(url: str, runs: int, out: Any) -> None:
+def dbos_batch(url: str, database: str, admin: str, runs: int, out: Any) -> None:
     """In the child: launches DBOS, starts `runs` workflows of STEPS steps of
-    TOOL_SECONDS each at once, waits for them all."""
+    TOOL_SECONDS each at once, waits for them all; the server's CPU on
+    `database` meanwhile, read before DBOS closes its connections."""
     try:
         from dbos import DBOS
 
@@ -378,10 +418,11 @@ def dbos_batch(url: str, runs: int, out: Any) -> None:
             }
         )
         DBOS.launch()
-        started = time.monotonic()
-        handles = [DBOS.start_workflow(rundesk_capacity_run, n) for n in range(runs)]
-        completed = sum(1 for handle in handles if handle.get_result() is not None)
-        seconds = time.monotonic() - started
+        with ServerSide(database, admin) as server:
+            started = time.monotonic()
+            handles = [DBOS.start_workflow(rundesk_capacity_run, n) for n in range(runs)]
+            completed = sum(1 for handle in handles if handle.get_result() is not None)
+            seconds = time.monotonic() - started
         usage = resource.getrusage(resource.RUSAGE_SELF)
         DBOS.destroy()
         out.send(
@@ -389,6 +430,7 @@ def dbos_batch(url: str, runs: int, out: Any) -> None:
                 {
                     "seconds": seconds,
                     "cpu_s": usage.ru_utime + usage.ru_stime,
+                    "server_cpu_s": server.cpu_s,
                     "rss_mb": usage.ru_maxrss / 1024,
                     "completed": completed,
                 }

@@ -330,7 +330,8 @@ def _capacity(figures: dict[str, Any]) -> list[Row]:
                 f"{_n(ours['submit_s'])} s to submit them), {_n(ours['runs_s'])} runs/s, "
                 f"{_n(ours['peak_sessions'])} sessions at most, {_n(ours['executor_cpu_s'])} s "
                 f"of CPU ({_n(ours['executor_cpu_ms_per_action'])} ms per action), "
-                f"{_n(ours['executor_rss_mb'])} MB; {_n(ours['completed'])} completed, "
+                f"{_n(ours['executor_rss_mb'])} MB; {_server_cpu(ours)}; "
+                f"{_n(ours['completed'])} completed, "
                 f"{_n(ours['reads_dispatched_twice'])} reads sent twice, "
                 f"{_n(ours['leases_lost'])} leases lost",
             )
@@ -345,10 +346,21 @@ def _capacity(figures: dict[str, Any]) -> list[Row]:
                 f"{_n(theirs['runs'])} workflows in flight, DBOS",
                 f"{_n(theirs['seconds'])} s ({_n(theirs['over_one_run'])} {TIMES} one "
                 f"workflow's {_n(theirs['one_run_s'])} s), {_n(theirs['peak_sessions'])} "
-                f"sessions at most, {_n(theirs['cpu_s'])} s of CPU, {_n(theirs['rss_mb'])} MB",
+                f"sessions at most, {_n(theirs['cpu_s'])} s of CPU, {_n(theirs['rss_mb'])} MB; "
+                f"{_server_cpu(theirs)}",
             )
         )
     return rows
+
+
+def _server_cpu(figures: dict[str, Any]) -> str:
+    """The server's CPU over a capacity batch, or why it is not known."""
+    if figures.get("server_cpu_s") is None:
+        return "the server's CPU not measured (not on this machine)"
+    per_action = figures.get("server_cpu_ms_per_action")
+    return f"the server's CPU {_n(figures['server_cpu_s'])} s" + (
+        f" ({_n(per_action)} ms per action)" if per_action is not None else ""
+    )
 
 
 def _purge(figures: dict[str, Any]) -> list[Row]:

@@ -72,7 +72,7 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from runs import submission
-from runs.benchmarks import ServerCounts, p50
+from runs.benchmarks import ServerCounts, p50, process_cpu_seconds
 from runs.benchmarks.scale import worker_env
 from runs.harness import GroupProcess
 from runs.models import Action, Run, RunEvent, RunStatus
@@ -168,11 +168,8 @@ class ExecutorProcess(GroupProcess):
 
     def cpu_seconds(self) -> float:
         """User and system CPU time it has used so far (Linux; -1 if unknown)."""
-        try:
-            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            return -1.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        used = process_cpu_seconds(self.pid)
+        return -1.0 if used is None else used
 
 
 def executor_debug() -> str:
