@@ -158,8 +158,9 @@ class SessionPeak:
 class ServerSide:
     """The CPU the PostgreSQL server spent on `database` while the block
     ran (`cpu_s`, runs.benchmarks.ServerCpu: None where the server is not
-    on this machine), read on a connection of its own to the database
-    Django was configured with (no session of `database` is added)."""
+    on this machine), read on a connection of its own to `admin` (by
+    default `database` itself), named as the bench's: neither SessionPeak
+    nor ServerCpu counts it."""
 
     def __init__(self, database: str, admin: str | None = None) -> None:
         self.database = database
