@@ -107,6 +107,13 @@ def _template_name() -> str:
     return connection.creation._get_test_db_name()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that start real processes first, in their files' order:
+    xdist's workers share the rest, short ones, at the end, instead of one
+    worker finishing a 20-second test while the other has nothing left."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """xdist's controller drops the template its workers cloned (on a
     connection of its own: the controller is not let use Django's)."""

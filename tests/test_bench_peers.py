@@ -30,10 +30,12 @@ def extra_installed() -> bool:
     )
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def counted_database() -> Iterator[str]:
-    """A database of its own on the test server, dropped afterwards; named
-    for the test database (another suite's, or xdist worker's, has its own)."""
+    """A database of its own on the test server, dropped after the module's
+    tests (a DROP DATABASE waits for a checkpoint: once, not per test);
+    named for the test database (another suite's, or xdist worker's, has
+    its own)."""
     params = peers.connection_params(connection.settings_dict["NAME"])
     counted = f"{connection.settings_dict['NAME']}_peer_count"
     name = sql.Identifier(counted)
