@@ -78,34 +78,39 @@ OWNED_NOT_CANCELLED = f"SELECT 1 FROM runs_run WHERE {HELD_NOT_CANCELLED} FOR SH
 # plan (the statements are prepared; PostgreSQL keeps a plan made without
 # the parameters' values once it looks no dearer) that chose it read tens
 # of thousands of entries, on a busy database, for the one action it
-# updates.  The actions are found by id, or among the run's own: `run_id =`
-# is what keeps a generic plan made while the table was small off a scan of
-# the whole table as it grows (on a table never analysed, an equality
-# always costs less through its index; `id = ANY(...)`, of unknown length,
-# may not).  Both are read through sub-selects (the ids from `pending`, the
-# run as `(SELECT %(run)s)`), whose values no plan knows: a custom plan saw
-# the parameters (one receipt, usually; a run the statistics know little
-# of) and looked so much cheaper than the generic plan that PostgreSQL
-# planned every receipt, publication and finish again, where it now keeps
-# one plan per connection (tests/test_statement_plans.py).
+# updates.  Each receipt finds its action by id, one probe of the primary
+# key: the receipts come from rundesk_pending_receipts() (migration 0029),
+# which the planner reckons one row whatever their number.  Seen as the ten
+# rows of an `unnest()` of unknown length, they made a plan that read every
+# action of the run (the run's entries in action_identity_unique) look
+# cheaper, on a database whose runs have a few actions each: in a run of
+# thousands of steps each step read them all.  And a probe per receipt is
+# cheaper than a scan of a table never analysed, however small: no plan
+# made while it was small reads the whole table as it grows.  The run is
+# read through a sub-select, `(SELECT %(run)s)`, whose value no plan knows:
+# a custom plan saw it (a run the statistics know little of) and looked so
+# much cheaper than the generic plan that PostgreSQL planned every receipt,
+# publication and finish again, where it now keeps one plan per connection
+# (tests/test_statement_plans.py).
 RECEIPT_CTES = f"""owned AS (
         SELECT cancel_requested_at IS NULL AS may_start,
             lease_expires_at > clock_timestamp() AS live
         FROM runs_run WHERE {OWNER} FOR SHARE),
     pending AS (
-        SELECT * FROM unnest(%(receipt_actions)s::bigint[], %(results)s::jsonb[],
-            %(result_digests)s::text[]) AS pending (action_id, result, result_digest)),
+        SELECT * FROM rundesk_pending_receipts(%(receipt_actions)s::bigint[],
+            %(results)s::jsonb[], %(result_digests)s::text[])),
     completed AS (
         UPDATE runs_action SET state = 'completed', finished_at = now()
-        WHERE id = ANY(ARRAY(SELECT action_id FROM pending)) AND run_id = (SELECT %(run)s::bigint)
+        FROM pending
+        WHERE runs_action.id = pending.action_id AND run_id = (SELECT %(run)s::bigint)
           AND epoch = %(epoch)s AND CASE WHEN state = 'dispatched' THEN true END
           AND EXISTS (SELECT 1 FROM owned)
-        RETURNING id, run_id, step_key),
+        RETURNING id, run_id, step_key, pending.result, pending.result_digest),
     receipt AS (
         INSERT INTO runs_receipt (action_id, run_id, step_key, result, result_digest, epoch,
             xid, created_at)
         SELECT id, run_id, step_key, result, result_digest, %(epoch)s, rundesk_xid(false), now()
-        FROM completed JOIN pending ON pending.action_id = completed.id
+        FROM completed
         RETURNING action_id)"""
 # Whether every receipt of RECEIPT_CTES was written (all of them, or the
 # write that carries them writes nothing).

@@ -29,9 +29,10 @@ DOCS = ["northwind-clean-energy.md", "crestline-short-treasury.md"]
 TABLES = ("runs_run", "runs_action", "runs_receipt", "runs_hold", "runs_answerrevision")
 
 
-def generic_plan(sql: str, params: dict[str, Any] | list[Any]) -> str:
+def generic_plan(sql: str, params: dict[str, Any] | list[Any], explain: str = "") -> str:
     """EXPLAIN of `sql` (with %(name)s or %s placeholders) prepared on the
-    server and run under its generic plan with `params`."""
+    server and run under its generic plan with `params`; `explain`: its
+    options (`(ANALYZE, FORMAT JSON)` runs it)."""
     if isinstance(params, dict):
         names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", sql)))
         text = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m.group(1)) + 1}", sql)
@@ -46,8 +47,10 @@ def generic_plan(sql: str, params: dict[str, Any] | list[Any]) -> str:
             cursor.execute(f"PREPARE planned AS {text}")
             try:
                 marks = ", ".join(["%s"] * len(values))
-                cursor.execute(f"EXPLAIN EXECUTE planned({marks})", values)
-                return "\n".join(row for (row,) in cursor.fetchall())
+                cursor.execute(f"EXPLAIN {explain} EXECUTE planned({marks})", values)
+                # FORMAT JSON comes back parsed.
+                rows = [row if isinstance(row, str) else json.dumps(row) for (row,) in cursor]
+                return "\n".join(rows)
             finally:
                 cursor.execute("DEALLOCATE planned")
         finally:
@@ -190,6 +193,46 @@ def test_each_write_of_a_run_is_planned_once_per_connection_not_once_per_step(
         )
         ((generic, custom),) = cursor.fetchall()
     assert custom <= 5 and generic >= 10, (generic, custom)
+
+
+@pytest.mark.parametrize("write", WRITES)
+def test_a_receipt_in_a_long_run_reads_its_own_action_not_every_action_of_the_run(
+    monkeypatch, write
+):
+    # A run of thousands of steps, on a busy installation whose runs have a
+    # few actions each: a plan that found the receipt's action among the
+    # run's own (its entries in the run's index) read them all at each step.
+    statement, params = sent(monkeypatch, WRITES[write])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO runs_action (run_id, step_key, kind, effect_class, input, input_digest,"
+            " state, epoch, attempts, idempotency_key, error, created_at, dispatched_at)"
+            " SELECT %s, 'earlier:' || i, 'read_document', 'read', '{}', '', 'completed', 1, 1,"
+            " 'earlier-key-' || i, '', now(), now() FROM generate_series(1, 5000) AS i",
+            [params["run"]],
+        )
+        # What the statistics of thousands of short runs say of a run.
+        cursor.execute("ALTER TABLE runs_action ALTER COLUMN run_id SET (n_distinct = -0.2)")
+        try:
+            cursor.execute("ANALYZE runs_action")
+            plan = json.loads(generic_plan(statement, params, "(ANALYZE, FORMAT JSON)"))
+        finally:
+            cursor.execute("ALTER TABLE runs_action ALTER COLUMN run_id RESET (n_distinct)")
+            cursor.execute("ANALYZE runs_action")
+    read = [
+        (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)) * node["Actual Loops"]
+        for node in _nodes(plan[0]["Plan"])
+        if node.get("Relation Name") == "runs_action" or node.get("Index Name") in ACTION_INDEXES
+    ]
+    assert read and max(read) <= 10, json.dumps(plan, indent=1)
+
+
+ACTION_INDEXES = ("runs_action_pkey", "action_identity_unique", "action_dispatched_idx")
+
+
+def _nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """A plan's node and all below it."""
+    return [node, *(each for child in node.get("Plans", ()) for each in _nodes(child))]
 
 
 def test_a_batch_of_model_calls_looks_up_each_calls_documents_by_run_and_path():
