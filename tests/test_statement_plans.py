@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from evidence.records import NEW_CALLS
 from runs import lifecycle
@@ -219,12 +219,44 @@ def test_a_receipt_in_a_long_run_reads_its_own_action_not_every_action_of_the_ru
         finally:
             cursor.execute("ALTER TABLE runs_action ALTER COLUMN run_id RESET (n_distinct)")
             cursor.execute("ANALYZE runs_action")
-    read = [
+    assert scans(plan, "runs_action") == {"runs_action_pkey"}, json.dumps(plan, indent=1)
+    assert max(rows_read(plan, "runs_action", ACTION_INDEXES)) <= 10, json.dumps(plan, indent=1)
+
+
+@pytest.mark.parametrize("write", WRITES)
+def test_a_step_finds_its_run_by_id_never_among_the_running_ones(monkeypatch, write):
+    # Statistics taken while no run ran say the index of running runs is
+    # empty, and a generic plan made then searched it (the run's id a mere
+    # filter) rather than the primary key: with a thousand runs in flight,
+    # each step of each read them all.  Without the primary key, no plan may
+    # find the run through an index of running runs either.
+    statement, params = sent(monkeypatch, WRITES[write])
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE runs_run DROP CONSTRAINT runs_run_pkey CASCADE")
+        plan = generic_plan(statement, params)
+        transaction.set_rollback(True)
+    for index in ("run_running_lease_idx", "run_status_listing_idx"):
+        assert index not in plan, plan
+
+
+def scans(plan: list[dict[str, Any]], table: str) -> set[str]:
+    """How an EXPLAIN (FORMAT JSON) reads `table`: the indexes it scans,
+    or the kind of scan."""
+    return {
+        node.get("Index Name", node["Node Type"])
+        for node in _nodes(plan[0]["Plan"])
+        if node.get("Relation Name") == table and node["Node Type"] != "ModifyTable"
+    }
+
+
+def rows_read(plan: list[dict[str, Any]], table: str, indexes: tuple[str, ...]) -> list[int]:
+    """The rows each node of an EXPLAIN (ANALYZE, FORMAT JSON) read from
+    `table` or its `indexes`, those its filter removed too."""
+    return [
         (node["Actual Rows"] + node.get("Rows Removed by Filter", 0)) * node["Actual Loops"]
         for node in _nodes(plan[0]["Plan"])
-        if node.get("Relation Name") == "runs_action" or node.get("Index Name") in ACTION_INDEXES
-    ]
-    assert read and max(read) <= 10, json.dumps(plan, indent=1)
+        if node.get("Relation Name") == table or node.get("Index Name") in indexes
+    ] or [0]
 
 
 ACTION_INDEXES = ("runs_action_pkey", "action_identity_unique", "action_dispatched_idx")
