@@ -33,7 +33,7 @@ import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import fastjsonschema
 import jsonschema
@@ -41,6 +41,8 @@ import jsonschema
 from runs.checkpoints import Disagreement
 from runs.models import EffectClass, Phase
 from runs.progress import History
+
+T = TypeVar("T")
 
 __all__ = [
     "EFFECT",
@@ -280,15 +282,17 @@ class RunContext:
         waits for a person to approve this call first; the result then
         says what was sent under "approval" (an approver may have edited
         the input), and a rejection is a refusal."""
-        return self._dispatcher.step(
-            key, tool, input, sources=sources, needs_approval=needs_approval
+        return self._unless_ended(
+            lambda: self._dispatcher.step(
+                key, tool, input, sources=sources, needs_approval=needs_approval
+            )
         )
 
     def side_by_side(self, steps: Sequence[Step]) -> list[dict[str, Any] | ActionFailed]:
         """Reads dispatched at once: their boundaries are one durable write,
         their receipts one more; each is still dispatched once.  Returns
         each step's result, or its ActionFailed, in order."""
-        return self._dispatcher.side_by_side(steps)
+        return self._unless_ended(lambda: self._dispatcher.side_by_side(steps))
 
     def publish(
         self, content: str, *, revision: int, final: bool = False, used: Sequence[str] = ()
@@ -297,7 +301,9 @@ class RunContext:
         steps (`used`) whose results it draws on.  Returns the content that
         stands: a revision published before a crash stays as readers read
         it."""
-        return self._dispatcher.publish(revision, content, is_final=final, model_calls=used)
+        return self._unless_ended(
+            lambda: self._dispatcher.publish(revision, content, is_final=final, model_calls=used)
+        )
 
     def checkpoint_due(self, after: str) -> bool:
         """Whether a checkpoint is due after step `after` (ask before
@@ -307,7 +313,7 @@ class RunContext:
     def checkpoint(self, after: str, state: dict[str, Any]) -> None:
         """Saves `state` after step `after`, if one is due.  Only an agent
         whose `replay` rebuilds that state from the receipts saves them."""
-        self._dispatcher.checkpoint(after, state)
+        self._unless_ended(lambda: self._dispatcher.checkpoint(after, state))
 
     def settled(self, key: str) -> bool:
         """Whether step `key`'s outcome is known: it completed or failed."""
@@ -317,7 +323,27 @@ class RunContext:
         """Why the run may take no new reads (its budget, counting
         `steps_needed` more steps, or its deadline), moving it to
         finalizing; "" while it may."""
-        return self._dispatcher.finalize_if_due(actions_needed=steps_needed)
+        return self._unless_ended(
+            lambda: self._dispatcher.finalize_if_due(actions_needed=steps_needed)
+        )
+
+    def _unless_ended(self, work: Callable[[], T]) -> T:
+        """`work()`, unless the run's work has ended.  A call that raised
+        anything but ActionFailed (a wait for a person or for evidence, a
+        hold, a cancel, a lost lease, a stop, a database error) ended it,
+        whatever the agent then did with the exception: every later call
+        raises it again, and so does the end of `run()`
+        (Dispatcher.run_agent).  An agent that catches Exception around a
+        step can never go on past an approval nobody gave."""
+        if (ended := self._dispatcher.ended) is not None:
+            raise ended
+        try:
+            return work()
+        except ActionFailed:
+            raise
+        except BaseException as ending:
+            self._dispatcher.ended = ending
+            raise
 
     @property
     def phase(self) -> Phase:

@@ -269,7 +269,14 @@ class Checkpointer:
             )
         # Compared as JSON values: what the checkpoint holds once loaded.
         rebuilt = json.loads(canonical({"taken": history.taken_through(after)}))
-        rebuilt.update(json.loads(canonical(replay(after, history))))
+        state = replay(after, history)
+        if not isinstance(state, dict):
+            # `return Disagreement` meant as a raise, say.
+            raise Disagreement(f"replay gave {type(state).__name__}, not the agent's state")
+        try:
+            rebuilt.update(json.loads(canonical(state)))
+        except (TypeError, ValueError) as error:
+            raise Disagreement(f"replay gave a state that is no JSON: {error}") from None
         if not isinstance(saved, dict) or not {*rebuilt, *PROGRESS_FIELDS} <= saved.keys():
             raise Disagreement("holds no agent state")
         for name, value in rebuilt.items():

@@ -226,6 +226,9 @@ class Dispatcher:
         self.unwritten: list[AwaitingReceipt] = []
         # Steps an approval was asked for: gated whatever the agent says now.
         self.gated = approvals.gated_steps(self.run.pk) if self.run.has_approvals else set()
+        # What ended the run's work, raised to its agent through a RunContext
+        # call: raised again at its next call and at the end of run().
+        self.ended: BaseException | None = None
 
     def run_agent(self, declared: type[Agent]) -> None:
         """Runs the agent `declared` through this dispatcher, from where
@@ -236,6 +239,9 @@ class Dispatcher:
         with self.receipt_kept():
             context.saved = self.resume(agent.replay)
             agent.run()
+            if self.ended is not None:
+                # The agent caught it and went on: it ends the run all the same.
+                raise self.ended
 
     # -- resuming ----------------------------------------------------------
 

@@ -5,6 +5,7 @@ declares a short approval time, so that expiry is seen within a test."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from typing import Any, ClassVar
 
@@ -13,6 +14,7 @@ from runs.agents.tools import journal
 
 PATH = "tests.approval_agents:NoticeAgent"
 BESIDE = "tests.approval_agents:BesideAgent"
+CARELESS = "tests.approval_agents:CarelessAgent"
 # The time a notice waits for its approval.
 WAITS = dt.timedelta(seconds=1)
 
@@ -72,3 +74,17 @@ class BesideAgent(Agent):
 
     def run(self) -> None:
         self.ctx.side_by_side([Step("look", "look", {"what": "x"})])
+
+
+class CarelessAgent(NoticeAgent):
+    """Catches Exception around the notice that waits for its approval, as
+    careless code does, then (`go_on`) sends another, or just returns."""
+
+    name = "careless"
+    input_schema: ClassVar[dict[str, Any]] = {"type": "object"}
+
+    def run(self) -> None:
+        with contextlib.suppress(Exception):
+            self.ctx.step("notice", "notify", {"to": "ops", "text": "x"}, needs_approval=True)
+        if self.input.get("go_on"):
+            self.ctx.step("another", "notify", {"to": "all", "text": "y"})

@@ -99,6 +99,7 @@ def installed(settings) -> None:
         "support-approved": SUPPORT,
         "notice": approval_agents.PATH,
         "beside": approval_agents.BESIDE,
+        "careless": approval_agents.CARELESS,
     }
 
 
@@ -346,6 +347,18 @@ def test_not_approved_in_time_is_a_system_refusal_and_the_run_goes_on(journal):
     # A person is too late once it expired, even before the sweep.
     with pytest.raises(DecisionRefused, match="already decided"):
         decide_approval(item.pk, asked(make_approver("bo"), DecisionChoice.APPROVE))
+
+
+@pytest.mark.parametrize("go_on", [True, False])
+def test_an_agent_that_catches_the_wait_for_approval_still_waits_and_sends_nothing(journal, go_on):
+    # The wait is an exception, and `except Exception` catches it: the run
+    # waits all the same, and no later step of the agent is dispatched.
+    run = submit(agent="careless", input={"go_on": go_on})
+    assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
+    item = OutcomeItem.objects.get(run=run, kind=OutcomeKind.APPROVAL)
+    assert item.state == OutcomeState.OPEN
+    assert not run.actions.exists()
+    assert journal.counts("notify") == {}
 
 
 def test_an_agent_asks_for_approval_per_call_and_sends_once_approved(journal):

@@ -17,7 +17,8 @@ import psycopg
 import pytest
 from django.db import IntegrityError, connection
 
-from runs.agents.research import ResearchState
+from runs.agent import Disagreement
+from runs.agents.research import ResearchAgent, ResearchState
 from runs.decisions import settle_open_items
 from runs.dispatch import Dispatcher
 from runs.executor import claim_and_drive
@@ -433,6 +434,21 @@ def test_a_checkpoint_that_disagrees_with_the_receipts_is_ignored(journal):
     assert len(events(run, EventKind.ACTION_REUSED)) == 4
     assert_completed_once_each(journal, run)
     assert run.phase == Phase.DONE
+
+
+def test_a_replay_that_returns_no_state_leaves_the_checkpoint_unused(journal, monkeypatch):
+    # `return Disagreement` where a raise was meant: the run resumes from
+    # its receipts, as a disagreement does, instead of failing.
+    run, outcome = run_with([{"point": "lease_stolen", "action": 5}])
+    assert outcome == "lease_lost"
+    monkeypatch.setattr(ResearchAgent, "replay", lambda self, after, history: Disagreement)
+    Run.objects.filter(pk=run.pk).update(lease_expires_at="2000-01-01T00:00:00Z")
+    assert claim_and_drive(run.pk) == RunStatus.COMPLETED
+    run.refresh_from_db()
+    assert (
+        "replay gave type, not the agent's state" in (events(run, EventKind.CHECKPOINT_IGNORED)[0])
+    )
+    assert_completed_once_each(journal, run)
 
 
 def test_a_stranger_holding_the_checkpoint_table_never_holds_the_answer(journal, settings):
