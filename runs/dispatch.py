@@ -94,7 +94,7 @@ from runs.models import (
 )
 from runs.outcomes import NeedsOperator, open_item, write_settled
 from runs.progress import History, Progress
-from runs.sql import release_connection, server_cursor, transient
+from runs.sql import release_connection, server_cursor, transient, violated
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
@@ -485,10 +485,16 @@ class Dispatcher:
                 not_published_digest=digest(content),
             )
             return stands.content
-        except DatabaseError:
+        except DatabaseError as error:
             # Answered with an error: the statement rolled back, and the
             # receipts can still go on their own (receipt_kept).
             self.unwritten = awaiting
+            if violated(error) == "revision_one_final_per_run":
+                # The agent's mistake, made again by every owner: the run fails.
+                raise RevisionExists(
+                    f"revision {number} is final, and a final revision of this run is "
+                    "published already: a run publishes one"
+                ) from error
             raise
         except (NeedsOperator, LeaseLost):
             self._copied(awaiting)  # the receipts' fate is the revision's: not ours to say

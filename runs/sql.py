@@ -155,6 +155,12 @@ def transient(error: BaseException) -> bool:
     return getattr(error.__cause__, "sqlstate", None) in TRANSIENT
 
 
+def violated(error: BaseException) -> str | None:
+    """The constraint a database error says was violated, if any."""
+    diag = getattr(error.__cause__, "diag", None)
+    return None if diag is None else diag.constraint_name
+
+
 def bounded_lock_waits() -> dict[str, str]:
     """For an optional write's transaction (`commit_asynchronously(cursor,
     **bounded_lock_waits())`): a lock not granted within

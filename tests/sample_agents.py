@@ -62,3 +62,15 @@ class PagesAgent(Agent):
                 lines.append(f"{page}: {result['text']}")
                 used.append(f"read:{page}")
         self.ctx.publish("\n".join(lines), revision=1, final=True, used=used)
+
+
+class TwoFinalsAgent(Agent):
+    """Publishes a final answer, then another: a mistake, the run's own."""
+
+    name = "two-finals"
+    version = "1"
+    tools = ()
+
+    def run(self) -> None:
+        self.ctx.publish("first", revision=1, final=True)
+        self.ctx.publish("second", revision=2, final=True)

@@ -47,6 +47,19 @@ def pages(settings):
     settings.RUNDESK_AGENTS = {**settings.RUNDESK_AGENTS, "pages": "tests.sample_agents:PagesAgent"}
 
 
+def test_a_second_final_revision_fails_the_run_saying_why(settings):
+    # Every owner would make the same mistake again: no lease after lease of it.
+    settings.RUNDESK_AGENTS = {
+        **settings.RUNDESK_AGENTS,
+        "two-finals": "tests.sample_agents:TwoFinalsAgent",
+    }
+    run = submit(agent="two-finals", input={})
+    assert claim_and_drive(run.pk) == RunStatus.FAILED
+    run.refresh_from_db()
+    assert "a final revision of this run is published already" in run.status_reason
+    assert list(run.revisions.values_list("number", "is_final")) == [(1, True)]
+
+
 def writers(table: str, ids: list[int], column: str = "id") -> set[str]:
     """The transactions that wrote these rows."""
     with connection.cursor() as cursor:
