@@ -99,7 +99,26 @@ def django_db_setup(
     yield
     if workerinput is not None or not django_db_keepdb:
         with django_db_blocker.unblock():
+            _end_other_sessions(connection.settings_dict["NAME"])
             creation.destroy_test_db(old_name, verbosity)
+
+
+def _end_other_sessions(database: str, timeout: float = 10.0) -> None:
+    """Ends the sessions still on `database` (a writer thread's, a process a
+    test left behind) and waits until they are gone: the database is
+    dropped next, and a DROP DATABASE refuses one that has any."""
+    connection.close()
+    deadline = time.monotonic() + timeout
+    with connection.creation._nodb_cursor() as cursor:
+        while True:
+            cursor.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = %s AND pid <> pg_backend_pid()",
+                [database],
+            )
+            if cursor.fetchone()[0] == 0 or time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
 
 def _template_name() -> str:
