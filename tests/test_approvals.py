@@ -361,6 +361,16 @@ def test_an_agent_that_catches_the_wait_for_approval_still_waits_and_sends_nothi
     assert journal.counts("notify") == {}
 
 
+def test_outcomes_show_says_who_decides_an_open_approval_and_how():
+    run = submit(agent="notice", input={"to": "ops@example.com", "text": "deploy at 5"})
+    assert claim_and_drive(run.pk) == RunStatus.NEEDS_OPERATOR
+    item = OutcomeItem.objects.get(run=run, kind=OutcomeKind.APPROVAL)
+    shown = StringIO()
+    call_command("outcomes", "show", str(item.pk), stdout=shown)
+    assert "Choices: an approver approves or rejects it (outcomes approve ID" in shown.getvalue()
+    assert "none (settled)" not in shown.getvalue()
+
+
 def test_an_agent_asks_for_approval_per_call_and_sends_once_approved(journal):
     ana = make_approver("ana")
     run = submit(agent="notice", input={"to": "ops@example.com", "text": "deploy at 5"})

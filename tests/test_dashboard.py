@@ -168,6 +168,8 @@ def test_runs_list_shows_runs_to_a_signed_in_viewer(viewer, run):
 def test_run_page_shows_actions_revisions_and_timeline_escaped(viewer, run):
     page = viewer.get(f"/runs/{run.pk}/").content.decode()
     assert "read:0" in page and "deliver" in page and "Revision 2 (final)" in page
+    # The documents its agent says it reads (Agent.documents).
+    assert '<dd id="run-documents"><code>northwind-clean-energy.md</code></dd>' in page
     assert "<td>run completed</td>" in page and "run_completed" not in page
     assert "<script>alert(1)</script>" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page

@@ -45,6 +45,10 @@ from runs.models import (
 )
 from runs.words import Field
 
+# Who decides an approval item, and how.
+APPROVER = "the approver permission (the approvers group)"
+APPROVE_WITH = "outcomes approve ID --as USER, or outcomes reject ID --reason WHY --as USER"
+
 HELP = """\
 The operators' inbox on the command line: what the runtime could not settle
 itself (outcome items), the evidence, and decisions.  The same rules and
@@ -205,24 +209,24 @@ class Command(BaseCommand):
             help="a JSON object: the input sent instead of the proposed one",
         )
         approve.add_argument("--reason", default="", help="why (kept with the decision)")
-        self._person_arguments(approve)
+        self._person_arguments(approve, APPROVER)
         reject = commands.add_parser("reject", help="reject an approval item")
         reject.add_argument("item_id", type=int, metavar="ID")
         reject.add_argument("--reason", required=True, help="why: kept with the decision")
-        self._person_arguments(reject)
+        self._person_arguments(reject, APPROVER)
 
     def _decision_arguments(self, parser: Any, choices: list[str]) -> None:
         parser.add_argument("--choice", required=True, choices=choices)
         parser.add_argument("--reason", required=True, help="why: kept with the decision")
-        self._person_arguments(parser)
+        self._person_arguments(parser, "the operator permission")
 
-    def _person_arguments(self, parser: Any) -> None:
+    def _person_arguments(self, parser: Any, permission: str) -> None:
         parser.add_argument(
             "--as",
             dest="username",
             required=True,
             metavar="USER",
-            help="the person deciding: a user with the operator permission",
+            help=f"the person deciding: a user with {permission}",
         )
         parser.add_argument(
             "--token",
@@ -311,7 +315,10 @@ class Command(BaseCommand):
         text += ["", "Receipts of the run"]
         for when, rows in (("before the item", split["before"]), ("after", split["after"])):
             text.append(f"  {when}: " + (", ".join(r["step_key"] for r in rows) or "none"))
-        text += ["", "Choices" + ("" if choices else ": none (settled)")]
+        if item.kind == OutcomeKind.APPROVAL and item.state == OutcomeState.OPEN:
+            text += ["", f"Choices: an approver approves or rejects it ({APPROVE_WITH})"]
+        else:
+            text += ["", "Choices" + ("" if choices else ": none (settled)")]
         text += [f"  {offer.choice}: {offer.does}" for offer in choices]
         if for_run:
             text += ["", f"Run {item.run_id} choices (outcomes decide-run)"]
