@@ -775,7 +775,7 @@ class Dispatcher:
                 f"{action.step_key} was dispatched under epoch {action.epoch} and has no "
                 "receipt: the effect may have happened; only its receiver knows"
             )
-            self._effect_unknown(action.pk, action.step_key, action.idempotency_key, reason)
+            self._effect_unknown(action.pk, action.idempotency_key, reason)
         if action.attempts >= MAX_READ_DISPATCHES:
             self._give_up(action)
         return None
@@ -909,9 +909,7 @@ class Dispatcher:
         result's receipt is written at once for an effect, with the run's
         next write for a read."""
         if isinstance(answer, OutcomeUnknown):
-            self._effect_unknown(
-                action_id, step_key, key, f"the outcome of {step_key} is unknown: {answer}"
-            )
+            self._effect_unknown(action_id, key, f"the outcome of {step_key} is unknown: {answer}")
         if isinstance(answer, Exception):
             self._mark(action_id, ActionState.FAILED, str(answer), EventKind.ACTION_FAILED)
             raise ActionFailed(step_key, str(answer)) from answer
@@ -1001,32 +999,12 @@ class Dispatcher:
             action_id=ids[-1],
         )
 
-    def _effect_unknown(self, action_id: int, step_key: str, key: str, reason: str) -> NoReturn:
-        """Only the receiver knows whether an effect happened: an operator
-        settles it with the receiver's evidence (it knows the action by
-        `key`).  The action's state and its item are written together:
-        never one without the other."""
+    def _effect_unknown(self, action_id: int, key: str, reason: str) -> NoReturn:
+        """The effect's outcome is unknown (effect_unknown): the run waits
+        for an operator."""
         self.write_receipt()
-        with transaction.atomic():
-            self.lease.record_action_state(action_id, ActionState.UNKNOWN, reason)
-            item = open_item(
-                run_id=self.run.pk,
-                kind=OutcomeKind.EFFECT,
-                subject=f"effect:action-{action_id}:attempt-{self._attempts(action_id)}",
-                summary=reason,
-                evidence={
-                    "identity": action_identity(self.run.pk, step_key),
-                    "idempotency_key": key,
-                    "lease_epoch": self.lease.epoch,
-                    "afterwards": "the run waits for an operator; the effect is not sent again",
-                },
-                action_id=action_id,
-            )
-        timeline.record(self.run.pk, EventKind.ACTION_UNKNOWN, reason, action_id=action_id)
-        raise NeedsOperator(reason, item.pk)
-
-    def _attempts(self, action_id: int) -> int:
-        return Action.objects.filter(pk=action_id).values_list("attempts", flat=True).get()
+        afterwards = "the run waits for an operator; the effect is not sent again"
+        raise NeedsOperator(reason, effect_unknown(self.lease, action_id, key, reason, afterwards))
 
     def _mark(self, action_id: int, state: ActionState, reason: str, kind: EventKind) -> None:
         self.write_receipt()
@@ -1035,6 +1013,52 @@ class Dispatcher:
             lambda: self.lease.record_action_state(action_id, state, reason),
         )
         timeline.record(self.run.pk, kind, reason, action_id=action_id)
+
+
+def effect_unknown(lease: Lease, action_id: int, key: str, reason: str, afterwards: str) -> int:
+    """Only the receiver knows whether the effect `action_id` (sent under
+    `key`) happened: its state becomes unknown and an item asks an operator
+    to settle it with the receiver's evidence (both written together, never
+    one without the other).  The item's id."""
+    step_key, attempts = (
+        Action.objects.filter(pk=action_id).values_list("step_key", "attempts").get()
+    )
+    with transaction.atomic():
+        lease.record_action_state(action_id, ActionState.UNKNOWN, reason)
+        item = open_item(
+            run_id=lease.run_id,
+            kind=OutcomeKind.EFFECT,
+            subject=f"effect:action-{action_id}:attempt-{attempts}",
+            summary=reason,
+            evidence={
+                "identity": action_identity(lease.run_id, step_key),
+                "idempotency_key": key,
+                "lease_epoch": lease.epoch,
+                "afterwards": afterwards,
+            },
+            action_id=action_id,
+        )
+    timeline.record(lease.run_id, EventKind.ACTION_UNKNOWN, reason, action_id=action_id)
+    return item.pk
+
+
+def effects_left_unknown(lease: Lease) -> None:
+    """A run about to fail with an effect still dispatched: an earlier
+    owner sent it and died before its answer, and the agent failed before
+    it stepped it again.  Whether it happened is unknown, and stays so
+    until an operator settles it: the run ends, its item does not."""
+    left = Action.objects.filter(
+        run_id=lease.run_id, effect_class=EffectClass.EFFECT, state=ActionState.DISPATCHED
+    ).values_list("pk", "step_key", "idempotency_key")
+    for action_id, step_key, key in left:
+        effect_unknown(
+            lease,
+            action_id,
+            key,
+            f"{step_key} was dispatched under an earlier owner and never answered; the run "
+            "failed before it was stepped again: only its receiver knows whether it happened",
+            "the run has failed; settle the effect for the record",
+        )
 
 
 def _as_result(result: Any, tool: Tool) -> Answer | Exception:

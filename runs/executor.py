@@ -24,7 +24,7 @@ from evidence.capture import capture
 from evidence.locks import LockSampler
 from runs import decisions, holds, registry, sweep
 from runs.agent import ActionFailed, Agent
-from runs.dispatch import Dispatcher, Stopping, run_to_drive
+from runs.dispatch import Dispatcher, Stopping, effects_left_unknown, run_to_drive
 from runs.leases import (
     CancelRequested,
     Held,
@@ -91,7 +91,7 @@ def drive(lease: Lease, stop: threading.Event, *, batched: bool = False) -> Endi
     except NeedsOperator as reason:
         return _end(lease, RunStatus.NEEDS_OPERATOR, str(reason), item_id=reason.item_id)
     except ActionFailed as reason:
-        return _end(lease, RunStatus.FAILED, str(reason))
+        return _fail(lease, str(reason))
     except WriteRefused as refused:
         return _after_refused_write(lease, refused)
     except DatabaseError:
@@ -101,7 +101,7 @@ def drive(lease: Lease, stop: threading.Event, *, batched: bool = False) -> Endi
         raise
     except Exception as error:
         logger.exception("run %s: internal error", run_id)
-        return _end(lease, RunStatus.FAILED, f"internal error: {error!r}")
+        return _fail(lease, f"internal error: {error!r}")
     finally:
         # Not waited for with a connection in hand.
         release_connection()
@@ -171,6 +171,16 @@ def _end(
     if item_id is not None and decisions.resume_if_settled_meanwhile(lease.run_id, item_id):
         return Ending.REQUEUED
     return Ending(status)
+
+
+def _fail(lease: Lease, reason: str) -> Ending:
+    """Ends the run as failed, once what it leaves unknown has its items
+    (dispatch.effects_left_unknown)."""
+    try:
+        effects_left_unknown(lease)
+    except WriteRefused as refused:
+        return _after_refused_write(lease, refused)
+    return _end(lease, RunStatus.FAILED, reason)
 
 
 def _held(lease: Lease, held: Held) -> Ending:

@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any, ClassVar
 
-from runs.agent import READ, ActionFailed, Agent, Step, Tool, ToolCall, ToolRefused
+from runs.agent import EFFECT, READ, ActionFailed, Agent, Step, Tool, ToolCall, ToolRefused
 from runs.agents.tools import journal
 
 # How long each read sleeps, in seconds (the environment of a real process).
@@ -74,3 +74,20 @@ class TwoFinalsAgent(Agent):
     def run(self) -> None:
         self.ctx.publish("first", revision=1, final=True)
         self.ctx.publish("second", revision=2, final=True)
+
+
+def post(input: dict[str, Any], call: ToolCall) -> dict[str, Any]:
+    journal("post", call.identity, key=call.idempotency_key)
+    return {"posted": True}
+
+
+class BrokenAfterCrashAgent(Agent):
+    """Fails before it steps its effect: a bug met by the owner that takes
+    the run over from one that died with the effect sent."""
+
+    name = "broken-after-crash"
+    version = "1"
+    tools = (Tool("post", EFFECT, post, accepts_idempotency_key=True),)
+
+    def run(self) -> None:
+        raise RuntimeError("a bug met before the post")

@@ -29,7 +29,17 @@ from runs.agents.research import ResearchAgent
 from runs.dispatch import Dispatcher
 from runs.executor import claim_and_drive
 from runs.leases import Lease
-from runs.models import Action, ActionState, AnswerRevision, Receipt, Run, RunStatus
+from runs.models import (
+    Action,
+    ActionState,
+    AnswerRevision,
+    OutcomeItem,
+    OutcomeKind,
+    OutcomeState,
+    Receipt,
+    Run,
+    RunStatus,
+)
 from runs.submission import submit
 from runs.timeline import EventKind, timeline
 from tests.conftest import ROOT, manage
@@ -58,6 +68,32 @@ def test_a_second_final_revision_fails_the_run_saying_why(settings):
     run.refresh_from_db()
     assert "a final revision of this run is published already" in run.status_reason
     assert list(run.revisions.values_list("number", "is_final")) == [(1, True)]
+
+
+def test_a_run_that_fails_with_an_earlier_owners_effect_unanswered_leaves_it_unknown(
+    settings, journal
+):
+    # The owner that sent the post died before its answer; the next one
+    # fails before it steps it: the run ends, and an item says the post may
+    # have happened.
+    settings.RUNDESK_AGENTS = {
+        **settings.RUNDESK_AGENTS,
+        "broken-after-crash": "tests.sample_agents:BrokenAfterCrashAgent",
+    }
+    run = submit(agent="broken-after-crash", input={})
+    first = Lease.claim(run.pk, "died")
+    assert first is not None
+    post = first.record_boundary(step_key="post", kind="post", effect_class="effect", input={})
+    Run.objects.filter(pk=run.pk).update(lease_expires_at="2000-01-01T00:00:00Z")
+
+    assert claim_and_drive(run.pk) == RunStatus.FAILED
+    run.refresh_from_db()
+    assert "a bug met before the post" in run.status_reason
+    assert Action.objects.get(pk=post).state == ActionState.UNKNOWN
+    item = OutcomeItem.objects.get(run=run, action_id=post)
+    assert (item.kind, item.state) == (OutcomeKind.EFFECT, OutcomeState.OPEN)
+    assert "only its receiver knows whether it happened" in item.summary
+    assert journal.counts("post") == {}
 
 
 def writers(table: str, ids: list[int], column: str = "id") -> set[str]:
