@@ -85,6 +85,7 @@ from runs.models import (
     Run,
     RunEvent,
 )
+from runs.sql import violated
 
 BATCH = bundles.CHUNK  # rows per INSERT at most
 BATCH_BYTES = 4 << 20  # and about this much JSON: copies of model calls can be large
@@ -257,7 +258,7 @@ def open_bundle(path: str | Path) -> Opened:
     except IntegrityError as error:
         # The same bundle, opened at the same moment by someone else: theirs
         # committed first and stands.
-        if _constraint(error) == UNIQUE_SEAL:
+        if violated(error) == UNIQUE_SEAL:
             return Opened(Run.objects.get(origin_seal=manifest["seal"]), first_time=False)
         raise OpenRefused(f"its rows are not consistent: {_first_line(error)}") from error
     except DataError as error:
@@ -354,11 +355,6 @@ def _statement_timeout_kept() -> Iterator[None]:
     yield
     with connection.cursor() as cursor:
         cursor.execute("SELECT set_config('statement_timeout', %s, true)", [before])
-
-
-def _constraint(error: IntegrityError) -> str | None:
-    diag = getattr(error.__cause__, "diag", None)
-    return getattr(diag, "constraint_name", None)
 
 
 def _first_line(error: Exception) -> str:

@@ -157,8 +157,7 @@ def transient(error: BaseException) -> bool:
 
 def violated(error: BaseException) -> str | None:
     """The constraint a database error says was violated, if any."""
-    diag = getattr(error.__cause__, "diag", None)
-    return None if diag is None else diag.constraint_name
+    return getattr(getattr(error.__cause__, "diag", None), "constraint_name", None)
 
 
 def bounded_lock_waits() -> dict[str, str]:
