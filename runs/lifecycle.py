@@ -208,36 +208,51 @@ def markdown_table() -> str:
 # read them all (tests/test_statement_plans.py).
 OWNER = """id = %(run)s AND lease_owner = %(owner)s AND lease_epoch = %(epoch)s
     AND CASE WHEN status = 'running' THEN true END"""
+# A run waiting to be claimed, and one whose owner stopped renewing its lease.
+QUEUED = "status = 'queued'"
+EXPIRED = "status = 'running' AND lease_expires_at < statement_timestamp()"
 # A run of this installation that may be claimed: queued, or running with
 # a lease its owner stopped renewing.  Parameter: lab (RUNDESK_DRILL_LAB:
 # a drill's runs are claimed by its lab's processes only, and only those).
-CLAIMABLE = """imported_at IS NULL AND is_drill = %(lab)s
-    AND (status = 'queued' OR status = 'running' AND lease_expires_at < statement_timestamp())"""
+CLAIMABLE = f"""imported_at IS NULL AND is_drill = %(lab)s
+    AND ({QUEUED} OR {EXPIRED})"""
 # Running runs of this installation whose owner stopped renewing its lease.
-ABANDONED = """imported_at IS NULL AND status = 'running'
-    AND lease_expires_at < statement_timestamp()"""
+ABANDONED = f"imported_at IS NULL AND {EXPIRED}"
 # A cancelled run's status_reason names who asked.
 CANCELLED_BY = "'cancelled by ' || cancel_requested_by"
 
 # Claims lock the run row FOR NO KEY UPDATE, not FOR UPDATE: a row that
 # another transaction's foreign-key check holds FOR KEY SHARE (an event or
 # an evidence row being written for the run) is not skipped by SKIP LOCKED.
-_CLAIM = (
-    """UPDATE runs_run SET status = 'running', lease_owner = %(owner)s,
+_TAKE = """UPDATE runs_run SET status = 'running', lease_owner = %(owner)s,
         lease_epoch = lease_epoch + 1, lease_expires_at = statement_timestamp() + %(ttl)s,
         started_at = coalesce(started_at, statement_timestamp())
-    WHERE id IN (SELECT id FROM runs_run WHERE {which} AND """
-    + CLAIMABLE
-    + """
-                {order} LIMIT %(most)s FOR NO KEY UPDATE SKIP LOCKED)
+    WHERE id IN ({taken})
     RETURNING id, lease_epoch"""
+CLAIM_ONE_SQL = _TAKE.format(
+    taken=f"SELECT id FROM runs_run WHERE id = %(run)s AND {CLAIMABLE}"
+    " FOR NO KEY UPDATE SKIP LOCKED"
 )
-# An executor's loop takes only runs of the agents installed in its process
-# (%(agents)s): a run of an agent only other processes know waits for them.
-CLAIM_NEXT_SQL = _CLAIM.format(
-    which="agent = ANY(%(agents)s::text[])", order="ORDER BY created_at, id"
+# An executor's loop takes the oldest claimable runs of the agents
+# installed in its process (%(agents)s: a run of an agent only other
+# processes know waits for them), `most` at most: the oldest queued ones,
+# taken from their index in its order until it has them
+# (rundesk_oldest_queued(), migration 0030), and the oldest whose lease
+# expired (few, unless executors died), merged.  Asked in one condition,
+# the planner read every queued run and sorted them at each claim: with a
+# backlog of thousands, each claim cost the server more than a step
+# (tests/test_statement_plans.py).  The rows a branch locked and the merge
+# left are free again at the claim's COMMIT.
+CLAIM_NEXT_SQL = f"""WITH queued AS (
+        SELECT * FROM rundesk_oldest_queued(%(agents)s::text[], %(lab)s, %(most)s)),
+    expired AS (
+        SELECT id, created_at FROM runs_run
+        WHERE agent = ANY(%(agents)s::text[]) AND {ABANDONED} AND is_drill = %(lab)s
+        ORDER BY created_at, id LIMIT %(most)s FOR NO KEY UPDATE SKIP LOCKED)
+""" + _TAKE.format(
+    taken="SELECT id FROM (SELECT * FROM queued UNION ALL SELECT * FROM expired) AS oldest"
+    " ORDER BY created_at, id LIMIT %(most)s"
 )
-CLAIM_ONE_SQL = _CLAIM.format(which="id = %(run)s", order="")
 # Added to a claim made on its own (autocommit): its COMMIT does not wait
 # for the WAL flush (Lease._claim says why it may).  Set from the
 # statement's RETURNING, for the statement's own transaction only: a claim

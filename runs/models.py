@@ -431,9 +431,12 @@ class Run(models.Model):
             models.Index(fields=["-created_at", "-id"], name="run_listing_idx"),
             # The same, filtered by status.
             models.Index(fields=["status", "-created_at", "-id"], name="run_status_listing_idx"),
-            # Serves claimable(): the executor's claim of the oldest queued run.
+            # Serves the executor's claim of the oldest queued runs, in the
+            # claim's order: it reads the runs it takes, not the whole queue.
             models.Index(
-                fields=["created_at"], name="run_queued_idx", condition=Q(status=RunStatus.QUEUED)
+                fields=["created_at", "id"],
+                name="run_queued_idx",
+                condition=Q(status=RunStatus.QUEUED),
             ),
             # Serves claimable(): runs whose lease expired (owner died).
             models.Index(

@@ -9,6 +9,7 @@ once made a step cost milliseconds on a busy database."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from django.db import connection, transaction
 from evidence.records import NEW_CALLS
 from runs import lifecycle
 from runs.leases import Lease, PendingReceipt
-from runs.models import RunStatus
+from runs.models import Run, RunStatus
 from runs.submission import submit
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -301,3 +302,43 @@ def test_a_batch_of_model_calls_looks_up_each_calls_documents_by_run_and_path():
     plan = generic_plan(NEW_CALLS, [json.dumps([call])])
     assert "evidence_source" in plan
     assert "Seq Scan on evidence_source" not in plan, plan
+
+
+@pytest.mark.parametrize("statistics", ["taken_while_the_queue_was_short", "never_taken"])
+def test_a_claim_reads_the_runs_it_takes_not_the_whole_queue(statistics):
+    # Statistics say few runs wait (taken while the queue was short, as
+    # autovacuum leaves them on a large table; or none): reading every
+    # queued run and sorting them looked cheapest, and with a backlog of
+    # thousands each claim read them all.
+    first = submit(question="q", documents=DOCS)
+    with connection.cursor() as cursor:
+        if statistics == "never_taken":
+            cursor.execute(
+                "DELETE FROM pg_statistic WHERE starelid = 'runs_run'::regclass;"
+                " UPDATE pg_class SET relpages = 0, reltuples = -1 WHERE oid = 'runs_run'::regclass"
+            )
+        else:
+            cursor.execute("ANALYZE runs_run")
+        columns = [field.column for field in Run._meta.concrete_fields if field.column != "id"]
+        copied = ", ".join(
+            "created_at + i * interval '1 ms'" if column == "created_at" else column
+            for column in columns
+        )
+        cursor.execute(
+            f"INSERT INTO runs_run ({', '.join(columns)}) SELECT {copied}"
+            " FROM runs_run, generate_series(1, 3000) AS i WHERE id = %s",
+            [first.pk],
+        )
+    for most in (1, 20):
+        with transaction.atomic():
+            claimed = lifecycle.claim("owner", dt.timedelta(seconds=30), lab=False, most=most)
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT seq_tup_read + idx_tup_fetch FROM pg_stat_xact_user_tables"
+                    " WHERE relname = 'runs_run'"
+                )
+                (read,) = cursor.fetchone()
+            transaction.set_rollback(True)
+        assert [run_id for run_id, _ in claimed][:1] == [first.pk]  # the oldest first
+        assert len(claimed) == most
+        assert read <= 3 * most + 10, (most, read)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from runs.agent import OutcomeUnknown, ToolFailed, ToolRefused
-from runs.agents.tools import MAX_DOCUMENT_BYTES, deliver_report, read_document
+from runs.agents.tools import MAX_DOCUMENT_BYTES, deliver_report, read_at_most, read_document
 from tests.receivers import LocalServer, status
 from tests.tool_calls import call
 
@@ -272,6 +272,21 @@ def test_read_document_refuses_a_file_larger_than_the_limit(corpus, journal):
     # Exactly at the limit is still a document.
     assert read_document({"path": "limit.md"}, call("other"))["bytes"] == MAX_DOCUMENT_BYTES
     assert journal.counts() == {"other": 1}
+
+
+def test_a_read_takes_what_a_file_holds_beyond_the_size_it_reports(tmp_path):
+    # /proc's files say they hold nothing: what they hold counts, up to the limit.
+    with open("/proc/self/status", "rb") as handle:
+        status = read_at_most(handle, 100_000)
+    assert status.startswith(b"Name:") and len(status) > 100
+    with open("/proc/self/status", "rb") as handle:
+        assert read_at_most(handle, 10) == status[:10]
+
+    sheet = tmp_path / "sheet.md"
+    sheet.write_bytes(b"a" * 30)
+    for limit, expected in [(25, 25), (30, 30), (31, 30), (100, 30)]:
+        with sheet.open("rb") as handle:
+            assert read_at_most(handle, limit) == b"a" * expected
 
 
 # -- deliver_report to a receiver ---------------------------------------------

@@ -21,7 +21,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from django.conf import settings
 
@@ -78,7 +78,7 @@ def read_document(input: dict[str, Any], call: ToolCall) -> dict[str, Any]:
     path = resolve_in_corpus(str(input.get("path", "")), settings.RUNDESK_CORPUS_DIR)
     try:
         with path.open("rb") as handle:
-            data = handle.read(MAX_DOCUMENT_BYTES + 1)
+            data = read_at_most(handle, MAX_DOCUMENT_BYTES + 1)
     except OSError as error:  # no permission, an I/O error: a definite answer
         raise ToolRefused(f"{input['path']!r}: {error.strerror or error}") from None
     if len(data) > MAX_DOCUMENT_BYTES:
@@ -97,6 +97,19 @@ def read_document(input: dict[str, Any], call: ToolCall) -> dict[str, Any]:
         "sha256": hashlib.sha256(data).hexdigest(),
         "text": text,
     }
+
+
+def read_at_most(handle: BinaryIO, limit: int) -> bytes:
+    """The file's bytes, `limit` at most.  `read(limit)` sets aside
+    `limit` bytes before it reads (a megabyte for each small document, and
+    three system calls to map and unmap it): it asks for what the file
+    holds, one byte more to see it grew meanwhile, and only then for the
+    rest."""
+    size = os.fstat(handle.fileno()).st_size
+    data = handle.read(min(size + 1, limit))
+    if len(data) > size:
+        data += handle.read(limit - len(data))
+    return data
 
 
 # Past this share of characters no text holds, in the first SAMPLE of a
