@@ -12,10 +12,14 @@ after its first receipt, with most of the run left to resume."""
 
 from __future__ import annotations
 
+import hashlib
+from collections import Counter
+
 import pytest
 
 from runs.benchmarks import throughput
-from runs.models import Run, RunEvent, RunStatus
+from runs.benchmarks.hollow import HOLLOW
+from runs.models import Action, Run, RunEvent, RunStatus
 from runs.submission import submit
 from runs.timeline import EventKind
 
@@ -42,14 +46,31 @@ def test_throughput_and_failover_through_real_executor_processes(monkeypatch):
         assert measured["commits_per_run"] >= actions_per_run
         assert measured["commits_of_ceiling"] > 0
         assert measured["executor_cpu_ms_per_run"] > 0
+        # The executor's own CPU and its tools' make up the whole.
+        own, tools = measured["own_cpu_ms_per_action"], measured["tools_cpu_ms_per_action"]
+        assert own > 0
+        assert own + tools == pytest.approx(measured["executor_cpu_ms_per_action"], abs=0.02)
 
     # Every run the benchmark submitted completed: the batches, the
     # warm-ups, the failover run.
     ours = Run.objects.filter(question__startswith=throughput.QUESTION)
     assert set(ours.values_list("status", flat=True)) == {RunStatus.COMPLETED}
     batches = ours.filter(question__contains=" batch of ")
-    assert batches.count() == 20
+    assert batches.count() == 40
     assert set(batches.values_list("lease_epoch", flat=True)) == {1}
+    # Half of them the research agent with tools that do nothing: the same
+    # steps, and no report written.
+    hollow = batches.filter(agent=HOLLOW)
+    assert hollow.count() == 20
+    steps = Action.objects.filter(run__in=batches).values_list("run__agent", "step_key")
+    assert Counter(agent for agent, _ in steps) == {"research": 160, HOLLOW: 160}
+    assert {key for agent, key in steps if agent == HOLLOW} == {
+        key for agent, key in steps if agent == "research"
+    }
+    assert Action.objects.get(run=hollow[0], step_key="deliver").receipt.result == {
+        "delivered_to": "nowhere",
+        "sha256": hashlib.sha256(b"").hexdigest(),
+    }
 
     failover = report["failover"]
     (seconds,) = failover["failover_s"]

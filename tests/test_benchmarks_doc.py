@@ -161,6 +161,9 @@ SAMPLE: dict[str, Any] = {
                 "commits_per_run": 23.0,
                 "commits_of_ceiling": 0.22,
                 "executor_cpu_ms_per_run": 21.4,
+                "executor_cpu_ms_per_action": 2.68,
+                "own_cpu_ms_per_action": 1.1,
+                "tools_cpu_ms_per_action": 1.58,
             },
             {
                 "executors": 4,
@@ -282,6 +285,10 @@ def test_the_document_is_one_table_with_the_machine_date_and_command():
         "run page p50 420.5 ms, max 610 ms, lock incident page p50 400 ms, max 580.2 ms"
     )
     assert "21.4 ms of executor CPU per run" in throughput  # the unknown one left out
+    assert (
+        "2.68 / unknown ms per action, of which the executor's own 1.1 / unknown ms (runs of"
+        " the same steps whose tools do nothing) and the tools' 1.58 / unknown ms" in throughput
+    )
     assert rows["failover (lease 2 s)"].endswith("after 1.79 / 1.8 s (target 3 s)")
     assert rows["investigation bundles (`export_bundle`)"] == (
         "10,000 events in 3.6 s, peak RSS 123 MB; 200,000 events in 16.8 s, peak RSS 123.4 MB"

@@ -197,9 +197,14 @@ class FactSheet:
 
     def value(self, name: str) -> str:
         """The figure or fee called `name`, in any case ("" if none)."""
-        wanted = name.lower()
-        pairs = [*self.figures.items(), *self.fees.items()]
-        return next((value for key, value in pairs if key.lower() == wanted), "")
+        return self.named.get(name.lower(), "")
+
+    @functools.cached_property
+    def named(self) -> dict[str, str]:
+        """Its figures and fees by name in lower case, the first of a name
+        (a sheet may give thousands of figures: a scan per name was the
+        comparison's cost).  Made once the sheet is read."""
+        return {k.lower(): v for k, v in reversed([*self.figures.items(), *self.fees.items()])}
 
     @property
     def label(self) -> str:
@@ -535,14 +540,8 @@ def _side_by_side(sheets: list[FactSheet]) -> list[str]:
     for sheet in sheets:
         for key in [*sheet.figures, *sheet.fees]:
             rows.setdefault(key.lower(), key)
-    # Each sheet's figures by name, as value() finds them (the first of a
-    # name), looked up once per row: value() is a scan, and a sheet may
-    # give thousands of figures.
-    named = [
-        {k.lower(): v for k, v in reversed([*s.figures.items(), *s.fees.items()])} for s in sheets
-    ]
     for key in filter(None, rows.values()):
-        values = [given.get(key.lower(), "") for given in named]
+        values = [sheet.value(key) for sheet in sheets]
         lines.append(f"| {_cell(key)} | " + " | ".join(map(_cell, values)) + " |")
     lines.append(
         "| Top holdings | " + " | ".join(_cell("; ".join(s.holdings[:3])) for s in sheets) + " |"

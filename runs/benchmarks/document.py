@@ -219,7 +219,12 @@ def _throughput(figures: dict[str, Any]) -> list[Row]:
             f"commits/s with as many clients; {_span(m['commits_per_run'] for m in measured)} "
             "commits per run (read-only ones included): "
             f"{_each(_percent(m['commits_of_ceiling']) for m in measured)} % of the ceiling; "
-            f"{_span(m['executor_cpu_ms_per_run'] for m in measured)} ms of executor CPU per run",
+            f"{_span(m['executor_cpu_ms_per_run'] for m in measured)} ms of executor CPU per run, "
+            f"{_each(m.get('executor_cpu_ms_per_action') for m in measured)} ms per action, "
+            "of which the executor's own "
+            f"{_each(m.get('own_cpu_ms_per_action') for m in measured)} ms "
+            "(runs of the same steps whose tools do nothing) and the tools' "
+            f"{_each(m.get('tools_cpu_ms_per_action') for m in measured)} ms",
         )
     ]
     if failover := figures["failover"]:

@@ -34,7 +34,14 @@ Beside each figure, measured in the same run:
   its share of the ceiling;
 - `executor_cpu_ms_per_run` and `executor_cpu_ms_per_action`: CPU time
   (user + system, /proc) of the executor processes over the batch, per run
-  and per action (tool latency none: the offline provider).
+  and per action (tool latency none: the offline provider);
+- `own_cpu_ms_per_action`: the same over a second batch, as large, of the
+  research agent with tools that do nothing (runs/benchmarks/hollow.py:
+  the same steps, publications and checkpoints, answers of the same
+  sizes): what the executor itself costs per action.  The rest of
+  `executor_cpu_ms_per_action` is the research agent's tools' own work
+  (`tools_cpu_ms_per_action`: reading and decoding files, the offline
+  model's text, an fsync'd file per report).
 
 Failover.  Two executors with a short lease (RUNDESK_LEASE_SECONDS=2,
 RUNDESK_POLL_SECONDS=0.2); a slow run (three documents, every tool call
@@ -70,9 +77,11 @@ from typing import Any
 import psycopg
 from django.conf import settings
 from django.db import connection, transaction
+from django.test.utils import override_settings
 
 from runs import submission
 from runs.benchmarks import ServerCounts, p50, process_cpu_seconds
+from runs.benchmarks.hollow import HOLLOW, HOLLOW_ENTRY
 from runs.benchmarks.scale import worker_env
 from runs.harness import GroupProcess
 from runs.models import Action, Run, RunEvent, RunStatus
@@ -180,8 +189,10 @@ def executor_env(folder: Path, lease_seconds: float | None = None) -> dict[str, 
     """The environment of an executor here: the database Django uses now,
     the offline provider, DEBUG as in this process, files under `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
+    installed = worker_env(folder)
     return {
-        **worker_env(folder),
+        **installed,
+        "RUNDESK_AGENTS": ",".join(filter(None, [installed.get("RUNDESK_AGENTS"), HOLLOW_ENTRY])),
         "DEBUG": executor_debug(),
         "RUNDESK_ROLE": "executor",
         "RUNDESK_LEASE_SECONDS": str(lease_seconds or settings.RUNDESK_LEASE_SECONDS),
@@ -301,11 +312,18 @@ def refuse_shared_database() -> None:
         )
 
 
-def submit(count: int, what: str, faults: list[dict[str, Any]] | None = None) -> list[int]:
-    with transaction.atomic():
+def submit(
+    count: int, what: str, faults: list[dict[str, Any]] | None = None, agent: str = "research"
+) -> list[int]:
+    """`count` runs of the research agent (or of `agent`: the hollow one)."""
+    hollow = {HOLLOW: HOLLOW_ENTRY.partition("=")[2]} if agent == HOLLOW else {}
+    with (
+        override_settings(RUNDESK_AGENTS={**settings.RUNDESK_AGENTS, **hollow}),
+        transaction.atomic(),
+    ):
         return [
             submission.submit(
-                question=f"{QUESTION} {what} {i}", documents=DOCUMENTS, faults=faults
+                agent, question=f"{QUESTION} {what} {i}", documents=DOCUMENTS, faults=faults
             ).pk
             for i in range(count)
         ]
@@ -452,9 +470,16 @@ def measure(
     commits it took."""
     env = executor_env(folder)
     batch: list[int] = []
+    hollow: list[int] = []
     try:
         with Fleet(env, folder) as fleet:
             warm_up(fleet, fleet.start(executors))
+            # The hollow batch first: its commits are not the batch's.
+            cpu_warm = fleet.cpu_seconds()
+            hollow = submit(runs, f"hollow batch of {executors} executors", agent=HOLLOW)
+            wait_for(unfinished(hollow), fleet, BATCH_TIMEOUT, f"{runs} hollow runs", 0.1)
+            fleet.check()
+            cpu_hollow = fleet.cpu_seconds()
             warmed = time.monotonic()
             ceiling = commit_ceiling(executors, ceiling_seconds)
             before = 0
@@ -476,20 +501,21 @@ def measure(
             time.sleep(EXIT_SECONDS)
             commits = xact_commits() - before - polls - 1  # less the polls and the submission
     except BaseException:
-        cancel_unfinished(batch)
+        cancel_unfinished(batch + hollow)
         raise
     require_completed(batch)
+    require_completed(hollow)
     timeline.flush()
     figures = batch_figures(executors, batch, ceiling, commits)
     # CPU the executor processes used (all their threads), per run: at 1/runs_s
     # or more per core, they are what limits the batch.
-    known = cpu_before >= 0 and cpu_after >= 0
-    figures["executor_cpu_ms_per_run"] = (
-        round(1000 * (cpu_after - cpu_before) / runs, 1) if known else None
-    )
-    figures["executor_cpu_ms_per_action"] = (
-        round(1000 * (cpu_after - cpu_before) / figures["actions"], 2) if known else None
-    )
+    known = min(cpu_warm, cpu_hollow, cpu_before, cpu_after) >= 0
+    used, own = cpu_after - cpu_before, cpu_hollow - cpu_warm
+    actions = figures["actions"]
+    figures["executor_cpu_ms_per_run"] = round(1000 * used / runs, 1) if known else None
+    figures["executor_cpu_ms_per_action"] = round(1000 * used / actions, 2) if known else None
+    figures["own_cpu_ms_per_action"] = round(1000 * own / actions, 2) if known else None
+    figures["tools_cpu_ms_per_action"] = round(1000 * (used - own) / actions, 2) if known else None
     return figures
 
 
