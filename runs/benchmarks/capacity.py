@@ -78,7 +78,7 @@ from runs.benchmarks.throughput import (
     unfinished,
 )
 from runs.models import Action, Run, RunEvent
-from runs.timeline import EventKind
+from runs.timeline import EventKind, timeline
 
 BATCHES = (10, 100, 1000)
 TOOL_SECONDS = 1.0
@@ -253,6 +253,9 @@ def measure(runs: int, folder: Path) -> dict[str, Any]:
         cpu_before = executor.cpu_seconds()
         with ServerSide(database) as server, SessionPeak(database) as sessions:
             batch, since, submit_s = submitted(runs, f"capacity: {runs} in flight")
+            # The runs' `submitted` events gave this process's timeline
+            # writer a session: closed, so that the peak is the executor's.
+            timeline.stop()
             wait_done(batch, executor, BATCH_TIMEOUT)
         cpu = executor.cpu_seconds() - cpu_before
         rss = rss_peak_mb(executor.pid)
