@@ -8,8 +8,8 @@ is its own cost; what it spends on the research agent's runs beyond that
 is the tools' (reading and decoding files, the offline model's text work,
 an fsync'd file per report).
 
-Executors of the benchmark install it (HOLLOW_ENTRY, RUNDESK_AGENTS); no
-other process does."""
+The benchmark's executors install it (HOLLOW_ENTRY in RUNDESK_AGENTS), and
+the benchmark while it submits their runs; no other process does."""
 
 from __future__ import annotations
 
