@@ -512,10 +512,13 @@ def measure(
     known = min(cpu_warm, cpu_hollow, cpu_before, cpu_after) >= 0
     used, own = cpu_after - cpu_before, cpu_hollow - cpu_warm
     actions = figures["actions"]
+    per_action, own_per_action = used / actions, own / Action.objects.filter(run__in=hollow).count()
     figures["executor_cpu_ms_per_run"] = round(1000 * used / runs, 1) if known else None
-    figures["executor_cpu_ms_per_action"] = round(1000 * used / actions, 2) if known else None
-    figures["own_cpu_ms_per_action"] = round(1000 * own / actions, 2) if known else None
-    figures["tools_cpu_ms_per_action"] = round(1000 * (used - own) / actions, 2) if known else None
+    figures["executor_cpu_ms_per_action"] = round(1000 * per_action, 2) if known else None
+    figures["own_cpu_ms_per_action"] = round(1000 * own_per_action, 2) if known else None
+    figures["tools_cpu_ms_per_action"] = (
+        round(1000 * (per_action - own_per_action), 2) if known else None
+    )
     return figures
 
 
