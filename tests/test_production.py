@@ -47,10 +47,17 @@ SECRET_KEY = secrets.token_urlsafe(50)
 DEBUG_PAGE = "DEBUG = True"
 
 
+ASYNC_UNSAFE = "DJANGO_ALLOW_ASYNC_UNSAFE"
+
+
 def production(var_dir: Path, **extra: str) -> dict[str, str]:
-    """The environment of a production process on the test database."""
+    """The environment of a production process on the test database.  Not
+    the browser tests' switch of Django's async guard (conftest.browser,
+    set in this test process once one of them ran): `check --deploy`
+    refuses it, as it should in production."""
+    inherited = {name: value for name, value in os.environ.items() if name != ASYNC_UNSAFE}
     return {
-        **os.environ,
+        **inherited,
         "DEBUG": "0",
         "SECRET_KEY": SECRET_KEY,
         "DATABASE_URL": database_url(),
