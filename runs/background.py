@@ -173,6 +173,9 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
             self._lost.update(lost)
 
     def _ensure_thread(self) -> None:
+        writer = self._writer
+        if writer is not None and writer[0].is_alive():
+            return  # without the lock: once per event, from every run's thread
         with self._lock:
             if self._writer is None or not self._writer[0].is_alive():
                 stopping = Stopping()

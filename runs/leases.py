@@ -220,9 +220,9 @@ class PendingReceipt:
 def receipt_params(receipts: Sequence[PendingReceipt]) -> dict[str, Any]:
     """RECEIPT_CTES's parameters for `receipts` (none: an empty list)."""
     return {
-        "receipt_actions": array_literal(receipt.action_id for receipt in receipts),
-        "results": array_literal(receipt.result_json for receipt in receipts),
-        "result_digests": array_literal(receipt.result_digest for receipt in receipts),
+        "receipt_actions": array_literal([receipt.action_id for receipt in receipts]),
+        "results": array_literal([receipt.result_json for receipt in receipts]),
+        "result_digests": array_literal([receipt.result_digest for receipt in receipts]),
     }
 
 
@@ -373,14 +373,14 @@ class Lease:
                             WHERE hold IS NOT NULL),
                         (SELECT array_agg(hold ORDER BY position) FROM new
                             WHERE hold IS NOT NULL)""",
-                step_keys=array_literal(boundary.step_key for boundary in boundaries),
-                kinds=array_literal(boundary.kind for boundary in boundaries),
-                effect_classes=array_literal(boundary.effect_class for boundary in boundaries),
-                inputs=array_literal(boundary.input_json for boundary in boundaries),
+                step_keys=array_literal([boundary.step_key for boundary in boundaries]),
+                kinds=array_literal([boundary.kind for boundary in boundaries]),
+                effect_classes=array_literal([boundary.effect_class for boundary in boundaries]),
+                inputs=array_literal([boundary.input_json for boundary in boundaries]),
                 input_digests=array_literal(
-                    text_digest(boundary.input_json) for boundary in boundaries
+                    [text_digest(boundary.input_json) for boundary in boundaries]
                 ),
-                keys=array_literal(boundary.idempotency_key for boundary in boundaries),
+                keys=array_literal([boundary.idempotency_key for boundary in boundaries]),
                 **receipt_params(receipts),
             )
         assert row is not None

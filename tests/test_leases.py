@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 
 import psycopg
@@ -21,8 +22,10 @@ from runs.models import (
     Receipt,
     Run,
     RunStatus,
+    canonical_json,
 )
 from runs.renewal import renewals
+from runs.sql import array_literal
 from runs.submission import submit
 from tests.conftest import database_url
 from tests.faultruns import wait_for
@@ -290,3 +293,26 @@ def test_a_claim_commits_asynchronously_and_only_its_own_transaction(monkeypatch
     assert asked == [True, False]
     assert Lease.claim_oldest("owner", 5) != [] and asked[-1] is True
     assert set(Run.objects.filter(pk__in=runs).values_list("lease_owner", flat=True)) == {"owner"}
+
+
+def test_the_arrays_of_a_step_write_reach_the_database_as_they_were():
+    # array_literal (runs/sql.py) quotes each element itself: text the
+    # array syntax means something by comes back unchanged.
+    texts = ['a "quoted" word', "back\\slash", "{braces}, commas", "NULL", "", "é ✓ \u2028", " "]
+    documents = [canonical_json({"text": text, "n": 1}) for text in texts]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT %s::text[], %s::jsonb[], %s::bigint[], %s::text[]",
+            [
+                array_literal(texts),
+                array_literal(documents),
+                array_literal([1, 2**40, -3]),
+                array_literal([]),
+            ],
+        )
+        back_texts, back_documents, ids, empty = cursor.fetchone()
+    assert back_texts == texts
+    # Django's connection gives jsonb back as its text.
+    assert [json.loads(each) for each in back_documents] == [{"text": t, "n": 1} for t in texts]
+    assert ids == [1, 2**40, -3]
+    assert empty == []
