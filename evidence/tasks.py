@@ -23,6 +23,7 @@ from django.utils import timezone
 
 from evidence import bundles
 from evidence.models import BundleExport
+from runs.durable_files import sync_folder
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ def write(export: BundleExport) -> str:
             os.fsync(out.fileno())
         size = part.stat().st_size
         os.replace(part, export.path)
+        sync_folder(part.parent)  # the bundle's folder
     except Abandoned:
         part.unlink(missing_ok=True)
         return "abandoned"

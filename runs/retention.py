@@ -41,6 +41,7 @@ from django.db.models.functions import Now
 
 from evidence import bundles
 from evidence.models import ACTIVE_BUNDLE_STATES, BundleExport
+from runs.durable_files import sync_folder
 from runs.lifecycle import TERMINAL_STATUSES
 from runs.models import OutcomeItem, OutcomeState, Run
 from runs.sql import commit_asynchronously, lock_refused, server_cursor, waits_bounded
@@ -277,7 +278,8 @@ def _bundled(ids: list[int], folder: Path, include_evidence: bool, purged: Purge
 
 def _export(run_id: int, path: Path, include_evidence: bool) -> bundles.Exported:
     """The bundle written beside `path`, synced, then renamed to it: a file
-    under its final name is always whole."""
+    under its final name is always whole, and its name durable before the
+    run's rows are removed."""
     fd, part = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -285,6 +287,7 @@ def _export(run_id: int, path: Path, include_evidence: bool) -> bundles.Exported
             out.flush()
             os.fsync(out.fileno())
         os.replace(part, path)
+        sync_folder(path.parent)
     except BaseException:
         Path(part).unlink(missing_ok=True)
         raise

@@ -236,6 +236,26 @@ def evidence() -> tuple[Run, Lease, Copy]:
     return run, lease, Copy(run.pk, model_call, "input", "output")
 
 
+@pytest.fixture
+def file_syncs(monkeypatch) -> list[tuple[str, str]]:
+    """What the process links and syncs, in order: ("link", target) and
+    ("fsync", the synced file or folder); both still done."""
+    done: list[tuple[str, str]] = []
+    link, fsync = os.link, os.fsync
+
+    def linked(source, target, *args, **kwargs):
+        link(source, target, *args, **kwargs)
+        done.append(("link", str(target)))
+
+    def synced(fd):
+        fsync(fd)
+        done.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+
+    monkeypatch.setattr(os, "link", linked)
+    monkeypatch.setattr(os, "fsync", synced)
+    return done
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_timeline(django_db_setup: None, django_db_blocker: object) -> Iterator[None]:
     """The timeline and capture threads hold connections to the test

@@ -362,6 +362,27 @@ def test_bundle_to_writes_verifiable_bundles_before_deleting(fleet, tmp_path):
         assert not Run.objects.filter(pk=run_id).exists()
 
 
+def test_bundle_to_makes_each_bundles_name_durable_before_the_rows_go(
+    fleet, tmp_path, file_syncs, monkeypatch
+):
+    # A bundle renamed into its folder, the folder not synced, may vanish
+    # in a crash after the rows it keeps were removed.
+    remove = retention._remove
+
+    def removing(ids, *args):
+        file_syncs.append(("remove", str(sorted(ids))))
+        return remove(ids, *args)
+
+    monkeypatch.setattr(retention, "_remove", removing)
+    call_command(
+        "purge_runs", "--older-than", "30d", "--bundle-to", str(tmp_path), stdout=io.StringIO()
+    )
+    removals = [i for i, (what, _) in enumerate(file_syncs) if what == "remove"]
+    folder_syncs = [i for i, each in enumerate(file_syncs) if each == ("fsync", str(tmp_path))]
+    assert removals and len(folder_syncs) == 2
+    assert max(folder_syncs) < removals[0], file_syncs
+
+
 def test_a_run_whose_bundle_fails_is_kept_saying_why(fleet, tmp_path):
     story, failed = fleet["story"], fleet["failed"]
     (tmp_path / f"run-{story.pk}.zip").mkdir()  # its bundle cannot take this name

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import base64
 import codecs
+import errno
 import hashlib
 import io
+import os
 import socket
 import tarfile
 from collections.abc import Callable, Iterator
@@ -16,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from runs.agent import OutcomeUnknown, ToolFailed, ToolRefused
+from runs.agents import tools
 from runs.agents.tools import MAX_DOCUMENT_BYTES, deliver_report, read_at_most, read_document
 from tests.receivers import LocalServer, status
 from tests.tool_calls import call
@@ -475,3 +478,34 @@ def test_outbox_keeps_reports_of_different_keys_apart(settings, _outbox):
         "rundesk%3Aa%3A7.md": "run 7\n",
         "rundesk%3Aa%3A8.md": "run 8\n",
     }
+
+
+def test_outbox_delivery_syncs_the_outbox_once_the_report_is_linked(settings, _outbox, file_syncs):
+    # Until its folder is synced, a crash may take the report's name back:
+    # the receipt that follows the tool's answer would say it was delivered.
+    settings.RUNDESK_DELIVERY_URL = ""
+    deliver_report({"content": REPORT}, call("rundesk:run-7:deliver", KEY))
+    target = str(_outbox / KEY_FILE)
+    assert file_syncs[-2:] == [("link", target), ("fsync", str(_outbox))]
+
+    # Found there by a later attempt (its first died before its receipt):
+    # synced again before it says so.
+    file_syncs.clear()
+    again = deliver_report({"content": REPORT}, call("rundesk:run-7:deliver", KEY))
+    assert again["already_delivered"] is True
+    assert file_syncs[-1] == ("fsync", str(_outbox))
+
+
+def test_an_outbox_that_cannot_be_synced_leaves_the_delivery_unknown(
+    settings, _outbox, monkeypatch, journal
+):
+    # Linked and not synced, the report may or may not survive a crash.
+    settings.RUNDESK_DELIVERY_URL = ""
+
+    def broken(folder):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(tools, "sync_folder", broken)
+    with pytest.raises(OutcomeUnknown, match="the outbox not synced: Input/output error"):
+        deliver_report({"content": REPORT}, call("rundesk:run-7:deliver", KEY))
+    assert (_outbox / KEY_FILE).read_text() == REPORT

@@ -29,6 +29,7 @@ from runs.agent import EFFECT, READ, OutcomeUnknown, Tool, ToolCall, ToolFailed,
 from runs.agents.corpus import NotInCorpus, corpus_file
 from runs.agents.providers import ProviderError, get_provider
 from runs.agents.unredirected import NOT_REDIRECTED
+from runs.durable_files import sync_folder
 from runs.models import UNSTORABLE
 
 MAX_DOCUMENT_BYTES = 1_000_000
@@ -204,12 +205,24 @@ def deliver_report(input: dict[str, Any], call: ToolCall) -> dict[str, Any]:
             handle.flush()
             os.fsync(handle.fileno())
             os.link(handle.name, target)
+            already = False
         except FileExistsError:
             if hashlib.sha256(target.read_bytes()).hexdigest() != sha:
                 raise ToolFailed(f"{target} holds another report under this key") from None
-            return {"delivered_to": str(target), "sha256": sha, "already_delivered": True}
+            already = True  # by an attempt that died before its receipt
         except OSError as error:
             raise ToolFailed(f"outbox {outbox}: {error.strerror or error}") from None
+    # The report's name is durable once the outbox is synced: before its
+    # receipt says it was delivered (runs/durable_files.py).  Linked and
+    # not synced, it may or may not survive a crash.
+    try:
+        sync_folder(outbox)
+    except OSError as error:
+        raise OutcomeUnknown(
+            f"{target} written, the outbox not synced: {error.strerror or error}"
+        ) from None
+    if already:
+        return {"delivered_to": str(target), "sha256": sha, "already_delivered": True}
     journal("deliver_report", identity, to="outbox", key=idempotency_key)
     return {"delivered_to": str(target), "sha256": sha}
 

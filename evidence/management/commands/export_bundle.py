@@ -9,6 +9,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from evidence import bundles
+from runs.durable_files import sync_folder
 from runs.models import Run
 
 
@@ -83,6 +84,7 @@ def _write(path: Path, run_id: int, include_evidence: bool, force: bool) -> bund
         else:
             os.link(part, path)  # fails if `path` exists: never replaced unasked
             os.unlink(part)
+        sync_folder(path.parent)
     except FileExistsError:
         os.unlink(part)
         raise CommandError(f"{path} exists: give --force to replace it") from None
