@@ -224,10 +224,15 @@ CANCELLED_BY = "'cancelled by ' || cancel_requested_by"
 # Claims lock the run row FOR NO KEY UPDATE, not FOR UPDATE: a row that
 # another transaction's foreign-key check holds FOR KEY SHARE (an event or
 # an evidence row being written for the run) is not skipped by SKIP LOCKED.
+# The rows taken are found by their ids, given as an array: asked as `id IN
+# (...)`, a plan made on statistics that counted few runs (taken after
+# many were deleted, their pages still there) joined the ids taken with a
+# walk of every run, the whole table read at every claim
+# (tests/test_statement_plans.py).
 _TAKE = """UPDATE runs_run SET status = 'running', lease_owner = %(owner)s,
         lease_epoch = lease_epoch + 1, lease_expires_at = statement_timestamp() + %(ttl)s,
         started_at = coalesce(started_at, statement_timestamp())
-    WHERE id IN ({taken})
+    WHERE id = ANY(ARRAY({taken}))
     RETURNING id, lease_epoch"""
 CLAIM_ONE_SQL = _TAKE.format(
     taken=f"SELECT id FROM runs_run WHERE id = %(run)s AND {CLAIMABLE}"
@@ -293,16 +298,19 @@ FINISHES = (RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED, RunStatu
 # The sweep's: each takes the rows nobody else is changing (SKIP LOCKED), so
 # a sweep racing an executor, another sweep or an old owner that wakes up
 # changes each run once; the old owner's fenced writes then change nothing.
+# The rows taken are found by their ids, as a claim's are (_TAKE).
 END_ABANDONED_CANCELS_SQL = f"""UPDATE runs_run SET status = 'cancelled',
         status_reason = {CANCELLED_BY} || '; its owner had stopped',
         lease_owner = '', lease_expires_at = NULL, finished_at = statement_timestamp()
-    WHERE id IN (SELECT id FROM runs_run WHERE {ABANDONED} AND cancel_requested_at IS NOT NULL
-                 FOR NO KEY UPDATE SKIP LOCKED)
+    WHERE id = ANY(ARRAY(SELECT id FROM runs_run
+                         WHERE {ABANDONED} AND cancel_requested_at IS NOT NULL
+                         FOR NO KEY UPDATE SKIP LOCKED))
     RETURNING id"""
 REQUEUE_SQL = f"""UPDATE runs_run SET status = 'queued', status_reason = %(why)s,
         lease_owner = '', lease_expires_at = NULL, queued_at = statement_timestamp()
-    WHERE id IN (SELECT id FROM runs_run WHERE {ABANDONED} AND cancel_requested_at IS NULL
-                 FOR NO KEY UPDATE SKIP LOCKED)
+    WHERE id = ANY(ARRAY(SELECT id FROM runs_run
+                         WHERE {ABANDONED} AND cancel_requested_at IS NULL
+                         FOR NO KEY UPDATE SKIP LOCKED))
     RETURNING id, is_drill"""
 REQUEUE_WHY = "its owner stopped renewing the lease: queued again"
 
