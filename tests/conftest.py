@@ -15,7 +15,7 @@ from django.conf import settings as django_settings
 from django.contrib.auth.models import Group, Permission, User
 from django.db import connection, connections, transaction
 from django.test import Client, TransactionTestCase
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, sync_playwright
 from psycopg import sql
 
 from evidence.capture import Copy, capture
@@ -459,8 +459,15 @@ def browser() -> Iterator[Browser]:
 
 @pytest.fixture
 def page(browser: Browser, live_server, operator_user: User) -> Iterator[Page]:
-    """Chromium signed in as the operator, through the sign-in form."""
+    """Chromium signed in as the operator: with the session cookie a sign-in
+    gives (the sign-in form itself, in a browser, is
+    tests/test_browser_needs_you.py's; through it, each test took a second
+    more)."""
     context = browser.new_context(base_url=live_server.url, viewport={"width": 1280, "height": 900})
+    session = signed_in(operator_user).cookies[django_settings.SESSION_COOKIE_NAME].value
+    context.add_cookies(
+        [{"name": django_settings.SESSION_COOKIE_NAME, "value": session, "url": live_server.url}]
+    )
     page = context.new_page()
     page.problems = []  # type: ignore[attr-defined]
     page.on(
@@ -468,11 +475,6 @@ def page(browser: Browser, live_server, operator_user: User) -> Iterator[Page]:
         lambda message: message.type == "error" and page.problems.append(message.text),  # type: ignore[attr-defined]
     )
     page.on("pageerror", lambda error: page.problems.append(str(error)))  # type: ignore[attr-defined]
-    page.goto("/login/")
-    page.fill("input[name=username]", operator_user.get_username())
-    page.fill("input[name=password]", PASSWORD)
-    page.click("button[type=submit]")
-    expect(page.locator("h1")).to_have_text("Needs you")  # where sign-in lands
     yield page
     assert page.problems == []  # type: ignore[attr-defined]  # console errors, CSP refusals
     context.close()

@@ -29,6 +29,7 @@ def operator_name() -> str:
 @pytest.mark.usefixtures("receivers")
 def test_an_operator_holds_a_tool_and_releases_it_from_the_page(page: Page):
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.goto("/")  # where signing in lands: Needs you
     page.click("#nav-holds")
     expect(page.locator("main h1")).to_have_text("Holds")
     expect(page.locator("main")).to_contain_text("Nothing is held.")

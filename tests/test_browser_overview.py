@@ -31,6 +31,7 @@ def test_a_bar_of_the_overview_opens_the_runs_it_counts(page: Page):
     Run.objects.create(question="still queued", documents=["a.md"])  # not a failed one
     summaries.roll_up()
 
+    page.goto("/")  # where signing in lands: Needs you
     page.click("#nav-overview")
     expect(page.locator("h1")).to_have_text("Overview")
     chart = page.locator("#chart-over-time")
