@@ -509,3 +509,20 @@ def test_an_outbox_that_cannot_be_synced_leaves_the_delivery_unknown(
     with pytest.raises(OutcomeUnknown, match="the outbox not synced: Input/output error"):
         deliver_report({"content": REPORT}, call("rundesk:run-7:deliver", KEY))
     assert (_outbox / KEY_FILE).read_text() == REPORT
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EBADF])
+def test_a_system_that_cannot_sync_a_folder_still_delivers(settings, _outbox, monkeypatch, code):
+    # Some file systems refuse to sync a folder at all (PostgreSQL ignores
+    # the same answers): the report is delivered as well as they allow.
+    settings.RUNDESK_DELIVERY_URL = ""
+    fsync = os.fsync
+
+    def folders_refused(fd):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(code, os.strerror(code))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", folders_refused)
+    result = deliver_report({"content": REPORT}, call("rundesk:run-7:deliver", KEY))
+    assert result["delivered_to"] == str(_outbox / KEY_FILE)
