@@ -20,7 +20,9 @@ import psycopg
 import pytest
 
 from runs.benchmarks import ServerCpu
+from runs.executor import Ending, Executor, run_threads
 from runs.harness import database_url, wait_for
+from runs.leases import Lease
 from runs.models import Action, Run, RunEvent, RunStatus
 from runs.submission import submit
 from runs.timeline import EventKind
@@ -187,3 +189,40 @@ def test_the_servers_cpu_is_what_the_backends_of_the_database_used():
         assert own.info.backend_pid not in after.seconds  # the bench's own left out
         assert after.since(before) >= 0.1
         assert busy.info.backend_pid in after.seconds
+
+
+def test_an_executor_starts_its_run_threads_before_it_takes_a_run(monkeypatch):
+    # One started as a thousand runs were handed over waited for the GIL
+    # among the runs already stepping, and the claims waited with it.
+    claim = Lease.claim_oldest.__func__
+    threads_at_claims: list[int] = []
+
+    def counted(cls, owner: str, most: int) -> list[Lease]:
+        threads_at_claims.append(sum(t.name.startswith("run_") for t in threading.enumerate()))
+        return claim(cls, owner, most)
+
+    monkeypatch.setattr(Lease, "claim_oldest", classmethod(counted))
+    run = submit(question="q", documents=DOCS[:1])
+    assert Executor(concurrency=40).serve(once=True) == [(run.pk, Ending.COMPLETED)]
+    assert threads_at_claims and threads_at_claims[0] == 40
+    # Given back when it stops.
+    assert not any(t.name.startswith("run_") for t in threading.enumerate())
+
+
+def test_run_threads_the_system_cannot_start_are_said_at_once(monkeypatch):
+    # Before any run is taken, and none of those started is left waiting.
+    start = threading.Thread.start
+    started: list[threading.Thread] = []
+
+    def limited(thread: threading.Thread) -> None:
+        if thread.name.startswith("run_") and len(started) == 3:
+            raise RuntimeError("can't start new thread")
+        start(thread)
+        started.append(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", limited)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        run_threads(10)
+    for thread in started:
+        thread.join(5)
+        assert not thread.is_alive()
