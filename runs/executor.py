@@ -323,6 +323,7 @@ class Executor:
         happened to each run it took; a long-running executor tells
         `on_ending` and the log instead of keeping them all."""
         self._keeps_results = once
+        runs = run_threads(self.concurrency)  # first: if it fails, nothing else runs
         sampler_stop = threading.Event()
         sampler = threading.Thread(
             target=LockSampler(lambda: self.running > 0).serve,
@@ -330,7 +331,6 @@ class Executor:
             name="lock-sampler",
         )
         sampler.start()
-        runs = run_threads(self.concurrency)
         try:
             while not self.stop.is_set():
                 self._sweep_if_due()
