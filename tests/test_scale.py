@@ -356,11 +356,13 @@ def kill_mid_read(run_ids: list[int], worker: Worker, *, whole_node: bool) -> tu
     holds a run between a read's boundary and its receipt.  Returns the run
     and the state of each of its actions at the kill.
 
-    The holder is stopped (SIGSTOP) and looked at while it cannot move:
-    killed if a read of its run is dispatched without receipt, something
-    completed before it, the report not yet composed (the delivery is far
-    off), and no statement of the run in flight at the server (one would
-    still commit after the kill); else let go on (SIGCONT) and caught again.
+    The holder is stopped (SIGSTOP) and looked at while it cannot move, once
+    no statement of the worker's is in flight at the server (one the holder
+    sent before it stopped still commits; the worker's pooled connections
+    bear its name, not the run's): killed if a read of its run is
+    dispatched without receipt, something completed before it, the report
+    not yet composed (the delivery is far off); else let go on (SIGCONT)
+    and caught again.
     """
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -370,12 +372,17 @@ def kill_mid_read(run_ids: list[int], worker: Worker, *, whole_node: bool) -> tu
             continue
         run_id, pid = held
         os.kill(pid, signal.SIGSTOP)
+        wait_until(
+            lambda: backends("rundesk:worker", state="active") == 0,
+            10,
+            "the worker's statements in flight",
+            worker,
+        )
         left = dict(Action.objects.filter(run_id=run_id).values_list("step_key", "state"))
         if (
             ActionState.DISPATCHED in left.values()
             and ActionState.COMPLETED in left.values()
             and "compose" not in left
-            and backends(f"rundesk:worker:run-{run_id}", state="active") == 0
         ):
             if whole_node:
                 worker.kill()
