@@ -292,6 +292,9 @@ except (ValueError, KeyError) as error:
     raise ImproperlyConfigured(f"DATABASE_URL is not a database address: {error}") from None
 if DATABASES["default"]["ENGINE"] != "django.db.backends.postgresql":
     raise ImproperlyConfigured("DATABASE_URL must point at PostgreSQL: Rundesk relies on its locks")
+# Django's PostgreSQL backend, whose pooled connections are taken again
+# cheaply (a run takes one per action): runs/postgresql/base.py.
+DATABASES["default"]["ENGINE"] = "runs.postgresql"
 DATABASES["default"].setdefault("OPTIONS", {}).update(
     application_name=application_name(PROCESS_ROLE),
     # Django's own (client-side binding) cursors never prepare; this lets the

@@ -43,6 +43,7 @@ from runs.sql import (
     array_literal,
     bounded_lock_waits,
     changes_rows_waits_bounded,
+    fetch_one,
     server_cursor,
     unanswered_as,
 )
@@ -606,9 +607,7 @@ class Lease:
             return cursor.rowcount > 0
 
     def _fetch_one(self, sql: str, **extra: Any) -> tuple[Any, ...] | None:
-        with server_cursor() as cursor:
-            cursor.execute(sql, self._params(extra), prepare=True)
-            return cursor.fetchone()
+        return fetch_one(sql, self._params(extra))
 
     def _require(self, sql: str, what: str, **extra: Any) -> None:
         if not self._changes_rows(sql, **extra):

@@ -32,7 +32,7 @@ from django.conf import settings
 from django.db import models, transaction
 
 from runs.handover import hand_over_run
-from runs.sql import server_cursor
+from runs.sql import fetch_one, server_cursor
 
 
 class RunStatus(models.TextChoices):
@@ -365,7 +365,7 @@ def release(fence: Mapping[str, Any]) -> RunStatus | None:
     """RELEASE, or END_CANCELLED when a cancel was asked meanwhile (a queued
     run with a cancel would wait for nothing): the new status, or None when
     this owner (`fence`: run, owner, epoch) no longer held the run."""
-    row = _fetch_one(RELEASE_SQL, fence)
+    row = fetch_one(RELEASE_SQL, fence)
     if row is None:
         return None
     status, is_drill = RunStatus(row[0]), row[1]
@@ -381,7 +381,7 @@ def finish(
     with the receipt its `ctes` name: the status written, or None when this
     owner no longer held the run (or the receipt was not written)."""
     assert status in FINISHES, status
-    row = _fetch_one(
+    row = fetch_one(
         FINISH_SQL.format(ctes=ctes), {**fence, "status": status.value, "reason": reason, **receipt}
     )
     return RunStatus(row[0]) if row else None
@@ -405,7 +405,7 @@ def requeue_abandoned() -> list[int]:
 def resume(run_id: int, why: str, holding: Sequence[str]) -> bool:
     """RESUME: the run waits for an operator and no open item of the kinds
     `holding` holds it.  Called under the run's lock (decisions)."""
-    row = _fetch_one(RESUME_SQL, {"run": run_id, "why": why, "holding": list(holding)})
+    row = fetch_one(RESUME_SQL, {"run": run_id, "why": why, "holding": list(holding)})
     if row is not None:
         _hand_over_after_commit([(run_id, row[0])])
     return row is not None
@@ -415,7 +415,7 @@ def cancel(run_id: int, by: str, why: str, sources: Iterable[RunStatus]) -> RunS
     """CANCEL (or ABANDON, `sources` the waiting status only), asked by `by`:
     the status after it (running: its owner ends it), or None when the run
     was in none of `sources`, imported, or its cancel already asked."""
-    row = _fetch_one(
+    row = fetch_one(
         CANCEL_SQL, {"run": run_id, "by": by, "why": why, "sources": [str(s) for s in sources]}
     )
     return RunStatus(row[0]) if row else None
@@ -426,12 +426,6 @@ def _hand_over_after_commit(runs: Iterable[tuple[int, bool]]) -> None:
     this transaction commits (at once in autocommit)."""
     for run_id, is_drill in runs:
         transaction.on_commit(lambda r=run_id, d=is_drill: hand_over_run(r, d))
-
-
-def _fetch_one(sql: str, params: Mapping[str, Any]) -> Any:
-    with server_cursor() as cursor:
-        cursor.execute(sql, params, prepare=True)
-        return cursor.fetchone()
 
 
 def _fetch_all(sql: str, params: Mapping[str, Any]) -> list[Any]:

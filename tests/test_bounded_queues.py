@@ -166,3 +166,21 @@ def test_the_timeline_flooded_from_many_threads_never_blocks_and_counts_every_dr
     full = sum(data["count"] for data in lost if data["reason"] == "queue_full")
     assert full >= THREADS * EACH - CAPACITY
     assert written + sum(data["count"] for data in lost) == THREADS * EACH + 1
+
+
+def test_an_event_handed_to_a_sleeping_writer_wakes_it(monkeypatch):
+    """An idle writer sleeps until something is handed over, not until its
+    next look at the queue: with that look half a minute away, an event is
+    written at once."""
+    monkeypatch.setattr("runs.background.GAP_INTERVAL", 30.0)
+    run: Run = submission.submit(question="q", documents=DOCS[:1])
+    writer = Timeline(capacity=CAPACITY, batch=10, linger=0.0)
+    written = RunEvent.objects.filter(run=run, kind=EventKind.FAULT_INJECTED)
+    try:
+        writer.record(run.pk, EventKind.FAULT_INJECTED, "wakes the writer up")
+        wait_for(lambda: written.count() == 1, "the first event written")
+        time.sleep(0.5)  # the writer has gone back to sleep
+        writer.record(run.pk, EventKind.FAULT_INJECTED, "wakes it again")
+        wait_for(lambda: written.count() == 2, "the second event written", timeout=10)
+    finally:
+        writer.stop()

@@ -19,9 +19,10 @@ import pytest
 from django.db import connection, transaction
 
 from evidence.records import NEW_CALLS
-from runs import lifecycle
+from runs import leases, lifecycle
 from runs.leases import Lease, PendingReceipt
 from runs.models import Run, RunStatus
+from runs.sql import fetch_one
 from runs.submission import submit
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -101,18 +102,13 @@ def sent(monkeypatch, write: Callable[[Lease, list[PendingReceipt]], object]) ->
     )
     assert action is not None
     statements = []
-    fetch_one, finish = Lease._fetch_one, lifecycle._fetch_one
 
-    def recorded(self: Lease, sql: str, **extra: Any) -> tuple[Any, ...] | None:
-        statements.append((sql, self._params(extra)))
-        return fetch_one(self, sql, **extra)
-
-    def recorded_finish(sql: str, params: dict[str, Any]) -> Any:
+    def recorded(sql: str, params: dict[str, Any]) -> tuple[Any, ...] | None:
         statements.append((sql, params))
-        return finish(sql, params)
+        return fetch_one(sql, params)
 
-    monkeypatch.setattr(Lease, "_fetch_one", recorded)
-    monkeypatch.setattr(lifecycle, "_fetch_one", recorded_finish)
+    monkeypatch.setattr(leases, "fetch_one", recorded)
+    monkeypatch.setattr(lifecycle, "fetch_one", recorded)
     write(lease, [PendingReceipt(action, {"text": "x"})])
     return statements[0]
 
