@@ -102,8 +102,8 @@ class BackgroundWriter(ABC, Generic[Item, Key]):
 
     @property
     def queued(self) -> int:
-        """Items handed over and not taken by the writer yet (at most
-        `capacity`, with a flush or stop marker among them)."""
+        """Items handed over and not taken by the writer yet: at most
+        `capacity`, and a marker for each flush waiting and the stop."""
         return len(self._queue)
 
     def hurry(self) -> None:
