@@ -208,10 +208,20 @@ def _steps(
         [list(counted)],
     )
     steps = 0
+    # A run's steps all go to the buckets of its end: found once per run,
+    # not once per step (a thousand runs ending were a thousand times eight
+    # times three bucket keys worked out in the executor's serve thread).
+    into_by_run: dict[int, list[Bucket]] = {}
     for run_id, seconds in cursor.fetchall():
-        agent, moment = counted[run_id]
-        for key in _keys(moment, agent, SummaryMeasure.STEP):
-            buckets[key].add(float(seconds))
+        into = into_by_run.get(run_id)
+        if into is None:
+            agent, moment = counted[run_id]
+            into = into_by_run[run_id] = [
+                buckets[key] for key in _keys(moment, agent, SummaryMeasure.STEP)
+            ]
+        value = float(seconds)
+        for bucket in into:
+            bucket.add(value)
         steps += 1
     return steps
 
