@@ -36,7 +36,8 @@ class DatabaseWrapper(base.DatabaseWrapper):
         if pool is None:
             super().connect()
             return
-        # What Django's connect() resets before it connects.
+        # What Django's connect() checks and resets before it connects.
+        self.check_settings()
         self.in_atomic_block = False
         self.savepoint_ids = []
         self.atomic_blocks = []
