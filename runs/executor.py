@@ -378,14 +378,17 @@ class Executor:
         return found
 
     def _sweep_if_due(self) -> None:
-        """The sweep (runs/sweep.py), at most every RUNDESK_SWEEP_SECONDS,
-        busy or idle: a backlog of runs never keeps settled runs waiting.
-        Runs it requeues are claimed by the next claim, here or elsewhere.
-        A sweep that fails is logged; the executor goes on."""
+        """The sweep (runs/sweep.py), due every RUNDESK_SWEEP_SECONDS, busy
+        or idle (a backlog of runs never keeps settled runs waiting), when
+        this executor takes the turn (`sweep.take_turn`).  Runs it requeues
+        are claimed by the next claim, here or elsewhere.  A sweep that
+        fails is logged; the executor goes on."""
         if time.monotonic() < self._sweep_due:
             return
         self._sweep_due = time.monotonic() + settings.RUNDESK_SWEEP_SECONDS
         try:
+            if not sweep.take_turn(self.owner):
+                return
             swept = sweep.sweep()
         except Exception as error:
             logger.warning("executor: sweep failed: %r", error)

@@ -1327,6 +1327,22 @@ class SummaryCursor(models.Model):
         return f"{self.source} up to {self.at.isoformat()} #{self.last_id}"
 
 
+class SweepTurn(models.Model):
+    """The installation's last sweep by an executor (runs/sweep.py): when
+    it started and who took it.  One row: an executor whose sweep is due
+    sweeps only if nobody did for half an interval (`sweep.take_turn`)."""
+
+    id = models.PositiveSmallIntegerField(primary_key=True)
+    started_at = models.DateTimeField()
+    taken_by = models.CharField(max_length=200)
+
+    class Meta:
+        constraints = [models.CheckConstraint(condition=Q(id=1), name="sweep_turn_one_row")]
+
+    def __str__(self) -> str:
+        return f"swept at {self.started_at.isoformat()} by {self.taken_by}"
+
+
 class PurgedCount(models.Model):
     """What retention removed that /metrics counts (runs/retention.py): a
     counter read from the rows still kept plus this, so it never goes down

@@ -1,7 +1,9 @@
 """The sweep: what keeps a run from stalling when nobody drives it.
 
-One home for it, run by every executor every RUNDESK_SWEEP_SECONDS, busy
-or idle, and by Celery beat (runs.tasks.sweep) where only Celery workers
+One home for it, run by an executor every RUNDESK_SWEEP_SECONDS, busy or
+idle, when it takes the turn (`take_turn`: the installation's executors
+sweep once or twice an interval between them, not each of them every
+interval), and by Celery beat (runs.tasks.sweep) where only Celery workers
 run:
 
 - a running run whose cancel was asked and whose owner died ends as
@@ -39,7 +41,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from django.db import DatabaseError
+from django.conf import settings
+from django.db import DatabaseError, connection
 
 from runs import alerts, approvals, decisions, lifecycle, summaries
 from runs.models import Run
@@ -48,6 +51,29 @@ from runs.sql import waits_bounded
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
+
+
+# An executor whose sweep is due sweeps only if nobody swept for half an
+# interval (the server's clock, the same for every host): alone, it sweeps
+# every interval, as it did; with N executors the installation sweeps once
+# or twice an interval, where it swept N times (each sweep asks about every
+# open item again).  While any executor runs, no interval and a half passes
+# without a sweep: the one that swept last is due again an interval later,
+# and takes the turn unless another swept since.  Two executors due at once:
+# the upsert of one waits for the other's row lock, then finds it taken.
+TAKE_TURN_SQL = """INSERT INTO runs_sweepturn AS turn (id, started_at, taken_by)
+    VALUES (1, statement_timestamp(), %(owner)s)
+    ON CONFLICT (id) DO UPDATE SET started_at = excluded.started_at, taken_by = excluded.taken_by
+    WHERE turn.started_at <= excluded.started_at - make_interval(secs => %(gap)s)
+    RETURNING 1"""
+
+
+def take_turn(owner: str) -> bool:
+    """Whether the executor `owner`, its sweep due, sweeps now: nobody swept
+    for half of RUNDESK_SWEEP_SECONDS.  Taken, the turn is recorded."""
+    with connection.cursor() as cursor:
+        cursor.execute(TAKE_TURN_SQL, {"owner": owner, "gap": settings.RUNDESK_SWEEP_SECONDS / 2})
+        return cursor.fetchone() is not None
 
 
 @dataclass
