@@ -42,12 +42,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from django.conf import settings
-from django.db import DatabaseError, connection
+from django.db import DatabaseError
 
 from runs import alerts, approvals, decisions, lifecycle, summaries
 from runs.models import Run
 from runs.outcomes import settle_left_checkpoints
-from runs.sql import waits_bounded
+from runs.sql import changes_rows_waits_bounded, lock_refused, waits_bounded
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
@@ -64,16 +64,24 @@ logger = logging.getLogger(__name__)
 TAKE_TURN_SQL = """INSERT INTO runs_sweepturn AS turn (id, started_at, taken_by)
     VALUES (1, statement_timestamp(), %(owner)s)
     ON CONFLICT (id) DO UPDATE SET started_at = excluded.started_at, taken_by = excluded.taken_by
-    WHERE turn.started_at <= excluded.started_at - make_interval(secs => %(gap)s)
-    RETURNING 1"""
+    WHERE turn.started_at <= excluded.started_at - make_interval(secs => %(gap)s)"""
 
 
 def take_turn(owner: str) -> bool:
     """Whether the executor `owner`, its sweep due, sweeps now: nobody swept
-    for half of RUNDESK_SWEEP_SECONDS.  Taken, the turn is recorded."""
-    with connection.cursor() as cursor:
-        cursor.execute(TAKE_TURN_SQL, {"owner": owner, "gap": settings.RUNDESK_SWEEP_SECONDS / 2})
-        return cursor.fetchone() is not None
+    for half of RUNDESK_SWEEP_SECONDS (taken, the turn is recorded).  The
+    turn waits for a lock at most decisions.LOCK_WAIT, as each step does:
+    one another session holds, a stranger's, and the executor sweeps
+    anyway, as every executor did before turns, so no lock on that row
+    stops every sweep."""
+    params = {"owner": owner, "gap": settings.RUNDESK_SWEEP_SECONDS / 2}
+    try:
+        return changes_rows_waits_bounded(TAKE_TURN_SQL, params, decisions.LOCK_WAIT) > 0
+    except DatabaseError as error:
+        if not lock_refused(error):
+            raise
+        logger.warning("sweep: its turn is locked by another session, sweeping anyway: %s", error)
+        return True
 
 
 @dataclass

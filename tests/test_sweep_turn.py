@@ -9,12 +9,14 @@ import threading
 import time
 from collections.abc import Callable
 
+import psycopg
 import pytest
 from django.db import connection
 
 from runs import sweep
 from runs.executor import Executor
 from runs.models import SweepTurn
+from tests.conftest import database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -108,3 +110,27 @@ def test_an_executor_alone_sweeps_every_interval(settings, monkeypatch):
     started = sweeps_of(1, 10 * INTERVAL + 0.1, monkeypatch)
     # 11 on time; a turn it found not come back yet would leave about 6.
     assert 9 <= len(started) <= 11, started
+
+
+@pytest.mark.parametrize(
+    "held",
+    [
+        "SELECT 1 FROM runs_sweepturn FOR UPDATE",
+        "LOCK TABLE runs_sweepturn IN ACCESS EXCLUSIVE MODE",
+    ],
+)
+def test_a_stranger_holding_the_turn_stops_no_sweep(held, settings, monkeypatch):
+    """Each executor then sweeps, as it did before turns, after waiting for
+    the lock at most LOCK_WAIT (a quarter second here)."""
+    monkeypatch.setattr("runs.decisions.LOCK_WAIT", "250ms")
+    settings.RUNDESK_SWEEP_SECONDS = 3600
+    assert sweep.take_turn("a")
+    with psycopg.connect(database_url()) as stranger:
+        stranger.execute(held)
+        started = time.monotonic()
+        assert sweep.take_turn("b")
+        assert sweep.take_turn("c")
+        assert time.monotonic() - started < 2
+        stranger.rollback()
+    assert SweepTurn.objects.get().taken_by == "a"
+    assert not sweep.take_turn("d")  # the turn a took is still recent
