@@ -27,8 +27,9 @@ reading few rows however many runs the database holds:
   copies by reason (the hourly gap counts), lease takeovers (`resumed`
   events, event_resumed_idx), alerts sent and failed attempts by channel;
 - the processes renewing leases now and the runs whose lease expired
-  (run_running_lease_idx), and the database sessions of every Rundesk
-  process by role and state (pg_stat_activity).
+  (run_running_lease_idx), when the last sweep started (the one row of
+  runs_sweepturn), and the database sessions of every Rundesk process by
+  role and state (pg_stat_activity).
 
 A figure whose query fails (its statement timed out) is left out of that
 scrape and `rundesk_scrape_failed{family}` says so; the others are given.
@@ -351,6 +352,13 @@ def _liveness(cursor: Any) -> Iterable[Metric]:
         "rundesk_leases_expired",
         "Running runs whose owner stopped renewing the lease: the sweep gives them back",
         value=expired,
+    )
+    cursor.execute("SELECT extract(epoch FROM max(started_at)) FROM runs_sweepturn")
+    (swept,) = cursor.fetchone()
+    yield GaugeMetricFamily(
+        "rundesk_sweep_last_timestamp_seconds",
+        "When the last sweep started (an executor's or Celery beat's), in Unix time; 0: never",
+        value=float(swept or 0),
     )
 
 

@@ -47,7 +47,7 @@ from django.db import DatabaseError
 from runs import alerts, approvals, decisions, lifecycle, summaries
 from runs.models import Run
 from runs.outcomes import settle_left_checkpoints
-from runs.sql import changes_rows_waits_bounded, lock_refused, waits_bounded
+from runs.sql import changes_rows_waits_bounded, waits_bounded
 from runs.timeline import EventKind, timeline
 
 logger = logging.getLogger(__name__)
@@ -61,26 +61,27 @@ logger = logging.getLogger(__name__)
 # without a sweep: the one that swept last is due again an interval later,
 # and takes the turn unless another swept since.  Two executors due at once:
 # the upsert of one waits for the other's row lock, then finds it taken.
+# Celery beat takes the turn `always` (its sweep also hands out runs again,
+# which an executor's does not): executors due just after leave theirs.
+# The row says when anyone last swept: /metrics shows it.
 TAKE_TURN_SQL = """INSERT INTO runs_sweepturn AS turn (id, started_at, taken_by)
     VALUES (1, statement_timestamp(), %(owner)s)
     ON CONFLICT (id) DO UPDATE SET started_at = excluded.started_at, taken_by = excluded.taken_by
-    WHERE turn.started_at <= excluded.started_at - make_interval(secs => %(gap)s)"""
+    WHERE %(always)s OR turn.started_at <= excluded.started_at - make_interval(secs => %(gap)s)"""
 
 
-def take_turn(owner: str) -> bool:
-    """Whether the executor `owner`, its sweep due, sweeps now: nobody swept
-    for half of RUNDESK_SWEEP_SECONDS (taken, the turn is recorded).  The
-    turn waits for a lock at most decisions.LOCK_WAIT, as each step does:
-    one another session holds, a stranger's, and the executor sweeps
-    anyway, as every executor did before turns, so no lock on that row
-    stops every sweep."""
-    params = {"owner": owner, "gap": settings.RUNDESK_SWEEP_SECONDS / 2}
+def take_turn(owner: str, *, always: bool = False) -> bool:
+    """Whether `owner`, its sweep due, sweeps now: nobody swept for half of
+    RUNDESK_SWEEP_SECONDS, or `always` (taken, the turn is recorded).  The
+    turn only ever saves a sweep, never stops one: a lock on its row held
+    past decisions.LOCK_WAIT (a stranger's), or any database error, and
+    the owner sweeps anyway, as every executor did before turns (its
+    steps say what fails)."""
+    params = {"owner": owner, "gap": settings.RUNDESK_SWEEP_SECONDS / 2, "always": always}
     try:
         return changes_rows_waits_bounded(TAKE_TURN_SQL, params, decisions.LOCK_WAIT) > 0
     except DatabaseError as error:
-        if not lock_refused(error):
-            raise
-        logger.warning("sweep: its turn is locked by another session, sweeping anyway: %s", error)
+        logger.warning("sweep: its turn not taken, sweeping anyway: %s", str(error).strip())
         return True
 
 

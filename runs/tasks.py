@@ -27,6 +27,7 @@ from runs import sweep as sweeping
 from runs.drills import report, run_drill
 from runs.executor import Ending, claim_and_drive
 from runs.handover import hand_over
+from runs.leases import new_owner_name
 from runs.models import Drill, Run
 from runs.timeline import timeline
 
@@ -55,7 +56,9 @@ def execute_run(self: Any, run_id: int, seen_expiry: str | None = None) -> str:
 @shared_task
 def sweep() -> dict[str, int]:
     """Beat's sweep (runs/sweep.py), which hands out again the runs that
-    waited in the queue too long."""
+    waited in the queue too long.  It sweeps every interval, and says so
+    (the installation's turn): executors due just after leave theirs."""
+    sweeping.take_turn(f"beat {new_owner_name()}", always=True)
     swept = sweeping.sweep(redeliver_after=settings.RUNDESK_REDELIVER_SECONDS)
     # The runs it requeued or resumed were handed over as their
     # transactions committed (runs/lifecycle.py); those it hands out again

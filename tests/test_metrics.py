@@ -34,7 +34,9 @@ from runs.models import (
     Run,
     RunEvent,
     RunStatus,
+    SweepTurn,
 )
+from runs.sweep import take_turn
 from tests.conftest import ROOT, make_user, python, signed_in
 
 TOKEN = "scrape-token-" + "k" * 24
@@ -285,6 +287,16 @@ def test_the_figures_are_the_databases(token):
         (ours,) = cursor.fetchone()
     assert figure(found, "rundesk_db_sessions", role=ours, state="active") >= 1  # the scrape's
     assert all(v == 0 for k, v in found.items() if k[0] == "rundesk_scrape_failed")
+
+
+@pytest.mark.django_db
+def test_the_last_sweep_is_when_the_installation_last_swept(token):
+    assert figure(figures(scrape()), "rundesk_sweep_last_timestamp_seconds") == 0  # never
+    assert take_turn("host-a:100:executor")
+    swept = SweepTurn.objects.get().started_at.timestamp()
+    assert figure(figures(scrape()), "rundesk_sweep_last_timestamp_seconds") == pytest.approx(
+        swept, abs=1e-3
+    )
 
 
 @pytest.mark.django_db

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 
-from runs import sweep
+from runs import sweep, tasks
 from runs.executor import Executor
 from runs.models import SweepTurn
 from tests.conftest import database_url
@@ -134,3 +134,22 @@ def test_a_stranger_holding_the_turn_stops_no_sweep(held, settings, monkeypatch)
         stranger.rollback()
     assert SweepTurn.objects.get().taken_by == "a"
     assert not sweep.take_turn("d")  # the turn a took is still recent
+
+
+def test_beats_sweep_takes_the_turn_whoever_swept_and_executors_leave_theirs(settings):
+    """Beat's sweep also hands out runs again, which an executor's does not:
+    beat sweeps every interval whatever, and says so."""
+    settings.RUNDESK_SWEEP_SECONDS = 3600
+    assert sweep.take_turn("executor-a")
+    tasks.sweep()
+    assert SweepTurn.objects.get().taken_by.startswith("beat ")
+    assert not sweep.take_turn("executor-b")
+
+
+def test_a_turn_the_database_cannot_take_is_swept_anyway(monkeypatch, caplog):
+    def gone(*args: object) -> int:
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr("runs.sweep.changes_rows_waits_bounded", gone)
+    assert sweep.take_turn("executor-a")
+    assert "its turn not taken, sweeping anyway: connection refused" in caplog.text
