@@ -4,7 +4,7 @@ settings) and by a JSON POST to RUNDESK_ALERT_URL.
 
 An alert is durable work (runs.models.Alert): `item_opened` writes one row
 per configured channel in the transaction that opens the item, and the
-sweep (runs/sweep.py: every executor, and Celery beat) delivers due rows
+sweep (runs/sweep.py: an executor's, or Celery beat's) delivers due rows
 with `deliver_due`.  A row is claimed by moving its next_try_at forward (a
 lease on the attempt, under SKIP LOCKED, committed at once), sent with no
 transaction open, and its answer recorded only if the lease is still its

@@ -1328,9 +1328,10 @@ class SummaryCursor(models.Model):
 
 
 class SweepTurn(models.Model):
-    """The installation's last sweep by an executor (runs/sweep.py): when
-    it started and who took it.  One row: an executor whose sweep is due
-    sweeps only if nobody did for half an interval (`sweep.take_turn`)."""
+    """The installation's last sweep (runs/sweep.py), an executor's or
+    Celery beat's: when it started and who took it.  One row: an executor
+    whose sweep is due sweeps only if nobody did for half an interval
+    (`sweep.take_turn`)."""
 
     id = models.PositiveSmallIntegerField(primary_key=True)
     started_at = models.DateTimeField()

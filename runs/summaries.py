@@ -9,7 +9,7 @@ for the step latencies (through action_identity_unique, run first).  It
 adds what it read to the buckets in one transaction with the cursor's
 move, so a roll-up that dies counts nothing twice and loses nothing.  No
 statement of a run's main path touches a summary: a run that ends waits
-on no summary row, the roll-up comes after (the sweep, every executor's and
+on no summary row, the roll-up comes after (the sweep, an executor's or
 beat's, runs it; two at once: one skips, SKIP LOCKED).
 
 Why a horizon: created_at and finished_at are the writing transaction's

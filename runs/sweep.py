@@ -63,11 +63,16 @@ logger = logging.getLogger(__name__)
 # the upsert of one waits for the other's row lock, then finds it taken.
 # Celery beat takes the turn `always` (its sweep also hands out runs again,
 # which an executor's does not): executors due just after leave theirs.
-# The row says when anyone last swept: /metrics shows it.
+# A turn dated ahead of the server's clock (a clock set back, a failover
+# to a server behind) is taken too: it would stop every executor's sweep
+# until the clock caught up.  The row says when anyone last swept:
+# /metrics shows it.
 TAKE_TURN_SQL = """INSERT INTO runs_sweepturn AS turn (id, started_at, taken_by)
     VALUES (1, statement_timestamp(), %(owner)s)
     ON CONFLICT (id) DO UPDATE SET started_at = excluded.started_at, taken_by = excluded.taken_by
-    WHERE %(always)s OR turn.started_at <= excluded.started_at - make_interval(secs => %(gap)s)"""
+    WHERE %(always)s
+        OR turn.started_at <= excluded.started_at - make_interval(secs => %(gap)s)
+        OR turn.started_at > excluded.started_at + make_interval(secs => %(gap)s)"""
 
 
 def take_turn(owner: str, *, always: bool = False) -> bool:

@@ -70,6 +70,16 @@ def test_the_turn_comes_back_after_half_an_interval(settings):
     assert SweepTurn.objects.get().taken_by == "b"
 
 
+def test_a_turn_dated_ahead_of_the_servers_clock_is_taken(settings):
+    """A clock set back, or a failover to a server behind: the turn would
+    stop every executor's sweep until the clock caught up."""
+    settings.RUNDESK_SWEEP_SECONDS = 3600
+    SweepTurn.objects.create(id=1, started_at="2999-01-01T00:00:00Z", taken_by="ahead")
+    assert sweep.take_turn("a")
+    assert SweepTurn.objects.get().taken_by == "a"
+    assert not sweep.take_turn("b")
+
+
 def sweeps_of(executors: int, seconds: float, monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """When the sweeps of `executors` executors due every INTERVAL started,
     over `seconds` (each executor's serve thread, as Executor.serve runs
@@ -86,6 +96,7 @@ def sweeps_of(executors: int, seconds: float, monkeypatch: pytest.MonkeyPatch) -
 
     def serving(i: int) -> None:
         executor = Executor()
+        time.sleep(i * INTERVAL / executors)  # due at their own times
         while time.monotonic() < end:
             executor._sweep_if_due()
             time.sleep(0.01)

@@ -1,8 +1,8 @@
-"""The installation's last sweep by an executor (runs.models.SweepTurn):
-every executor swept every RUNDESK_SWEEP_SECONDS, so N executors swept N
-times an interval, each asking about every open item again; an executor
-now sweeps only if nobody did for half an interval (runs/sweep.py,
-`take_turn`)."""
+"""The installation's last sweep, an executor's or Celery beat's
+(runs.models.SweepTurn): every executor swept every RUNDESK_SWEEP_SECONDS,
+so N executors swept N times an interval, each asking about every open
+item again; an executor now sweeps only if nobody did for half an
+interval (runs/sweep.py, `take_turn`)."""
 
 from django.db import migrations, models
 from django.db.models import Q

@@ -87,7 +87,7 @@ DECISION_TABLE_RUNS: list[tuple[str, list[dict[str, Any]]]] = [
     ),
     (
         "Row 2: the checkpoint after action 2 is still in flight when the runtime stops "
-        "asking: left unknown for an operator, until the executor's sweep settles it.",
+        "asking: left unknown for an operator, until the sweep settles it.",
         [
             {
                 "point": "drop_connection_at_commit",
